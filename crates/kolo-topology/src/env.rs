@@ -1,0 +1,191 @@
+//! The environment every worker receives, built in one place: Horovod's
+//! names (gloo controller), torchrun's names, and kolo's own.
+
+use std::collections::BTreeMap;
+
+use crate::RankInfo;
+
+/// Name of the variable that carries the job's secret to kolo's own clients
+/// in the workers. It is never forwarded from the caller's environment.
+pub const ENV_SECRET: &str = "KOLO_SECRET";
+
+/// What is the same for every rank of a job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JobEnv {
+    pub rendezvous_addr: String,
+    pub rendezvous_port: u16,
+    /// Interfaces every host can use to reach the next; the first one is
+    /// Gloo's (it takes a single interface).
+    pub ifaces: Vec<String>,
+    /// Gloo's rendezvous timeout (horovodrun passes its start timeout).
+    pub timeout_s: u64,
+    /// torchrun's store address: the host of rank 0 and a port free there.
+    pub master_addr: String,
+    pub master_port: u16,
+    pub elastic: bool,
+    pub job_id: String,
+}
+
+/// Every variable kolo sets for one rank. `node_id` is the rank's node
+/// (`HOROVOD_HOSTNAME`, which also names the rank's `local_` scope);
+/// `cuda_visible_devices` is the node's shared GPU list, if it has GPUs.
+pub fn rank_env(
+    info: &RankInfo,
+    node_id: &str,
+    job: &JobEnv,
+    cuda_visible_devices: Option<&str>,
+) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    let mut set = |k: &str, v: String| {
+        env.insert(k.to_string(), v);
+    };
+    let ranks = [
+        ("RANK", info.rank),
+        ("SIZE", info.size),
+        ("LOCAL_RANK", info.local_rank),
+        ("LOCAL_SIZE", info.local_size),
+        ("CROSS_RANK", info.cross_rank),
+        ("CROSS_SIZE", info.cross_size),
+    ];
+    for (name, value) in ranks {
+        set(&format!("HOROVOD_{name}"), value.to_string());
+        set(&format!("KOLO_{name}"), value.to_string());
+    }
+    set("HOROVOD_HOSTNAME", node_id.to_string());
+    set("HOROVOD_GLOO_RENDEZVOUS_ADDR", job.rendezvous_addr.clone());
+    set(
+        "HOROVOD_GLOO_RENDEZVOUS_PORT",
+        job.rendezvous_port.to_string(),
+    );
+    set("HOROVOD_CONTROLLER", "gloo".into());
+    set("HOROVOD_CPU_OPERATIONS", "gloo".into());
+    set("HOROVOD_GLOO_TIMEOUT_SECONDS", job.timeout_s.to_string());
+    if let Some(first) = job.ifaces.first() {
+        set("HOROVOD_GLOO_IFACE", first.clone());
+        set("NCCL_SOCKET_IFNAME", job.ifaces.join(","));
+        set("KOLO_IFACES", job.ifaces.join(","));
+    }
+    if job.elastic {
+        set("HOROVOD_ELASTIC", "1".into());
+    }
+    set("PYTHONUNBUFFERED", "1".into());
+
+    // torchrun's names
+    set("RANK", info.rank.to_string());
+    set("WORLD_SIZE", info.size.to_string());
+    set("LOCAL_RANK", info.local_rank.to_string());
+    set("LOCAL_WORLD_SIZE", info.local_size.to_string());
+    set("GROUP_RANK", info.node_rank.to_string());
+    set("MASTER_ADDR", job.master_addr.clone());
+    set("MASTER_PORT", job.master_port.to_string());
+
+    set("KOLO_NODE_ID", node_id.to_string());
+    set("KOLO_NODE_RANK", info.node_rank.to_string());
+    set("KOLO_RENDEZVOUS_ADDR", job.rendezvous_addr.clone());
+    set("KOLO_RENDEZVOUS_PORT", job.rendezvous_port.to_string());
+    set("KOLO_TIMEOUT_SECONDS", job.timeout_s.to_string());
+    set("KOLO_JOB_ID", job.job_id.clone());
+    if let Some(devices) = cuda_visible_devices {
+        set("CUDA_VISIBLE_DEVICES", devices.to_string());
+    }
+    env
+}
+
+/// Whether a variable of the caller's environment is passed on to workers
+/// (horovodrun's rule: everything but shell functions, `OLDPWD`, any
+/// `*CUDA_VISIBLE_DEVICES` and the job secret).
+pub fn forwards_caller_var(name: &str) -> bool {
+    !(name.starts_with("BASH_FUNC_")
+        || name == "OLDPWD"
+        || name.ends_with("CUDA_VISIBLE_DEVICES")
+        || name == ENV_SECRET
+        || name == "HOROVOD_SECRET_KEY")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job() -> JobEnv {
+        JobEnv {
+            rendezvous_addr: "10.0.0.1".into(),
+            rendezvous_port: 4000,
+            ifaces: vec!["eth0".into(), "eth1".into()],
+            timeout_s: 30,
+            master_addr: "10.0.0.2".into(),
+            master_port: 29500,
+            elastic: false,
+            job_id: "j".into(),
+        }
+    }
+
+    #[test]
+    fn horovod_and_torch_names() {
+        let info = RankInfo {
+            rank: 3,
+            size: 4,
+            local_rank: 1,
+            local_size: 2,
+            cross_rank: 1,
+            cross_size: 2,
+            node_rank: 1,
+        };
+        let env = rank_env(&info, "b", &job(), Some("0,1"));
+        let get = |k: &str| env.get(k).map(String::as_str);
+        assert_eq!(get("HOROVOD_RANK"), Some("3"));
+        assert_eq!(get("HOROVOD_SIZE"), Some("4"));
+        assert_eq!(get("HOROVOD_LOCAL_RANK"), Some("1"));
+        assert_eq!(get("HOROVOD_LOCAL_SIZE"), Some("2"));
+        assert_eq!(get("HOROVOD_CROSS_RANK"), Some("1"));
+        assert_eq!(get("HOROVOD_CROSS_SIZE"), Some("2"));
+        assert_eq!(get("HOROVOD_HOSTNAME"), Some("b"));
+        assert_eq!(get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), Some("10.0.0.1"));
+        assert_eq!(get("HOROVOD_GLOO_RENDEZVOUS_PORT"), Some("4000"));
+        assert_eq!(get("HOROVOD_CONTROLLER"), Some("gloo"));
+        assert_eq!(get("HOROVOD_CPU_OPERATIONS"), Some("gloo"));
+        assert_eq!(get("HOROVOD_GLOO_IFACE"), Some("eth0"));
+        assert_eq!(get("NCCL_SOCKET_IFNAME"), Some("eth0,eth1"));
+        assert_eq!(get("HOROVOD_GLOO_TIMEOUT_SECONDS"), Some("30"));
+        assert_eq!(get("HOROVOD_ELASTIC"), None);
+        assert_eq!(get("PYTHONUNBUFFERED"), Some("1"));
+        assert_eq!(get("RANK"), Some("3"));
+        assert_eq!(get("WORLD_SIZE"), Some("4"));
+        assert_eq!(get("LOCAL_RANK"), Some("1"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("2"));
+        assert_eq!(get("GROUP_RANK"), Some("1"));
+        assert_eq!(get("MASTER_ADDR"), Some("10.0.0.2"));
+        assert_eq!(get("MASTER_PORT"), Some("29500"));
+        assert_eq!(get("KOLO_RANK"), Some("3"));
+        assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
+        let elastic = rank_env(
+            &info,
+            "b",
+            &JobEnv {
+                elastic: true,
+                ..job()
+            },
+            None,
+        );
+        assert_eq!(
+            elastic.get("HOROVOD_ELASTIC").map(String::as_str),
+            Some("1")
+        );
+        assert!(!elastic.contains_key("CUDA_VISIBLE_DEVICES"));
+    }
+
+    #[test]
+    fn caller_env_filter() {
+        for name in [
+            "BASH_FUNC_x%%",
+            "OLDPWD",
+            "CUDA_VISIBLE_DEVICES",
+            "NV_CUDA_VISIBLE_DEVICES",
+            ENV_SECRET,
+        ] {
+            assert!(!forwards_caller_var(name), "{name}");
+        }
+        for name in ["PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS"] {
+            assert!(forwards_caller_var(name), "{name}");
+        }
+    }
+}

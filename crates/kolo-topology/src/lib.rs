@@ -1,0 +1,56 @@
+//! kolo-topology: the pure part of a job's layout.
+//!
+//! Host lists and host files, Horovod's slot plans and the Coordinator's rank
+//! arithmetic, placement strategies with CPU/GPU requests, GPU sharing within
+//! a node, and the environment every worker receives. No I/O and no clock
+//! here, so all of it is tested exhaustively.
+
+mod env;
+mod hosts;
+mod placement;
+mod ranks;
+
+pub use env::{forwards_caller_var, rank_env, JobEnv, ENV_SECRET};
+pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
+pub use placement::{
+    cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement,
+    WorkerResources,
+};
+pub use ranks::{host_assignments, Coordinator, RankInfo, Slot};
+
+/// Everything a user can get wrong about a job's layout, each naming the
+/// input and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TopologyError {
+    #[error("host list '{input}': {reason}")]
+    BadHost { input: String, reason: String },
+    #[error("host file line {line} '{text}': {reason}")]
+    BadHostfileLine {
+        line: usize,
+        text: String,
+        reason: String,
+    },
+    #[error("host '{0}' is listed twice; list each host once with its total slots")]
+    DuplicateHost(String),
+    #[error("Requested more processes ({requested}) than there are available slots ({available})")]
+    NotEnoughSlots { requested: u64, available: u64 },
+    #[error("the number of processes must be at least 1, got {0}")]
+    NoProcesses(u64),
+    #[error("invalid placement request: {0}")]
+    BadRequest(String),
+    #[error("cannot place {asked}: {available}")]
+    Infeasible { asked: String, available: String },
+    #[error("rank registration: {0}")]
+    Registration(String),
+}
+
+impl TopologyError {
+    /// The reason alone, without the input it is about.
+    pub fn reason(&self) -> String {
+        match self {
+            TopologyError::BadHost { reason, .. } => reason.clone(),
+            TopologyError::BadHostfileLine { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        }
+    }
+}
