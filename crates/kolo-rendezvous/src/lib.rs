@@ -1,1 +1,53 @@
+//! kolo-rendezvous: the job's key-value store, speaking Horovod's HTTP
+//! rendezvous protocol so that Gloo (through Horovod's C++ client) and
+//! kolo's own clients rendezvous on it alike.
+//!
+//! Paths are `/<scope>/<key>`; `PUT` stores, `GET` answers 200 or 404,
+//! `DELETE /<scope>/<rank>` marks a rank finished with a scope. Scopes
+//! sized by the job's plan (`global`, `local_<host>`, `cross_<local_rank>`)
+//! are cleared once all their ranks finished; other scopes lose the key.
 
+mod client;
+mod server;
+
+pub use client::{Client, ClientConfig};
+pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
+
+/// Errors of the rendezvous server and client.
+#[derive(Debug, thiserror::Error)]
+pub enum RendezvousError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("rendezvous server {addr} unreachable: {source}")]
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("rendezvous request {method} {path} failed: {reason}")]
+    Request {
+        method: &'static str,
+        path: String,
+        reason: String,
+    },
+    #[error("rendezvous request {method} {path} answered {status}: {body}")]
+    Status {
+        method: &'static str,
+        path: String,
+        status: u16,
+        body: String,
+    },
+    #[error(
+        "timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}"
+    )]
+    WaitTimeout {
+        addr: String,
+        scope: String,
+        missing: Vec<String>,
+        waited_s: f64,
+    },
+    #[error("invalid rendezvous URL '{0}': expected http://HOST:PORT")]
+    BadUrl(String),
+}

@@ -1,0 +1,385 @@
+//! The HTTP server. One tokio task per connection, HTTP/1.1 keep-alive,
+//! a large listen backlog, bounded bodies and header read time.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_LENGTH};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use kolo_topology::Slot;
+use tokio::net::{TcpSocket, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::RendezvousError;
+
+/// Header in which kolo's own clients present the job's secret.
+pub const SECRET_HEADER: &str = "x-kolo-secret";
+
+/// The scope reserved for elastic rank assignment.
+const RANK_AND_SIZE: &str = "rank_and_size";
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub bind: SocketAddr,
+    /// Largest body a PUT may carry; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// When set, a request that presents a secret must present this one.
+    pub secret: Option<String>,
+    /// Refuse requests that present no secret (kolo-only jobs). Off by
+    /// default, since Horovod's C++ client cannot present one.
+    pub require_secret: bool,
+    pub backlog: u32,
+    /// How long a client may take to send a request's headers.
+    pub header_timeout: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(bind: SocketAddr) -> Self {
+        ServerConfig {
+            bind,
+            max_body_bytes: 8 << 20,
+            secret: None,
+            require_secret: false,
+            backlog: 8192,
+            header_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Store {
+    scopes: HashMap<String, HashMap<String, Bytes>>,
+    /// Size of each scope the plan defines.
+    plan_sizes: HashMap<String, usize>,
+    /// How many ranks finished (DELETE) each plan scope since it was last cleared.
+    finished: HashMap<String, usize>,
+    plan: Vec<Slot>,
+}
+
+impl Store {
+    fn init(&mut self, plan: &[Slot]) {
+        *self = Store::default();
+        for slot in plan {
+            let i = &slot.info;
+            self.plan_sizes.insert("global".into(), i.size as usize);
+            self.plan_sizes
+                .insert(format!("local_{}", slot.host), i.local_size as usize);
+            self.plan_sizes
+                .insert(format!("cross_{}", i.local_rank), i.cross_size as usize);
+        }
+        self.plan = plan.to_vec();
+    }
+
+    fn finish(&mut self, scope: &str, key: &str) {
+        if let Some(&size) = self.plan_sizes.get(scope) {
+            let done = self.finished.entry(scope.to_string()).or_insert(0);
+            *done += 1;
+            if *done >= size {
+                // every rank is done: the scope starts afresh for the next round
+                self.finished.remove(scope);
+                if let Some(keys) = self.scopes.get_mut(scope) {
+                    keys.clear();
+                }
+            }
+        } else if let Some(keys) = self.scopes.get_mut(scope) {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.scopes.remove(scope);
+            }
+        }
+    }
+
+    /// `rank,size,local_rank,local_size,cross_rank,cross_size` of the plan's
+    /// slot `host:local_rank`, or all -1 for a slot the plan does not have.
+    fn rank_and_size(&self, key: &str) -> Option<String> {
+        let (host, local_rank) = key.rsplit_once(':')?;
+        let local_rank: u32 = local_rank.parse().ok()?;
+        let answer = match self
+            .plan
+            .iter()
+            .find(|s| s.host == host && s.info.local_rank == local_rank)
+        {
+            Some(s) => {
+                let i = &s.info;
+                format!(
+                    "{},{},{},{},{},{}",
+                    i.rank, i.size, i.local_rank, i.local_size, i.cross_rank, i.cross_size
+                )
+            }
+            None => "-1,-1,-1,-1,-1,-1".into(),
+        };
+        Some(answer)
+    }
+}
+
+struct Shared {
+    store: Mutex<Store>,
+    config: ServerConfig,
+}
+
+impl Shared {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        // a panic while holding the lock cannot leave the map half-written
+        self.store
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// A running rendezvous server; stopped by [`RendezvousServer::stop`] or on drop.
+pub struct RendezvousServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RendezvousServer {
+    /// Binds and starts serving on the current tokio runtime; scopes are
+    /// sized from `plan` (which may be empty and set later with `init`).
+    pub async fn start(config: ServerConfig, plan: &[Slot]) -> Result<Self, RendezvousError> {
+        let bind_err = |source| RendezvousError::Bind {
+            addr: config.bind,
+            source,
+        };
+        let socket = if config.bind.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        }
+        .map_err(bind_err)?;
+        socket.set_reuseaddr(true).map_err(bind_err)?;
+        socket.bind(config.bind).map_err(bind_err)?;
+        let listener = socket.listen(config.backlog).map_err(bind_err)?;
+        let addr = listener.local_addr().map_err(bind_err)?;
+        let mut store = Store::default();
+        store.init(plan);
+        let shared = Arc::new(Shared {
+            store: Mutex::new(store),
+            config,
+        });
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(accept_loop(listener, shared.clone(), stopped));
+        tracing::debug!(%addr, "rendezvous server listening");
+        Ok(RendezvousServer {
+            addr,
+            shared,
+            stop,
+            task: Some(task),
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Resets the store and sizes the scopes from a new plan (a new round).
+    pub fn init(&self, plan: &[Slot]) {
+        self.shared.store().init(plan);
+    }
+
+    /// Stops accepting, closes every connection and waits for the tasks to end.
+    pub async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for RendezvousServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    shared: Arc<Shared>,
+    mut stopped: watch::Receiver<bool>,
+) {
+    // connection tasks live in the set, so ending this loop ends them all
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stopped.changed() => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    connections.spawn(serve_connection(stream, shared.clone()));
+                }
+                Err(e) => {
+                    // out of descriptors or similar: back off instead of spinning
+                    tracing::warn!("rendezvous accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+        }
+    }
+    connections.shutdown().await;
+}
+
+async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    let _ = stream.set_nodelay(true);
+    let timeout = shared.config.header_timeout;
+    let service = service_fn(move |req| {
+        let shared = shared.clone();
+        async move { Ok::<_, Infallible>(handle(req, &shared).await) }
+    });
+    let _ = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(timeout)
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(stream), service)
+        .await;
+}
+
+fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(body.into()));
+    *response.status_mut() = status;
+    response
+}
+
+fn error(status: StatusCode, message: String) -> Response<Full<Bytes>> {
+    reply(status, message + "\n")
+}
+
+/// Splits `/<scope>/<key>`; anything else is malformed.
+fn split_path(path: &str) -> Option<(&str, &str)> {
+    let rest = path.strip_prefix('/')?;
+    let (scope, key) = rest.split_once('/')?;
+    (!scope.is_empty() && !key.is_empty() && !key.contains('/')).then_some((scope, key))
+}
+
+fn authorized(req: &Request<Incoming>, config: &ServerConfig) -> bool {
+    match (req.headers().get(SECRET_HEADER), &config.secret) {
+        (Some(given), Some(secret)) => constant_time_eq(given.as_bytes(), secret.as_bytes()),
+        (Some(_), None) => true,
+        (None, _) => !config.require_secret,
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
+    let config = &shared.config;
+    if !authorized(&req, config) {
+        tracing::warn!(path = %req.uri(), "rendezvous request refused: wrong or missing secret");
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "wrong or missing job secret".into(),
+        );
+    }
+    // Horovod keys keep any query string, as its server does
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or("", |p| p.as_str())
+        .to_string();
+    let Some((scope, key)) = split_path(&path) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("malformed path '{path}': expected /<scope>/<key>"),
+        );
+    };
+    let (scope, key) = (scope.to_string(), key.to_string());
+    match *req.method() {
+        Method::GET if scope == RANK_AND_SIZE => match shared.store().rank_and_size(&key) {
+            Some(answer) => reply(StatusCode::OK, answer),
+            None => error(
+                StatusCode::BAD_REQUEST,
+                format!("malformed slot '{key}': expected <host>:<local_rank>"),
+            ),
+        },
+        Method::GET => match shared.store().scopes.get(&scope).and_then(|s| s.get(&key)) {
+            Some(value) => reply(StatusCode::OK, value.clone()),
+            None => reply(StatusCode::NOT_FOUND, Bytes::new()),
+        },
+        Method::PUT if scope == RANK_AND_SIZE => error(
+            StatusCode::FORBIDDEN,
+            format!("scope '{RANK_AND_SIZE}' is reserved for elastic rank assignment"),
+        ),
+        Method::PUT => {
+            let length = req
+                .headers()
+                .get(CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let Some(length) = length else {
+                return error(
+                    StatusCode::LENGTH_REQUIRED,
+                    "PUT needs a Content-Length header".into(),
+                );
+            };
+            if length > config.max_body_bytes as u64 {
+                return error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "value of {length} bytes is over the limit of {} bytes",
+                        config.max_body_bytes
+                    ),
+                );
+            }
+            let body = match Limited::new(req.into_body(), config.max_body_bytes)
+                .collect()
+                .await
+            {
+                Ok(body) => body.to_bytes(),
+                Err(e) => {
+                    return error(
+                        StatusCode::BAD_REQUEST,
+                        format!("reading the body failed: {e}"),
+                    )
+                }
+            };
+            shared
+                .store()
+                .scopes
+                .entry(scope)
+                .or_default()
+                .insert(key, body);
+            reply(StatusCode::OK, Bytes::new())
+        }
+        Method::DELETE => {
+            shared.store().finish(&scope, &key);
+            reply(StatusCode::OK, Bytes::new())
+        }
+        _ => {
+            let mut r = error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {} not supported", req.method()),
+            );
+            r.headers_mut()
+                .insert("allow", HeaderValue::from_static("GET, PUT, DELETE"));
+            r
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn path_split() {
+        assert_eq!(split_path("/global/0"), Some(("global", "0")));
+        assert_eq!(split_path("/a/b?x=1"), Some(("a", "b?x=1")));
+        for bad in ["", "/", "/a", "/a/", "//b", "/a/b/c", "/a/b/", "a/b"] {
+            assert_eq!(split_path(bad), None, "{bad}");
+        }
+    }
+}

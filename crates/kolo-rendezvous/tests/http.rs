@@ -1,0 +1,359 @@
+//! The server's HTTP semantics, checked over real sockets: a raw HTTP/1.1
+//! speaker for the wire details, kolo's client for the rest.
+
+use std::time::Duration;
+
+use kolo_rendezvous::{Client, ClientConfig, RendezvousServer, ServerConfig};
+use kolo_topology::{host_assignments, parse_host_list, Slot};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+fn plan(hosts: &str, np: u64) -> Vec<Slot> {
+    host_assignments(&parse_host_list(hosts).unwrap(), np, Some(np)).unwrap()
+}
+
+async fn server(plan: &[Slot]) -> RendezvousServer {
+    RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), plan)
+        .await
+        .unwrap()
+}
+
+/// A raw keep-alive HTTP/1.1 connection.
+struct Raw {
+    reader: BufReader<TcpStream>,
+}
+
+impl Raw {
+    async fn connect(server: &RendezvousServer) -> Raw {
+        Raw {
+            reader: BufReader::new(TcpStream::connect(server.addr()).await.unwrap()),
+        }
+    }
+
+    async fn send(&mut self, head: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        let stream = self.reader.get_mut();
+        stream.write_all(head.as_bytes()).await.unwrap();
+        stream.write_all(body).await.unwrap();
+        self.read_response().await
+    }
+
+    async fn read_response(&mut self) -> (u16, Vec<u8>) {
+        let mut status_line = String::new();
+        self.reader.read_line(&mut status_line).await.unwrap();
+        assert!(
+            status_line.starts_with("HTTP/1.1 "),
+            "status line {status_line:?}"
+        );
+        let status: u16 = status_line[9..12].parse().unwrap();
+        let mut length = None;
+        loop {
+            let mut line = String::new();
+            self.reader.read_line(&mut line).await.unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = Some(value.trim().parse::<usize>().unwrap());
+                }
+            }
+        }
+        let length = length.expect("every answer carries Content-Length");
+        let mut body = vec![0; length];
+        self.reader.read_exact(&mut body).await.unwrap();
+        (status, body)
+    }
+
+    async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        self.send(&head, body).await
+    }
+}
+
+#[tokio::test]
+async fn put_get_overwrite_and_404_on_one_connection() {
+    let server = server(&[]).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("GET", "/s/k", b"").await, (404, vec![]));
+    assert_eq!(
+        c.request("PUT", "/s/k", b"\x00bytes\xff").await,
+        (200, vec![])
+    );
+    assert_eq!(
+        c.request("GET", "/s/k", b"").await,
+        (200, b"\x00bytes\xff".to_vec())
+    );
+    assert_eq!(c.request("PUT", "/s/k", b"new").await, (200, vec![]));
+    assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"new".to_vec()));
+    assert_eq!(c.request("PUT", "/s/empty", b"").await, (200, vec![]));
+    assert_eq!(c.request("GET", "/s/empty", b"").await, (200, vec![]));
+    // scopes are separate
+    assert_eq!(c.request("GET", "/t/k", b"").await.0, 404);
+}
+
+#[tokio::test]
+async fn malformed_paths_get_400_and_the_connection_lives_on() {
+    let server = server(&[]).await;
+    let mut c = Raw::connect(&server).await;
+    for path in ["/", "/onlyscope", "/a/", "//key", "/a/b/c", "/a/b/"] {
+        for method in ["GET", "PUT", "DELETE"] {
+            let (status, body) = c.request(method, path, b"").await;
+            assert_eq!(status, 400, "{method} {path}");
+            let text = String::from_utf8(body).unwrap();
+            assert!(
+                text.contains(path) && text.contains("/<scope>/<key>"),
+                "{text}"
+            );
+        }
+    }
+    assert_eq!(c.request("PUT", "/a/b", b"ok").await.0, 200);
+    assert_eq!(c.request("POST", "/a/b", b"").await.0, 405);
+}
+
+#[tokio::test]
+async fn put_needs_length_and_bounded_body() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
+    config.max_body_bytes = 1024;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut c = Raw::connect(&server).await;
+    let chunked = "PUT /a/b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n";
+    let (status, body) = c.send(chunked, b"3\r\nabc\r\n0\r\n\r\n").await;
+    assert_eq!(status, 411, "{}", String::from_utf8_lossy(&body));
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/a/b", &[7; 1024]).await.0, 200);
+    let mut c = Raw::connect(&server).await;
+    let head = "PUT /a/b HTTP/1.1\r\nHost: x\r\nContent-Length: 1025\r\n\r\n";
+    let (status, body) = c.send(head, b"").await;
+    assert_eq!(status, 413);
+    assert!(String::from_utf8_lossy(&body).contains("1025 bytes"));
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("GET", "/a/b", b"").await, (200, vec![7; 1024]));
+}
+
+#[tokio::test]
+async fn plan_scopes_clear_once_every_rank_finished() {
+    let plan = plan("a:2,b:2", 4);
+    let server = server(&plan).await;
+    let mut c = Raw::connect(&server).await;
+    for round in 0..2 {
+        for r in 0..4 {
+            assert_eq!(
+                c.request("PUT", &format!("/global/{r}"), b"addr").await.0,
+                200
+            );
+        }
+        for r in 0..3 {
+            assert_eq!(
+                c.request("DELETE", &format!("/global/{r}"), b"").await.0,
+                200
+            );
+            // keys stay until the last rank is done
+            assert_eq!(
+                c.request("GET", "/global/3", b"").await.0,
+                200,
+                "round {round}"
+            );
+        }
+        assert_eq!(c.request("DELETE", "/global/3", b"").await.0, 200);
+        for r in 0..4 {
+            assert_eq!(
+                c.request("GET", &format!("/global/{r}"), b"").await.0,
+                404,
+                "round {round}"
+            );
+        }
+    }
+    // local_<host> is sized by the host's local size, cross_<lr> by the cross size
+    for scope in ["local_a", "cross_1"] {
+        c.request("PUT", &format!("/{scope}/x"), b"v").await;
+        c.request("DELETE", &format!("/{scope}/0"), b"").await;
+        assert_eq!(
+            c.request("GET", &format!("/{scope}/x"), b"").await.0,
+            200,
+            "{scope}"
+        );
+        c.request("DELETE", &format!("/{scope}/1"), b"").await;
+        assert_eq!(
+            c.request("GET", &format!("/{scope}/x"), b"").await.0,
+            404,
+            "{scope}"
+        );
+    }
+    // a new plan resets the store
+    c.request("PUT", "/global/0", b"v").await;
+    server.init(&plan_of_one());
+    assert_eq!(c.request("GET", "/global/0", b"").await.0, 404);
+    c.request("PUT", "/global/0", b"v").await;
+    c.request("DELETE", "/global/0", b"").await;
+    assert_eq!(c.request("GET", "/global/0", b"").await.0, 404);
+}
+
+fn plan_of_one() -> Vec<Slot> {
+    plan("solo:1", 1)
+}
+
+#[tokio::test]
+async fn ad_hoc_scopes_delete_the_key() {
+    let server = server(&plan("a:2", 2)).await;
+    let mut c = Raw::connect(&server).await;
+    c.request("PUT", "/procset_1/0", b"x").await;
+    c.request("PUT", "/procset_1/1", b"y").await;
+    assert_eq!(c.request("DELETE", "/procset_1/0", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/procset_1/0", b"").await.0, 404);
+    assert_eq!(
+        c.request("GET", "/procset_1/1", b"").await,
+        (200, b"y".to_vec())
+    );
+    // deleting what is not there is fine
+    assert_eq!(c.request("DELETE", "/nothing/here", b"").await.0, 200);
+}
+
+#[tokio::test]
+async fn rank_and_size_is_answered_from_the_plan() {
+    let server = server(&plan("worker-0:1,worker-1:2", 3)).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(
+        c.request("GET", "/rank_and_size/worker-1:1", b"").await,
+        (200, b"2,3,1,2,0,1".to_vec())
+    );
+    assert_eq!(
+        c.request("GET", "/rank_and_size/worker-0:0", b"").await,
+        (200, b"0,3,0,1,0,2".to_vec())
+    );
+    assert_eq!(
+        c.request("GET", "/rank_and_size/worker-0:1", b"").await,
+        (200, b"-1,-1,-1,-1,-1,-1".to_vec())
+    );
+    assert_eq!(c.request("GET", "/rank_and_size/nohost", b"").await.0, 400);
+    assert_eq!(
+        c.request("PUT", "/rank_and_size/worker-0:0", b"1").await.0,
+        403
+    );
+}
+
+#[tokio::test]
+async fn secret_is_checked_when_presented_or_required() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
+    config.secret = Some("s3cret".into());
+    let server = RendezvousServer::start(config.clone(), &[]).await.unwrap();
+    let mut c = Raw::connect(&server).await;
+    // Horovod's C++ client presents nothing and is served
+    assert_eq!(c.request("PUT", "/a/b", b"v").await.0, 200);
+    let wrong = "GET /a/b HTTP/1.1\r\nHost: x\r\nx-kolo-secret: guess\r\n\r\n";
+    assert_eq!(c.send(wrong, b"").await.0, 401);
+    let right = "GET /a/b HTTP/1.1\r\nHost: x\r\nx-kolo-secret: s3cret\r\n\r\n";
+    assert_eq!(c.send(right, b"").await, (200, b"v".to_vec()));
+
+    config.require_secret = true;
+    let strict = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut c = Raw::connect(&strict).await;
+    assert_eq!(c.request("GET", "/a/b", b"").await.0, 401);
+    let mut client_config = ClientConfig::new(strict.addr().to_string());
+    client_config.secret = Some("s3cret".into());
+    let client = Client::new(client_config.clone());
+    client.put("a", "b", "v").await.unwrap();
+    assert_eq!(
+        client.get("a", "b").await.unwrap().as_deref(),
+        Some(&b"v"[..])
+    );
+    client_config.secret = Some("nope".into());
+    let err = Client::new(client_config)
+        .get("a", "b")
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("401"), "{err}");
+}
+
+#[tokio::test]
+async fn client_waits_for_keys_and_times_out_naming_them() {
+    let server = server(&[]).await;
+    let addr = server.addr().to_string();
+    let client = Client::new(ClientConfig::new(addr.clone()));
+    let writer = Client::new(ClientConfig::new(addr));
+    let waiting = client.wait("global", &["0", "1"], Duration::from_secs(20));
+    let writing = async {
+        writer.put("global", "1", "one").await.unwrap();
+        // the waiter is polling 404s for key 0 by now or soon
+        while client.requests() < 3 {
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        writer.put("global", "0", "zero").await.unwrap();
+    };
+    let (values, ()) = tokio::join!(waiting, writing);
+    assert_eq!(
+        values.unwrap(),
+        vec![bytes::Bytes::from("zero"), bytes::Bytes::from("one")]
+    );
+    let err = client
+        .wait("global", &["0", "7", "8"], Duration::from_millis(50))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("[\"7\", \"8\"]") && err.contains("'global'"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn client_reports_an_unreachable_server_after_its_attempts() {
+    let server = server(&[]).await;
+    let addr = server.addr();
+    server.stop().await;
+    let mut config = ClientConfig::new(addr.to_string());
+    config.retry_delay = Duration::from_millis(10);
+    let client = Client::new(config);
+    let err = client.get("a", "b").await.unwrap_err().to_string();
+    assert!(
+        err.contains("3 attempts failed") && err.contains(&addr.to_string()),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thousands_of_concurrent_keep_alive_connections() {
+    let server = server(&[]).await;
+    let addr = server.addr().to_string();
+    let n = 2000;
+    let clients: Vec<Client> = (0..n)
+        .map(|_| Client::new(ClientConfig::new(addr.clone())))
+        .collect();
+    // every client holds its connection open while all the others work
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
+    let tasks = clients.into_iter().enumerate().map(|(i, client)| {
+        let barrier = barrier.clone();
+        tokio::spawn(async move {
+            client
+                .put("many", &i.to_string(), i.to_string())
+                .await
+                .unwrap();
+            barrier.wait().await;
+            let other = (i + 1) % n;
+            let value = client
+                .get("many", &other.to_string())
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(value, other.to_string());
+            client.requests()
+        })
+    });
+    let counts = futures_join_all(tasks.collect()).await;
+    assert!(
+        counts.iter().all(|&c| c == 2),
+        "one connection, no retries: {counts:?}"
+    );
+}
+
+async fn futures_join_all(handles: Vec<tokio::task::JoinHandle<u64>>) -> Vec<u64> {
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
