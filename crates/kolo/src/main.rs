@@ -1,1 +1,64 @@
-fn main() {}
+//! The `kolo` command: a thin layer of argument parsing over kolo-exec,
+//! kolo-rendezvous and the benchmarks.
+
+mod bench;
+mod cli;
+mod run;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
+    init_logging(cli.verbose());
+    raise_fd_limit();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kolo: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            cli::Command::Run(args) => run::run(args).await,
+            cli::Command::Rendezvous(args) => run::rendezvous(args).await,
+            cli::Command::Bench(args) => bench::bench(args).await,
+        }
+    });
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("kolo: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(verbose: bool) {
+    let level = if verbose {
+        tracing::Level::DEBUG
+    } else {
+        tracing::Level::WARN
+    };
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+}
+
+/// Many ranks and many rendezvous connections need descriptors; take what
+/// the hard limit allows.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+        }
+    }
+}

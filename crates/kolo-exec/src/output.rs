@@ -1,0 +1,228 @@
+//! Workers' output: split into lines (`\n` or `\r` ends one), prefixed
+//! `[rank]<stdout>:` as horovodrun does, written to the terminal and
+//! optionally to `DIR/rank.NN/stdout|stderr`, with the last stderr lines of
+//! every rank kept for the failure report.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use crate::ExecError;
+
+/// Which of a worker's streams a line came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+impl Stream {
+    pub fn name(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+/// Splits a byte stream into lines, each ending with its `\n` or `\r`;
+/// what is left without an end comes out of [`LineSplitter::finish`].
+#[derive(Default)]
+pub struct LineSplitter {
+    pending: Vec<u8>,
+}
+
+impl LineSplitter {
+    /// Feeds bytes and calls `emit` for every complete line.
+    pub fn push(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
+        while let Some(end) = bytes.iter().position(|&b| b == b'\n' || b == b'\r') {
+            let (line, rest) = bytes.split_at(end + 1);
+            if self.pending.is_empty() {
+                emit(line);
+            } else {
+                self.pending.extend_from_slice(line);
+                emit(&self.pending);
+                self.pending.clear();
+            }
+            bytes = rest;
+        }
+        self.pending.extend_from_slice(bytes);
+    }
+
+    /// The last partial line, if any.
+    pub fn finish(&mut self) -> Option<Vec<u8>> {
+        (!self.pending.is_empty()).then(|| std::mem::take(&mut self.pending))
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct OutputOptions {
+    /// Write each rank's raw output to `DIR/rank.NN/stdout|stderr` too.
+    pub output_dir: Option<PathBuf>,
+    pub timestamp: bool,
+    pub disable_prefix: bool,
+}
+
+/// Last stderr lines kept per rank for the failure report.
+const TAIL_LINES: usize = 10;
+
+struct RankFiles {
+    stdout: File,
+    stderr: File,
+}
+
+/// Where every rank's lines go. Whole lines are written under a lock, so
+/// lines of different ranks never interleave.
+pub struct OutputSink {
+    options: OutputOptions,
+    files: Vec<Mutex<Option<RankFiles>>>,
+    tails: Vec<Mutex<VecDeque<String>>>,
+    terminal: Mutex<()>,
+}
+
+impl OutputSink {
+    pub fn new(options: OutputOptions, ranks: usize) -> Result<Self, ExecError> {
+        let mut files = Vec::with_capacity(ranks);
+        let width = (ranks.saturating_sub(1)).to_string().len();
+        for rank in 0..ranks {
+            let opened = match &options.output_dir {
+                Some(dir) => Some(open_rank_files(dir, rank, width)?),
+                None => None,
+            };
+            files.push(Mutex::new(opened));
+        }
+        Ok(OutputSink {
+            options,
+            files,
+            tails: (0..ranks).map(|_| Mutex::new(VecDeque::new())).collect(),
+            terminal: Mutex::new(()),
+        })
+    }
+
+    /// One line of a rank (with its end, or none for a last partial line).
+    pub fn line(&self, rank: usize, stream: Stream, line: &[u8]) {
+        if let Some(files) = self.files[rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            let file = match stream {
+                Stream::Stdout => &mut files.stdout,
+                Stream::Stderr => &mut files.stderr,
+            };
+            // a full disk must not take the job down; the terminal still has it
+            let _ = file.write_all(line);
+        }
+        if stream == Stream::Stderr {
+            let mut tail = self.tails[rank].lock().unwrap_or_else(|p| p.into_inner());
+            if tail.len() == TAIL_LINES {
+                tail.pop_front();
+            }
+            tail.push_back(String::from_utf8_lossy(line).trim_end().to_string());
+        }
+        let mut text = Vec::with_capacity(line.len() + 48);
+        if !self.options.disable_prefix {
+            if self.options.timestamp {
+                // Horovod's format: asctime() right before the rank
+                let now = chrono::Local::now().format("%a %b %e %H:%M:%S %Y");
+                let _ = write!(text, "{now}");
+            }
+            let _ = write!(text, "[{rank}]<{}>:", stream.name());
+        }
+        text.extend_from_slice(line);
+        if !line.ends_with(b"\n") && !line.ends_with(b"\r") {
+            text.push(b'\n');
+        }
+        let _guard = self.terminal.lock().unwrap_or_else(|p| p.into_inner());
+        // a closed terminal (e.g. `kolo run ... | head`) must not stop the job
+        let _ = match stream {
+            Stream::Stdout => write_flush(&mut io::stdout().lock(), &text),
+            Stream::Stderr => write_flush(&mut io::stderr().lock(), &text),
+        };
+    }
+
+    /// The last stderr lines of a rank, oldest first.
+    pub fn stderr_tail(&self, rank: usize) -> Vec<String> {
+        self.tails[rank]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+}
+
+fn write_flush(out: &mut impl Write, text: &[u8]) -> io::Result<()> {
+    out.write_all(text)?;
+    out.flush()
+}
+
+fn open_rank_files(dir: &Path, rank: usize, width: usize) -> Result<RankFiles, ExecError> {
+    let rank_dir = dir.join(format!("rank.{rank:0width$}"));
+    let io_err = |path: &Path, source| ExecError::OutputDir {
+        path: path.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(&rank_dir).map_err(|e| io_err(&rank_dir, e))?;
+    let open = |name: &str| {
+        let path = rank_dir.join(name);
+        File::create(&path).map_err(|e| io_err(&path, e))
+    };
+    Ok(RankFiles {
+        stdout: open("stdout")?,
+        stderr: open("stderr")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn split(chunks: &[&[u8]]) -> Vec<Vec<u8>> {
+        let mut s = LineSplitter::default();
+        let mut out = Vec::new();
+        for c in chunks {
+            s.push(c, |l| out.push(l.to_vec()));
+        }
+        out.extend(s.finish());
+        out
+    }
+
+    #[test]
+    fn lines_end_at_newline_or_carriage_return() {
+        assert_eq!(
+            split(&[b"a\nb\rc"]),
+            [b"a\n".to_vec(), b"b\r".to_vec(), b"c".to_vec()]
+        );
+        assert_eq!(
+            split(&[b"pa", b"rt", b"ial\n", b"\n"]),
+            [b"partial\n".to_vec(), b"\n".to_vec()]
+        );
+        assert_eq!(split(&[b"x\r\n"]), [b"x\r".to_vec(), b"\n".to_vec()]);
+        assert!(split(&[b""]).is_empty());
+    }
+
+    #[test]
+    fn rank_dirs_are_zero_padded_to_the_width_of_the_last_rank() {
+        let dir = std::env::temp_dir().join(format!("kolo-output-test-{}", std::process::id()));
+        let sink = OutputSink::new(
+            OutputOptions {
+                output_dir: Some(dir.clone()),
+                ..Default::default()
+            },
+            11,
+        )
+        .unwrap();
+        sink.line(3, Stream::Stdout, b"three\n");
+        sink.line(10, Stream::Stderr, b"ten");
+        assert_eq!(
+            std::fs::read(dir.join("rank.03/stdout")).unwrap(),
+            b"three\n"
+        );
+        assert_eq!(std::fs::read(dir.join("rank.10/stderr")).unwrap(), b"ten");
+        assert_eq!(sink.stderr_tail(10), ["ten"]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,145 @@
+//! Command-line interface, with the names horovodrun and mpirun users know.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kolo",
+    version,
+    about = "Start and run data-parallel training jobs across machines"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    pub fn verbose(&self) -> bool {
+        match &self.command {
+            Command::Run(a) => a.verbose,
+            Command::Rendezvous(a) => a.verbose,
+            Command::Bench(_) => false,
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run COMMAND as N ranks of a job (like horovodrun / mpirun).
+    Run(RunArgs),
+    /// Serve the rendezvous key-value store on its own until stopped.
+    Rendezvous(RendezvousArgs),
+    /// Measure kolo against its references.
+    Bench(crate::bench::BenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Number of processes (horovodrun's -np); defaults to the slots of the host list.
+    #[arg(short = 'n', long = "np", visible_alias = "num-proc", value_name = "N")]
+    pub np: Option<u64>,
+    /// Hosts and slots: host1:4,host2:4 (a host without :N has one slot).
+    #[arg(
+        short = 'H',
+        long = "hosts",
+        visible_alias = "host",
+        value_name = "HOSTS",
+        conflicts_with = "hostfile"
+    )]
+    pub hosts: Option<String>,
+    /// File with one host a line: 'host slots=N' or 'host:N'.
+    #[arg(
+        long = "hostfile",
+        visible_alias = "hostfile-path",
+        value_name = "FILE"
+    )]
+    pub hostfile: Option<PathBuf>,
+    /// Seconds to wait for every worker to start and rendezvous.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub start_timeout: u64,
+    /// Seconds between SIGTERM and SIGKILL when the job is torn down.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    pub kill_grace: f64,
+    /// Also write each rank's output to DIR/rank.N/stdout and stderr.
+    #[arg(long, value_name = "DIR")]
+    pub output_filename: Option<PathBuf>,
+    /// Start each output line with the time.
+    #[arg(long)]
+    pub prefix_output_with_timestamp: bool,
+    /// Print output lines without the [rank]<stream>: prefix.
+    #[arg(long)]
+    pub disable_prefix: bool,
+    /// Pass a variable to the workers: -x NAME (its value here) or -x NAME=VALUE.
+    #[arg(short = 'x', value_name = "VAR[=VALUE]")]
+    pub export: Vec<String>,
+    /// Set a variable in the workers.
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    pub env: Vec<String>,
+    /// Print the plan, one JSON object per rank, instead of running.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Make the rendezvous server refuse requests without the job secret
+    /// (only for jobs whose workers all use kolo's clients).
+    #[arg(long)]
+    pub require_secret: bool,
+    #[arg(short, long)]
+    pub verbose: bool,
+    /// The command each rank runs.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Args, Debug)]
+pub struct RendezvousArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: std::net::IpAddr,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 0)]
+    pub port: u16,
+    /// Size the scopes from this host list (host1:2,host2:2).
+    #[arg(long, value_name = "HOSTS")]
+    pub plan: Option<String>,
+    /// Ranks in the plan (default: all slots of --plan).
+    #[arg(long = "np", short = 'n', requires = "plan")]
+    pub np: Option<u64>,
+    /// Largest value a PUT may store.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Refuse requests without the secret given in $KOLO_SECRET.
+    #[arg(long)]
+    pub require_secret: bool,
+    #[arg(short, long)]
+    pub verbose: bool,
+}
+
+/// `-np 4` is what horovodrun and mpirun users type; clap knows `--np`.
+/// Only options before the command are touched.
+pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+    let mut out = Vec::new();
+    let mut in_command = false;
+    for arg in args {
+        if arg == "--" {
+            in_command = true;
+        }
+        if !in_command && arg == "-np" {
+            out.push(OsString::from("--np"));
+        } else if let Some(rest) = arg
+            .to_str()
+            .and_then(|s| s.strip_prefix("-np="))
+            .filter(|_| !in_command)
+        {
+            out.push(OsString::from(format!("--np={rest}")));
+        } else {
+            out.push(arg);
+        }
+    }
+    out
+}

@@ -1,0 +1,202 @@
+//! `kolo run` and `kolo rendezvous`.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kolo_exec::{plan_job, run_job, LaunchSpec, OutputOptions};
+use kolo_rendezvous::{RendezvousServer, ServerConfig};
+use kolo_topology::{
+    host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET,
+};
+use nix::sys::signal::Signal;
+
+use crate::cli::{RendezvousArgs, RunArgs};
+
+pub async fn run(args: RunArgs) -> Result<i32> {
+    let spec = launch_spec(&args)?;
+    if args.dry_run {
+        return dry_run(&spec);
+    }
+    let outcome = run_job(spec, stop_signal()).await?;
+    if let Some(f) = &outcome.failure {
+        eprintln!(
+            "kolo: rank {} on host {} {}; it failed first, so the job was stopped",
+            f.rank, f.host, f.cause
+        );
+        if !f.stderr_tail.is_empty() {
+            eprintln!("kolo: last lines of rank {}'s stderr:", f.rank);
+            for line in &f.stderr_tail {
+                eprintln!("kolo:   {line}");
+            }
+        }
+    }
+    if let Some(signal) = outcome.interrupted_by {
+        eprintln!(
+            "kolo: stopped by {}; every rank was terminated",
+            signal.as_str()
+        );
+    }
+    Ok(outcome.exit_code)
+}
+
+fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
+    let hosts = hosts(args)?;
+    let np = match args.np {
+        Some(0) => bail!("-np must be at least 1, got 0"),
+        Some(np) => np,
+        None if args.hosts.is_some() || args.hostfile.is_some() => total_slots(&hosts),
+        None => {
+            bail!("give the number of processes with -np N (and hosts with -H host1:4,host2:4)")
+        }
+    };
+    if args.command.is_empty() {
+        bail!("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py");
+    }
+    if !(args.kill_grace.is_finite() && args.kill_grace >= 0.0) {
+        bail!(
+            "--kill-grace must be a non-negative number of seconds, got {}",
+            args.kill_grace
+        );
+    }
+    if args.start_timeout == 0 {
+        bail!("--start-timeout must be at least 1 second");
+    }
+    Ok(LaunchSpec {
+        command: args.command.clone(),
+        hosts,
+        np,
+        start_timeout: Duration::from_secs(args.start_timeout),
+        grace: Duration::from_secs_f64(args.kill_grace),
+        extra_env: extra_env(&args.export, &args.env)?,
+        output: OutputOptions {
+            output_dir: args.output_filename.clone(),
+            timestamp: args.prefix_output_with_timestamp,
+            disable_prefix: args.disable_prefix,
+        },
+        require_secret: args.require_secret,
+    })
+}
+
+fn hosts(args: &RunArgs) -> Result<Vec<HostSpec>> {
+    Ok(match (&args.hosts, &args.hostfile) {
+        (Some(list), _) => parse_host_list(list)?,
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read host file {}", path.display()))?;
+            parse_hostfile(&text).with_context(|| format!("host file {}", path.display()))?
+        }
+        (None, None) => {
+            let slots = u32::try_from(args.np.unwrap_or(1).max(1)).context("-np is too large")?;
+            vec![HostSpec::new("localhost", slots)]
+        }
+    })
+}
+
+/// `-x NAME` takes the value from here, `-x NAME=VALUE` and `--env` set it.
+fn extra_env(exports: &[String], envs: &[String]) -> Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    for item in exports {
+        match item.split_once('=') {
+            Some((name, value)) => out.push((checked_name(name, "-x")?, value.to_string())),
+            None => {
+                let value = std::env::var(item).with_context(|| {
+                    format!(
+                        "-x {item}: {item} is not set here; use -x {item}=VALUE to give a value"
+                    )
+                })?;
+                out.push((checked_name(item, "-x")?, value));
+            }
+        }
+    }
+    for item in envs {
+        let (name, value) = item
+            .split_once('=')
+            .with_context(|| format!("--env '{item}': expected KEY=VALUE"))?;
+        out.push((checked_name(name, "--env")?, value.to_string()));
+    }
+    Ok(out)
+}
+
+fn checked_name(name: &str, flag: &str) -> Result<String> {
+    let valid = !name.is_empty()
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid {
+        bail!("{flag} '{name}': not a valid variable name (letters, digits and '_', not starting with a digit)");
+    }
+    Ok(name.to_string())
+}
+
+fn dry_run(spec: &LaunchSpec) -> Result<i32> {
+    // ports and the secret are chosen when the job starts
+    let job = JobEnv {
+        rendezvous_addr: "127.0.0.1".into(),
+        rendezvous_port: 0,
+        ifaces: vec!["lo".into()],
+        timeout_s: spec.start_timeout.as_secs(),
+        master_addr: "127.0.0.1".into(),
+        master_port: 0,
+        elastic: false,
+        job_id: "dry-run".into(),
+    };
+    for rank in plan_job(spec, &job)? {
+        let i = &rank.slot.info;
+        let mut env = rank.env.clone();
+        env.insert(ENV_SECRET.into(), "<secret>".into());
+        let line = serde_json::json!({
+            "rank": i.rank,
+            "size": i.size,
+            "local_rank": i.local_rank,
+            "local_size": i.local_size,
+            "cross_rank": i.cross_rank,
+            "cross_size": i.cross_size,
+            "host": rank.slot.host,
+            "node_id": rank.node_id,
+            "env": env,
+        });
+        println!("{line}");
+    }
+    Ok(0)
+}
+
+/// Resolves with the first SIGINT, SIGTERM or SIGHUP kolo receives.
+pub async fn stop_signal() -> Signal {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => Signal::SIGINT,
+        _ = term.recv() => Signal::SIGTERM,
+        _ = hup.recv() => Signal::SIGHUP,
+    }
+}
+
+pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
+    let plan = match &args.plan {
+        Some(list) => {
+            let hosts = parse_host_list(list)?;
+            let np = args.np.unwrap_or_else(|| total_slots(&hosts));
+            host_assignments(&hosts, np, Some(np))?
+        }
+        None => Vec::new(),
+    };
+    let mut config = ServerConfig::new(std::net::SocketAddr::new(args.bind, args.port));
+    config.max_body_bytes = args.max_body_bytes;
+    config.secret = std::env::var(ENV_SECRET).ok().filter(|s| !s.is_empty());
+    if args.require_secret && config.secret.is_none() {
+        bail!("--require-secret needs the secret in ${ENV_SECRET}");
+    }
+    config.require_secret = args.require_secret;
+    let server = RendezvousServer::start(config, &plan).await?;
+    println!("{}", server.addr());
+    let signal = stop_signal().await;
+    tracing::debug!("rendezvous server stopping on {}", signal.as_str());
+    server.stop().await;
+    Ok(0)
+}

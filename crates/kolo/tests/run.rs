@@ -1,0 +1,429 @@
+//! `kolo run` on the local engine, driven through the real binary.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+#[test]
+fn four_ranks_print_prefixed_lines() {
+    let out = run(&[
+        "run",
+        "-np",
+        "4",
+        "--",
+        "sh",
+        "-c",
+        "echo $HOROVOD_RANK $HOROVOD_SIZE $LOCAL_RANK",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            "[0]<stdout>:0 4 0",
+            "[1]<stdout>:1 4 1",
+            "[2]<stdout>:2 4 2",
+            "[3]<stdout>:3 4 3"
+        ]
+    );
+}
+
+fn dry_run(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["run", "--dry-run"];
+    all.extend_from_slice(args);
+    all.extend_from_slice(&["--", "true"]);
+    let out = run(&all);
+    assert!(out.status.success(), "{}", stderr(&out));
+    stdout(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn rows(plan: &[Value]) -> String {
+    let row = |r: &Value| {
+        let env = &r["env"];
+        let n = |k: &str| env[k].as_str().unwrap().to_string();
+        format!(
+            "{},{},{},{},{},{}",
+            n("HOROVOD_RANK"),
+            n("HOROVOD_SIZE"),
+            n("HOROVOD_LOCAL_RANK"),
+            n("HOROVOD_LOCAL_SIZE"),
+            n("HOROVOD_CROSS_RANK"),
+            n("HOROVOD_CROSS_SIZE")
+        )
+    };
+    plan.iter().map(row).collect::<Vec<_>>().join(" | ")
+}
+
+#[test]
+fn dry_run_follows_horovods_host_assignment() {
+    for (hosts, np, expected) in [
+        (
+            "worker-0:2,worker-1:2",
+            "4",
+            "0,4,0,2,0,2 | 1,4,1,2,0,2 | 2,4,0,2,1,2 | 3,4,1,2,1,2",
+        ),
+        ("worker-0:2,worker-1:2", "2", "0,2,0,2,0,1 | 1,2,1,2,0,1"),
+        (
+            "worker-0:1,worker-1:2",
+            "3",
+            "0,3,0,1,0,2 | 1,3,0,2,1,2 | 2,3,1,2,0,1",
+        ),
+        (
+            "a:3,b:1,c:2",
+            "5",
+            "0,5,0,3,0,3 | 1,5,1,3,0,1 | 2,5,2,3,0,1 | 3,5,0,1,1,3 | 4,5,0,1,2,3",
+        ),
+    ] {
+        let plan = dry_run(&["-np", np, "-H", hosts]);
+        assert_eq!(rows(&plan), expected, "{hosts} -np {np}");
+        for (rank, r) in plan.iter().enumerate() {
+            assert_eq!(r["rank"], rank);
+            assert_eq!(r["env"]["RANK"], rank.to_string());
+            assert_eq!(r["env"]["HOROVOD_HOSTNAME"], r["node_id"]);
+            assert_eq!(r["env"]["WORLD_SIZE"], np);
+            assert_eq!(r["env"]["HOROVOD_CONTROLLER"], "gloo");
+            assert!(r["host"].is_string());
+        }
+    }
+    let plan = dry_run(&["-np", "3", "-H", "a:2,b:2"]);
+    let hosts: Vec<&str> = plan.iter().map(|r| r["host"].as_str().unwrap()).collect();
+    assert_eq!(hosts, ["a", "a", "b"]);
+    assert_eq!(plan[2]["env"]["GROUP_RANK"], "1");
+    assert_eq!(plan[2]["env"]["LOCAL_WORLD_SIZE"], "1");
+}
+
+#[test]
+fn dry_run_reads_host_files_and_defaults_np_to_the_slots() {
+    let dir = TempDir::new("hostfile");
+    let file = dir.path().join("hosts");
+    std::fs::write(&file, "# two nodes\nnode-a slots=2\n\nnode-b:1  # small\n").unwrap();
+    let plan = dry_run(&["--hostfile", file.to_str().unwrap()]);
+    assert_eq!(rows(&plan), "0,3,0,2,0,2 | 1,3,1,2,0,1 | 2,3,0,1,1,2");
+    let plan = dry_run(&["-H", "x:2,y"]);
+    assert_eq!(plan.len(), 3);
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let dir = TempDir::new("badinput");
+    let hostfile = dir.path().join("hosts");
+    std::fs::write(&hostfile, "a slots=2\nb slots=zero\n").unwrap();
+    let hf = hostfile.to_str().unwrap();
+    for (args, needle) in [
+        (
+            vec!["run", "-np", "5", "-H", "a:2,b:2", "--", "true"],
+            "Requested more processes (5) than there are available slots (4)",
+        ),
+        (
+            vec!["run", "-np", "2", "-H", "a:x", "--", "true"],
+            "host list 'a:x': slot count must be a positive integer, got 'x'",
+        ),
+        (
+            vec!["run", "-np", "2", "-H", "a:0", "--", "true"],
+            "got '0'",
+        ),
+        (
+            vec!["run", "-np", "2", "-H", ":2", "--", "true"],
+            "host name is empty",
+        ),
+        (
+            vec!["run", "-np", "2", "-H", "a:1,a:1", "--", "true"],
+            "'a' is listed twice",
+        ),
+        (
+            vec!["run", "--hostfile", hf, "--", "true"],
+            "line 2 'b slots=zero'",
+        ),
+        (
+            vec!["run", "--hostfile", "/nonexistent/hosts", "--", "true"],
+            "cannot read host file /nonexistent/hosts",
+        ),
+        (
+            vec!["run", "-np", "0", "--", "true"],
+            "-np must be at least 1",
+        ),
+        (vec!["run", "-np", "2"], "no command given"),
+        (
+            vec!["run", "--", "true"],
+            "give the number of processes with -np",
+        ),
+        (
+            vec![
+                "run",
+                "-np",
+                "1",
+                "-x",
+                "KOLO_TEST_SURELY_UNSET",
+                "--",
+                "true",
+            ],
+            "KOLO_TEST_SURELY_UNSET is not set here",
+        ),
+        (
+            vec!["run", "-np", "1", "--env", "NOEQUALS", "--", "true"],
+            "expected KEY=VALUE",
+        ),
+        (
+            vec!["run", "-np", "1", "--env", "1BAD=x", "--", "true"],
+            "not a valid variable name",
+        ),
+        (
+            vec!["run", "-np", "1", "--kill-grace", "-1", "--", "true"],
+            "kill-grace",
+        ),
+        (vec!["run", "-np", "x", "--", "true"], "invalid value 'x'"),
+    ] {
+        let out = run(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_job_with_its_code_and_stderr() {
+    let dir = TempDir::new("fail");
+    let script = format!(
+        "echo $$ > {d}/$RANK.pid; if [ $RANK = 2 ]; then echo 'bad things' >&2; echo 'worse' >&2; exit 3; fi; exec sleep 1000",
+        d = dir.path().display()
+    );
+    let out = run(&["run", "-np", "4", "--", "sh", "-c", &script]);
+    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("rank 2 on host localhost exited with code 3"),
+        "{err}"
+    );
+    assert!(err.contains("kolo:   bad things\nkolo:   worse"), "{err}");
+    assert!(err.contains("[2]<stderr>:bad things"), "{err}");
+    for pid in pids_in(dir.path()) {
+        assert!(!alive(pid), "rank process {pid} outlived the job");
+    }
+}
+
+#[test]
+fn a_rank_killed_by_a_signal_is_reported_with_128_plus_the_signal() {
+    let out = run(&[
+        "run",
+        "-np",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "[ $RANK = 1 ] && kill -9 $$; exec sleep 1000",
+    ]);
+    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("rank 1 on host localhost was killed by signal 9 (SIGKILL)"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn no_process_is_left_behind_when_ranks_leave_children() {
+    let dir = TempDir::new("orphans");
+    // every rank starts a background grandchild and exits at once
+    let script = format!("sleep 1000 & echo $! > {}/$RANK.pid", dir.path().display());
+    let out = run(&[
+        "run",
+        "-np",
+        "3",
+        "--kill-grace",
+        "0.5",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let pids = pids_in(dir.path());
+    assert_eq!(pids.len(), 3);
+    for pid in pids {
+        assert!(!alive(pid), "grandchild {pid} outlived the job");
+    }
+}
+
+#[test]
+fn ranks_ignoring_sigterm_are_killed_after_the_grace_period() {
+    let dir = TempDir::new("stubborn");
+    let script = format!(
+        "trap '' TERM; echo $$ > {d}/$RANK.pid; [ $RANK = 0 ] && exit 4; while :; do sleep 0.05; done",
+        d = dir.path().display()
+    );
+    let out = run(&[
+        "run",
+        "-np",
+        "3",
+        "--kill-grace",
+        "0.3",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    for pid in pids_in(dir.path()) {
+        assert!(!alive(pid), "{pid} survived SIGKILL");
+    }
+}
+
+#[test]
+fn sigterm_and_sigint_to_kolo_tear_the_job_down() {
+    for (signal, code) in [
+        (nix::sys::signal::Signal::SIGTERM, 143),
+        (nix::sys::signal::Signal::SIGINT, 130),
+    ] {
+        let dir = TempDir::new(&format!("sig{}", signal as i32));
+        let script = format!(
+            "sleep 1000 & echo $$ $! > {}/$RANK.pid; wait",
+            dir.path().display()
+        );
+        let child = kolo()
+            .args(["run", "-np", "3", "--", "sh", "-c", &script])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_for("all ranks to start", Duration::from_secs(20), || {
+            pids_in(dir.path()).len() == 6
+        });
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
+        assert!(
+            stderr(&out).contains(&format!("stopped by {}", signal.as_str())),
+            "{}",
+            stderr(&out)
+        );
+        for pid in pids_in(dir.path()) {
+            assert!(!alive(pid), "{pid} outlived kolo's {signal}");
+        }
+    }
+}
+
+#[test]
+fn a_command_that_cannot_start_is_a_clear_error() {
+    let out = run(&["run", "-np", "2", "--", "/nonexistent/program", "arg"]);
+    assert_eq!(out.status.code(), Some(127));
+    assert!(
+        stderr(&out).contains("could not start '/nonexistent/program': No such file or directory"),
+        "{}",
+        stderr(&out)
+    );
+    let dir = TempDir::new("noexec");
+    let file = dir.path().join("not-executable");
+    std::fs::write(&file, "#!/bin/sh\n").unwrap();
+    let out = run(&["run", "-np", "1", "--", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(126), "{}", stderr(&out));
+}
+
+#[test]
+fn output_options() {
+    let dir = TempDir::new("outfiles");
+    let out_dir = dir.path().join("logs");
+    let out = run(&[
+        "run",
+        "-np",
+        "11",
+        "--output-filename",
+        out_dir.to_str().unwrap(),
+        "--",
+        "sh",
+        "-c",
+        "echo out $RANK; echo err $RANK >&2",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(
+        std::fs::read_to_string(out_dir.join("rank.03/stdout")).unwrap(),
+        "out 3\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(out_dir.join("rank.10/stderr")).unwrap(),
+        "err 10\n"
+    );
+    assert!(stdout(&out).contains("[10]<stdout>:out 10\n"));
+
+    // \r ends a line too, and a last partial line keeps its prefix
+    let out = run(&["run", "-np", "1", "--", "printf", "a\\rb\\nc"]);
+    assert_eq!(
+        stdout(&out),
+        "[0]<stdout>:a\r[0]<stdout>:b\n[0]<stdout>:c\n"
+    );
+
+    let out = run(&["run", "-np", "1", "--disable-prefix", "--", "echo", "plain"]);
+    assert_eq!(stdout(&out), "plain\n");
+
+    let out = run(&[
+        "run",
+        "-np",
+        "1",
+        "--prefix-output-with-timestamp",
+        "--",
+        "echo",
+        "t",
+    ]);
+    let line = stdout(&out);
+    // asctime, e.g. "Wed Dec  2 14:01:33 2026[0]<stdout>:t"
+    let (time, rest) = line.split_at(24);
+    assert_eq!(rest, "[0]<stdout>:t\n", "{line}");
+    assert_eq!(time.split_whitespace().count(), 5, "{line}");
+}
+
+#[test]
+fn environment_forwarding_and_overrides() {
+    let out = kolo()
+        .args([
+            "run", "-np", "2", "-x", "FROM_HERE", "-x", "SET_BY_X=xv", "--env", "SET_BY_ENV=ev", "--",
+            "sh", "-c",
+            "echo \"$KEEP|${CUDA_VISIBLE_DEVICES-unset}|${OLDPWD-unset}|$FROM_HERE|$SET_BY_X|$SET_BY_ENV|$PYTHONUNBUFFERED|${KOLO_SECRET:+secret}\"",
+        ])
+        .env("KEEP", "kept")
+        .env("FROM_HERE", "fh")
+        .env("CUDA_VISIBLE_DEVICES", "7")
+        .env("OLDPWD", "/old")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    for line in stdout(&out).lines() {
+        assert!(
+            line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret"),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn simulated_nodes_get_their_own_node_ids_and_ranks() {
+    let out = run(&[
+        "run",
+        "-np",
+        "4",
+        "-H",
+        "node-a:2,node-b:2",
+        "--",
+        "sh",
+        "-c",
+        "echo $HOROVOD_HOSTNAME $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $GROUP_RANK",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            "[0]<stdout>:node-a 0 0 0",
+            "[1]<stdout>:node-a 1 0 0",
+            "[2]<stdout>:node-b 0 1 1",
+            "[3]<stdout>:node-b 1 1 1",
+        ]
+    );
+}
