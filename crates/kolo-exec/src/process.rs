@@ -15,14 +15,6 @@ pub fn group_alive(pgid: u32) -> bool {
     killpg(Pid::from_raw(pgid as i32), None).is_ok()
 }
 
-/// Shell convention for an exit status: the code, or 128 + the signal.
-pub fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
-
 /// How a process ended, in words.
 pub fn describe(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;

@@ -10,6 +10,8 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // started by an engine as a worker agent: serve the driver, never return
+    kolo_exec::serve_if_worker(bench::worker_registry());
     let cli = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
     init_logging(cli.verbose());
     raise_fd_limit();

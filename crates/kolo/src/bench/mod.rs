@@ -21,6 +21,11 @@ pub enum BenchCommand {
     Rendezvous(rendezvous::RendezvousBenchArgs),
 }
 
+/// What `kolo` workers can run for the benchmarks.
+pub fn worker_registry() -> kolo_exec::Registry {
+    kolo_exec::Registry::new()
+}
+
 pub async fn bench(args: BenchArgs) -> Result<i32> {
     match args.what {
         BenchCommand::Launch(a) => launch::run(a).await,

@@ -1,0 +1,247 @@
+//! The control protocol between the driver and its worker agents.
+//!
+//! Frames are a 4-byte big-endian length and a postcard-encoded message.
+//! A connection opens with a handshake that proves both sides know the
+//! job's secret: the driver sends a nonce, the worker answers with
+//! HMAC-SHA256(secret, "worker" | driver nonce | worker nonce) and its own
+//! nonce, and the driver proves itself with HMAC(secret, "driver" | ...).
+//! The version travels in the first frame of each side, so a mismatch is
+//! named before anything else is decoded.
+
+use std::io::{self, Read, Write};
+
+use hmac::{Hmac, Mac};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use sha2::Sha256;
+
+/// Bumped whenever a message changes shape.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// Frames larger than this are refused (a task's arguments or result).
+pub const MAX_FRAME: usize = 256 << 20;
+/// Sent first on every connection so that a stray client is recognised.
+pub const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
+
+pub type Nonce = [u8; 32];
+pub type Tag = [u8; 32];
+
+/// Driver → worker, first frame.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Challenge {
+    pub magic: u32,
+    pub version: u32,
+    pub nonce: Nonce,
+}
+
+/// Worker → driver, first frame.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Hello {
+    pub magic: u32,
+    pub version: u32,
+    pub index: u32,
+    pub nonce: Nonce,
+    pub tag: Tag,
+    pub hostname: String,
+    pub node_id: String,
+    pub gpus: Vec<u32>,
+    pub pid: u32,
+}
+
+/// Driver → worker, answers a good Hello.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct Welcome {
+    pub tag: Tag,
+    pub heartbeat_interval_ms: u64,
+    pub heartbeat_timeout_ms: u64,
+    /// Between SIGTERM and SIGKILL when the worker stops its command.
+    pub kill_grace_ms: u64,
+}
+
+/// What a call runs on the worker.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallKind {
+    /// A task on the worker's executable.
+    Task,
+    /// A plain function.
+    Function,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub enum ToWorker {
+    Heartbeat,
+    /// Overlaid on the worker's environment (and the command's).
+    SetEnv(Vec<(String, String)>),
+    /// Run an OS command as the executable (what `kolo run` does).
+    StartCommand {
+        argv: Vec<Vec<u8>>,
+    },
+    /// Send a signal to the command's process group.
+    SignalCommand {
+        signal: i32,
+    },
+    /// Create the Rust executable registered under `name`.
+    Create {
+        name: String,
+        args: Vec<u8>,
+    },
+    Call {
+        id: u64,
+        kind: CallKind,
+        name: String,
+        args: Vec<u8>,
+    },
+    /// Skip this call if it has not started; drop its result otherwise.
+    Cancel {
+        id: u64,
+    },
+    /// Stop the executable and exit.
+    Stop,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub enum ToDriver {
+    Heartbeat,
+    Output {
+        stderr: bool,
+        data: Vec<u8>,
+    },
+    CommandStarted {
+        pid: u32,
+    },
+    CommandStartFailed {
+        message: String,
+        code: i32,
+    },
+    /// The command ended: its exit code, or the signal that killed it.
+    CommandExited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    Created {
+        result: Result<(), String>,
+    },
+    Done {
+        id: u64,
+        result: Result<Vec<u8>, String>,
+    },
+}
+
+pub fn worker_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {
+    tag(secret, b"worker", driver_nonce, worker_nonce)
+}
+
+pub fn driver_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {
+    tag(secret, b"driver", driver_nonce, worker_nonce)
+}
+
+fn tag(secret: &[u8], role: &[u8], a: &Nonce, b: &Nonce) -> Tag {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(role);
+    mac.update(a);
+    mac.update(b);
+    mac.finalize().into_bytes().into()
+}
+
+/// Constant-time comparison of two tags.
+pub fn tags_match(a: &Tag, b: &Tag) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub fn random_nonce() -> Nonce {
+    use rand::RngCore;
+    let mut n = [0u8; 32];
+    rand::rng().fill_bytes(&mut n);
+    n
+}
+
+pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
+    let body = postcard::to_stdvec(message).map_err(io::Error::other)?;
+    if body.len() > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "message of {} bytes is over the {MAX_FRAME}-byte frame limit",
+                body.len()
+            ),
+        ));
+    }
+    let mut frame = Vec::with_capacity(body.len() + 4);
+    frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&body);
+    Ok(frame)
+}
+
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+    postcard::from_bytes(body)
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
+}
+
+fn check_length(len: usize) -> io::Result<usize> {
+    if len > MAX_FRAME {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes is over the limit"),
+        ));
+    }
+    Ok(len)
+}
+
+/// Blocking frame I/O, for the worker agent.
+pub fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len)?;
+    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize)?];
+    r.read_exact(&mut body)?;
+    Ok(body)
+}
+
+pub fn write_message<T: Serialize>(w: &mut impl Write, message: &T) -> io::Result<()> {
+    w.write_all(&encode(message)?)?;
+    w.flush()
+}
+
+/// Async frame reading, for the driver.
+pub async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> io::Result<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize)?];
+    r.read_exact(&mut body).await?;
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_are_bounded() {
+        let msg = ToWorker::Call {
+            id: 7,
+            kind: CallKind::Task,
+            name: "t".into(),
+            args: vec![1, 2, 3],
+        };
+        let frame = encode(&msg).unwrap();
+        let body = read_frame(&mut &frame[..]).unwrap();
+        match decode::<ToWorker>(&body).unwrap() {
+            ToWorker::Call { id, args, .. } => assert_eq!((id, args), (7, vec![1, 2, 3])),
+            other => panic!("{other:?}"),
+        }
+        let huge = ((MAX_FRAME + 1) as u32).to_be_bytes();
+        assert!(read_frame(&mut &huge[..])
+            .unwrap_err()
+            .to_string()
+            .contains("over the limit"));
+        assert!(decode::<ToWorker>(&[250, 1]).is_err());
+    }
+
+    #[test]
+    fn tags_depend_on_secret_role_and_nonces() {
+        let (a, b) = ([1u8; 32], [2u8; 32]);
+        let t = worker_tag(b"s", &a, &b);
+        assert!(tags_match(&t, &worker_tag(b"s", &a, &b)));
+        assert!(!tags_match(&t, &worker_tag(b"x", &a, &b)));
+        assert!(!tags_match(&t, &driver_tag(b"s", &a, &b)));
+        assert!(!tags_match(&t, &worker_tag(b"s", &b, &a)));
+    }
+}

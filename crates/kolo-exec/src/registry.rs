@@ -1,0 +1,205 @@
+//! User executables, tasks and functions: plain Rust types with serde
+//! arguments and results, registered once in the program so that the same
+//! binary can serve as a worker. Types are looked up by their type name,
+//! which is the same in the driver and the workers because they are one
+//! binary.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use serde::{de::DeserializeOwned, Serialize};
+
+/// Errors a user's code returns; only the message travels to the driver.
+pub type UserError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a worker knows about its place in the job, for tasks to read.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerContext {
+    env: BTreeMap<String, String>,
+}
+
+impl WorkerContext {
+    pub(crate) fn new(env: BTreeMap<String, String>) -> Self {
+        WorkerContext { env }
+    }
+
+    /// A variable kolo set for this worker (`HOROVOD_RANK`, `MASTER_ADDR`, ...).
+    pub fn env(&self, name: &str) -> Option<&str> {
+        self.env.get(name).map(String::as_str)
+    }
+
+    fn number(&self, name: &str) -> u32 {
+        self.env(name).and_then(|v| v.parse().ok()).unwrap_or(0)
+    }
+
+    pub fn rank(&self) -> u32 {
+        self.number("KOLO_RANK")
+    }
+    pub fn size(&self) -> u32 {
+        self.number("KOLO_SIZE")
+    }
+    pub fn local_rank(&self) -> u32 {
+        self.number("KOLO_LOCAL_RANK")
+    }
+    pub fn local_size(&self) -> u32 {
+        self.number("KOLO_LOCAL_SIZE")
+    }
+    pub fn cross_rank(&self) -> u32 {
+        self.number("KOLO_CROSS_RANK")
+    }
+    pub fn cross_size(&self) -> u32 {
+        self.number("KOLO_CROSS_SIZE")
+    }
+}
+
+/// State that lives in every worker between calls (RayExecutor's
+/// `executable_cls`), created from serde arguments.
+pub trait Executable: Sized + Send + 'static {
+    type Args: Serialize + DeserializeOwned + Send;
+    fn create(args: Self::Args, ctx: &WorkerContext) -> Result<Self, UserError>;
+}
+
+/// A call on every worker's executable (`execute(fn)`); the value is the
+/// task's arguments.
+pub trait Task<E: Executable>: Serialize + DeserializeOwned + Send + 'static {
+    type Output: Serialize + DeserializeOwned + Send + 'static;
+    fn run(self, executable: &mut E, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
+}
+
+/// A plain function run on every worker (`run(fn, args)`); the value is
+/// the function's arguments.
+pub trait Function: Serialize + DeserializeOwned + Send + 'static {
+    type Output: Serialize + DeserializeOwned + Send + 'static;
+    fn call(self, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
+}
+
+type Creator =
+    Box<dyn Fn(&[u8], &WorkerContext) -> Result<Box<dyn Any + Send>, String> + Send + Sync>;
+type TaskRunner = Box<
+    dyn Fn(&[u8], &mut (dyn Any + Send), &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync,
+>;
+type FunctionRunner = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync>;
+
+/// The executables, tasks and functions a worker can run. Build it in
+/// `main` and hand it to [`crate::serve_if_worker`] before anything else.
+#[derive(Default)]
+pub struct Registry {
+    executables: HashMap<&'static str, Creator>,
+    tasks: HashMap<&'static str, TaskRunner>,
+    functions: HashMap<&'static str, FunctionRunner>,
+}
+
+pub(crate) fn name_of<T: ?Sized>() -> &'static str {
+    std::any::type_name::<T>()
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn executable<E: Executable>(mut self) -> Self {
+        self.executables.insert(
+            name_of::<E>(),
+            Box::new(|args, ctx| {
+                let args: E::Args = decode_args(args)?;
+                let made = guarded(|| E::create(args, ctx))?;
+                Ok(Box::new(made) as Box<dyn Any + Send>)
+            }),
+        );
+        self
+    }
+
+    pub fn task<E: Executable, T: Task<E>>(mut self) -> Self {
+        self.tasks.insert(
+            name_of::<T>(),
+            Box::new(|args, executable, ctx| {
+                let task: T = decode_args(args)?;
+                let executable = executable.downcast_mut::<E>().ok_or_else(|| {
+                    format!(
+                        "task {} runs on {}, but the worker holds another executable",
+                        name_of::<T>(),
+                        name_of::<E>()
+                    )
+                })?;
+                let output = guarded(|| task.run(executable, ctx))?;
+                postcard::to_stdvec(&output).map_err(|e| format!("cannot encode the result: {e}"))
+            }),
+        );
+        self
+    }
+
+    pub fn function<F: Function>(mut self) -> Self {
+        self.functions.insert(
+            name_of::<F>(),
+            Box::new(|args, ctx| {
+                let function: F = decode_args(args)?;
+                let output = guarded(|| function.call(ctx))?;
+                postcard::to_stdvec(&output).map_err(|e| format!("cannot encode the result: {e}"))
+            }),
+        );
+        self
+    }
+
+    pub(crate) fn create(
+        &self,
+        name: &str,
+        args: &[u8],
+        ctx: &WorkerContext,
+    ) -> Result<Box<dyn Any + Send>, String> {
+        let creator = self.executables.get(name).ok_or_else(|| {
+            format!("executable {name} is not registered in this worker; add .executable::<{name}>() to its Registry")
+        })?;
+        creator(args, ctx)
+    }
+
+    pub(crate) fn run_task(
+        &self,
+        name: &str,
+        args: &[u8],
+        executable: Option<&mut (dyn Any + Send)>,
+        ctx: &WorkerContext,
+    ) -> Result<Vec<u8>, String> {
+        let runner = self
+            .tasks
+            .get(name)
+            .ok_or_else(|| format!("task {name} is not registered in this worker; add .task::<_, {name}>() to its Registry"))?;
+        let executable =
+            executable.ok_or("no executable was started in this worker; call start first")?;
+        runner(args, executable, ctx)
+    }
+
+    pub(crate) fn run_function(
+        &self,
+        name: &str,
+        args: &[u8],
+        ctx: &WorkerContext,
+    ) -> Result<Vec<u8>, String> {
+        let runner = self.functions.get(name).ok_or_else(|| {
+            format!("function {name} is not registered in this worker; add .function::<{name}>() to its Registry")
+        })?;
+        runner(args, ctx)
+    }
+}
+
+fn decode_args<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    postcard::from_bytes(bytes)
+        .map_err(|e| format!("cannot decode the arguments of {}: {e}", name_of::<T>()))
+}
+
+/// Runs user code, turning its error or panic into a message.
+fn guarded<T>(f: impl FnOnce() -> Result<T, UserError>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".into());
+            Err(format!("panicked: {message}"))
+        }
+    }
+}

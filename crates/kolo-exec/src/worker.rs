@@ -1,0 +1,551 @@
+//! The worker agent: the user's binary (or `kolo`) started by an engine in
+//! worker mode. It dials the driver, proves it knows the job's secret,
+//! reports where it runs, then takes commands: environment, an OS command
+//! or a Rust executable, calls, stop. If the driver goes away, the worker
+//! stops what it started and exits.
+
+use std::any::Any;
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::process::{group_alive, signal_group};
+
+use crate::proto::{
+    self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
+};
+use crate::registry::{Registry, WorkerContext};
+
+/// Variables an engine sets to start a process in worker mode.
+pub mod env {
+    /// `host:port` of the driver's control socket.
+    pub const DRIVER: &str = "KOLO_WORKER_DRIVER";
+    /// The worker's index in creation order (its world rank).
+    pub const INDEX: &str = "KOLO_WORKER_INDEX";
+    /// Host name to report (engines that simulate hosts); default: gethostname.
+    pub const HOSTNAME: &str = "KOLO_WORKER_HOSTNAME";
+    /// Node id to report; default: the host name.
+    pub const NODE_ID: &str = "KOLO_WORKER_NODE_ID";
+    /// GPU ids the engine gave this worker, comma-separated.
+    pub const GPUS: &str = "KOLO_WORKER_GPUS";
+    pub use kolo_topology::ENV_SECRET as SECRET;
+}
+
+/// Serves as a worker and exits if this process was started as one;
+/// returns at once otherwise. Call it first thing in `main`.
+pub fn serve_if_worker(registry: Registry) {
+    let Ok(driver) = std::env::var(env::DRIVER) else {
+        return;
+    };
+    let code = match run_agent(Arc::new(registry), &driver) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kolo worker: {e}");
+            1
+        }
+    };
+    std::process::exit(code);
+}
+
+struct Agent {
+    index: u32,
+    writer: Mutex<TcpStream>,
+    /// Process group of the OS command, once started.
+    command_group: Mutex<Option<u32>>,
+    started: Instant,
+    last_heard_ms: AtomicU64,
+    kill_grace: Duration,
+    diagnostics: Mutex<File>,
+    exiting: Mutex<()>,
+    own_output: Mutex<Option<OwnOutput>>,
+}
+
+/// The agent's own stdout/stderr, redirected into pipes that are forwarded.
+struct OwnOutput {
+    pumps: mpsc::Receiver<()>,
+}
+
+impl Agent {
+    fn send(&self, message: &ToDriver) -> io::Result<()> {
+        let frame = proto::encode(message)?;
+        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        writer.write_all(&frame)
+    }
+
+    fn say(&self, text: &str) {
+        let mut d = self.diagnostics.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = writeln!(d, "kolo worker {}: {text}", self.index);
+    }
+
+    fn heard(&self) {
+        self.last_heard_ms
+            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Stops the command's process group (SIGTERM, then SIGKILL after
+    /// `grace`), forwards the last output and exits.
+    fn exit(&self, code: i32, grace: Duration) -> ! {
+        let _once = self.exiting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(group) = *self.command_group.lock().unwrap_or_else(|p| p.into_inner()) {
+            stop_group(group, grace);
+        }
+        let _ = io::stdout().flush();
+        let _ = io::stderr().flush();
+        if let Some(own) = self
+            .own_output
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            // closing our ends lets the pumps see EOF and forward the rest
+            if let Ok(null) = File::open("/dev/null") {
+                let _ = nix::unistd::dup2_stdout(null.as_fd());
+                let _ = nix::unistd::dup2_stderr(null.as_fd());
+            }
+            for _ in 0..2 {
+                let _ = own.pumps.recv_timeout(Duration::from_millis(500));
+            }
+        }
+        std::process::exit(code)
+    }
+}
+
+/// SIGTERM to the group, SIGKILL to what is left of it after `grace`.
+fn stop_group(group: u32, grace: Duration) {
+    if !signal_group(group, Signal::SIGTERM) {
+        return;
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && group_alive(group) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal_group(group, Signal::SIGKILL);
+}
+
+fn connect(driver: &str) -> io::Result<TcpStream> {
+    let mut last = None;
+    for _ in 0..50 {
+        match TcpStream::connect(driver) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
+    let index: u32 = std::env::var(env::INDEX)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{} is missing or not a number", env::INDEX))?;
+    let secret = std::env::var(env::SECRET).map_err(|_| format!("{} is not set", env::SECRET))?;
+    // SIGTERM/SIGINT/SIGHUP stop the command cleanly; handlers (unlike a
+    // blocked mask) do not pass on to the command
+    let mut signals = signal_hook::iterator::Signals::new([
+        libc_signal(Signal::SIGTERM),
+        libc_signal(Signal::SIGINT),
+        libc_signal(Signal::SIGHUP),
+    ])
+    .map_err(|e| format!("cannot handle signals: {e}"))?;
+
+    let mut stream =
+        connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(|e| e.to_string())?;
+    let welcome = handshake(&mut stream, index, secret.as_bytes())
+        .map_err(|e| format!("driver {driver}: {e}"))?;
+    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+
+    let original_stderr = io::stderr()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| e.to_string())?;
+    let agent = Arc::new(Agent {
+        index,
+        writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
+        command_group: Mutex::new(None),
+        started: Instant::now(),
+        last_heard_ms: AtomicU64::new(0),
+        kill_grace: Duration::from_millis(welcome.kill_grace_ms),
+        diagnostics: Mutex::new(File::from(original_stderr)),
+        exiting: Mutex::new(()),
+        own_output: Mutex::new(None),
+    });
+    redirect_own_output(&agent).map_err(|e| format!("cannot redirect output: {e}"))?;
+
+    {
+        let agent = agent.clone();
+        std::thread::spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                agent.exit(128 + signal, agent.kill_grace);
+            }
+        });
+    }
+    let interval = Duration::from_millis(welcome.heartbeat_interval_ms.max(1));
+    let timeout = Duration::from_millis(welcome.heartbeat_timeout_ms.max(1));
+    let busy = Arc::new(AtomicU64::new(0));
+    {
+        let (agent, busy) = (agent.clone(), busy.clone());
+        std::thread::spawn(move || heartbeat(&agent, interval, timeout, &busy));
+    }
+    let (jobs, job_rx) = mpsc::channel::<Job>();
+    let cancelled = Arc::new(Mutex::new(HashSet::new()));
+    {
+        let (agent, cancelled) = (agent.clone(), cancelled.clone());
+        let registry = registry.clone();
+        std::thread::spawn(move || run_jobs(&agent, &registry, job_rx, &cancelled, &busy));
+    }
+    read_loop(&agent, stream, &jobs, &cancelled)
+}
+
+fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcome, String> {
+    let challenge: Challenge =
+        proto::decode(&proto::read_frame(stream).map_err(|e| e.to_string())?)
+            .map_err(|e| format!("not a kolo driver ({e})"))?;
+    if challenge.magic != MAGIC {
+        return Err("not a kolo driver".into());
+    }
+    let nonce = proto::random_nonce();
+    let hostname = std::env::var(env::HOSTNAME)
+        .ok()
+        .unwrap_or_else(real_hostname);
+    let node_id = std::env::var(env::NODE_ID).unwrap_or_else(|_| hostname.clone());
+    let gpus = std::env::var(env::GPUS)
+        .unwrap_or_default()
+        .split(',')
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("{}: '{s}' is not a GPU id", env::GPUS))
+        })
+        .collect::<Result<Vec<u32>, String>>()?;
+    let hello = Hello {
+        magic: MAGIC,
+        version: PROTOCOL_VERSION,
+        index,
+        nonce,
+        tag: proto::worker_tag(secret, &challenge.nonce, &nonce),
+        hostname,
+        node_id,
+        gpus,
+        pid: std::process::id(),
+    };
+    proto::write_message(stream, &hello).map_err(|e| e.to_string())?;
+    if challenge.version != PROTOCOL_VERSION {
+        return Err(format!(
+            "the driver speaks protocol version {}, this worker {PROTOCOL_VERSION}; use the same kolo version everywhere",
+            challenge.version
+        ));
+    }
+    let frame =
+        proto::read_frame(stream).map_err(|e| format!("the driver refused this worker ({e})"))?;
+    let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
+    if !proto::tags_match(
+        &welcome.tag,
+        &proto::driver_tag(secret, &challenge.nonce, &nonce),
+    ) {
+        return Err("the driver could not prove it knows the job secret".into());
+    }
+    Ok(welcome)
+}
+
+fn real_hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Points fds 1 and 2 at pipes whose contents go to the driver as output.
+fn redirect_own_output(agent: &Arc<Agent>) -> io::Result<()> {
+    let (done_tx, done_rx) = mpsc::channel();
+    for stderr in [false, true] {
+        let (read, write) = nix::unistd::pipe().map_err(io::Error::from)?;
+        if stderr {
+            nix::unistd::dup2_stderr(write.as_fd()).map_err(io::Error::from)?;
+        } else {
+            nix::unistd::dup2_stdout(write.as_fd()).map_err(io::Error::from)?;
+        }
+        drop(write);
+        let (agent, done) = (agent.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            pump(&agent, File::from(read), stderr);
+            let _ = done.send(());
+        });
+    }
+    *agent.own_output.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some(OwnOutput { pumps: done_rx });
+    Ok(())
+}
+
+fn pump(agent: &Agent, mut from: impl Read, stderr: bool) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if agent
+                    .send(&ToDriver::Output {
+                        stderr,
+                        data: buf[..n].to_vec(),
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &AtomicU64) {
+    loop {
+        std::thread::sleep(interval);
+        if let Err(e) = agent.send(&ToDriver::Heartbeat) {
+            agent.say(&format!("lost the driver ({e}); stopping"));
+            agent.exit(1, Duration::ZERO);
+        }
+        let silent = agent
+            .started
+            .elapsed()
+            .saturating_sub(Duration::from_millis(
+                agent.last_heard_ms.load(Ordering::Relaxed),
+            ));
+        if silent > timeout && busy.load(Ordering::Relaxed) == 0 {
+            agent.say(&format!(
+                "no word from the driver for {:.1} s; stopping",
+                silent.as_secs_f64()
+            ));
+            agent.exit(1, Duration::ZERO);
+        }
+    }
+}
+
+enum Job {
+    SetEnv(Vec<(String, String)>),
+    Create {
+        name: String,
+        args: Vec<u8>,
+    },
+    Call {
+        id: u64,
+        kind: CallKind,
+        name: String,
+        args: Vec<u8>,
+    },
+}
+
+fn run_jobs(
+    agent: &Agent,
+    registry: &Registry,
+    jobs: mpsc::Receiver<Job>,
+    cancelled: &Mutex<HashSet<u64>>,
+    busy: &AtomicU64,
+) {
+    let mut env = BTreeMap::new();
+    let mut ctx = WorkerContext::default();
+    let mut executable: Option<Box<dyn Any + Send>> = None;
+    for job in jobs {
+        let reply = match job {
+            Job::SetEnv(vars) => {
+                env.extend(vars);
+                ctx = WorkerContext::new(env.clone());
+                continue;
+            }
+            Job::Create { name, args } => {
+                busy.fetch_add(1, Ordering::Relaxed);
+                let result = registry.create(&name, &args, &ctx).map(|made| {
+                    executable = Some(made);
+                });
+                busy.fetch_sub(1, Ordering::Relaxed);
+                ToDriver::Created { result }
+            }
+            Job::Call {
+                id,
+                kind,
+                name,
+                args,
+            } => {
+                if cancelled
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id)
+                {
+                    continue;
+                }
+                busy.fetch_add(1, Ordering::Relaxed);
+                let result = match kind {
+                    CallKind::Task => {
+                        registry.run_task(&name, &args, executable.as_deref_mut(), &ctx)
+                    }
+                    CallKind::Function => registry.run_function(&name, &args, &ctx),
+                };
+                busy.fetch_sub(1, Ordering::Relaxed);
+                ToDriver::Done { id, result }
+            }
+        };
+        let _ = io::stdout().flush();
+        if agent.send(&reply).is_err() {
+            return;
+        }
+    }
+}
+
+fn read_loop(
+    agent: &Arc<Agent>,
+    mut stream: TcpStream,
+    jobs: &mpsc::Sender<Job>,
+    cancelled: &Mutex<HashSet<u64>>,
+) -> Result<i32, String> {
+    let mut env: Vec<(String, String)> = Vec::new();
+    loop {
+        let frame = match proto::read_frame(&mut stream) {
+            Ok(frame) => frame,
+            Err(e) => {
+                agent.say(&format!("lost the driver ({e}); stopping"));
+                agent.exit(1, Duration::ZERO);
+            }
+        };
+        agent.heard();
+        let message: ToWorker = match proto::decode(&frame) {
+            Ok(m) => m,
+            Err(e) => {
+                agent.say(&format!("cannot read the driver's message ({e}); stopping"));
+                agent.exit(1, Duration::ZERO);
+            }
+        };
+        match message {
+            ToWorker::Heartbeat => {}
+            ToWorker::SetEnv(vars) => {
+                for (k, v) in &vars {
+                    // user code in this process reads its rank from the environment
+                    std::env::set_var(k, v);
+                }
+                env.extend(vars.iter().cloned());
+                let _ = jobs.send(Job::SetEnv(vars));
+            }
+            ToWorker::StartCommand { argv } => start_command(agent, &argv, &env),
+            ToWorker::SignalCommand { signal } => {
+                if let (Some(group), Ok(signal)) = (
+                    *agent
+                        .command_group
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner()),
+                    Signal::try_from(signal),
+                ) {
+                    signal_group(group, signal);
+                }
+            }
+            ToWorker::Create { name, args } => {
+                let _ = jobs.send(Job::Create { name, args });
+            }
+            ToWorker::Call {
+                id,
+                kind,
+                name,
+                args,
+            } => {
+                let _ = jobs.send(Job::Call {
+                    id,
+                    kind,
+                    name,
+                    args,
+                });
+            }
+            ToWorker::Cancel { id } => {
+                cancelled
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id);
+            }
+            ToWorker::Stop => agent.exit(0, agent.kill_grace),
+        }
+    }
+}
+
+fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String, String)]) {
+    use std::os::unix::ffi::OsStrExt;
+    let args: Vec<&std::ffi::OsStr> = argv
+        .iter()
+        .map(|a| std::ffi::OsStr::from_bytes(a))
+        .collect();
+    let Some((program, rest)) = args.split_first() else {
+        let _ = agent.send(&ToDriver::CommandStartFailed {
+            message: "empty command".into(),
+            code: 127,
+        });
+        return;
+    };
+    let mut command = Command::new(program);
+    command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            let code = if e.kind() == io::ErrorKind::PermissionDenied {
+                126
+            } else {
+                127
+            };
+            let message = format!("could not start '{}': {e}", program.to_string_lossy());
+            let _ = agent.send(&ToDriver::CommandStartFailed { message, code });
+            return;
+        }
+    };
+    *agent
+        .command_group
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = Some(child.id());
+    let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
+    let (done_tx, done_rx) = mpsc::channel();
+    let outputs: [(Option<OwnedFd>, bool); 2] = [
+        (child.stdout.take().map(OwnedFd::from), false),
+        (child.stderr.take().map(OwnedFd::from), true),
+    ];
+    for (fd, stderr) in outputs {
+        let Some(fd) = fd else { continue };
+        let (agent, done) = (agent.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            pump(&agent, File::from(fd), stderr);
+            let _ = done.send(());
+        });
+    }
+    let agent = agent.clone();
+    std::thread::spawn(move || {
+        let status = child.wait();
+        // the last lines must reach the driver before the exit does; a
+        // background child still holding the pipes must not delay it long
+        let deadline = Instant::now() + Duration::from_millis(300);
+        for _ in 0..2 {
+            let _ = done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        use std::os::unix::process::ExitStatusExt;
+        let (code, signal) = match status {
+            Ok(s) => (s.code(), s.signal()),
+            Err(_) => (None, None),
+        };
+        let _ = agent.send(&ToDriver::CommandExited { code, signal });
+    });
+}
+
+fn libc_signal(signal: Signal) -> i32 {
+    signal as i32
+}
