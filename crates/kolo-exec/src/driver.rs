@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
 use kolo_topology::{
-    cuda_visible_devices, place, rank_env, resolve_gpus_per_worker, Coordinator, JobEnv, Placement,
-    RankInfo, Slot, TopologyError, WorkerResources,
+    cuda_visible_devices, place, rank_env, resolve_gpus_per_worker, Coordinator, JobEnv, Placement, RankInfo, Slot,
+    TopologyError, WorkerResources,
 };
 use nix::sys::signal::Signal;
 use serde::de::DeserializeOwned;
@@ -29,9 +29,7 @@ use tokio::time::Instant;
 
 use crate::engine::{Engine, LocalEngine, WorkerLaunch};
 use crate::output::{LineSplitter, OutputOptions, OutputSink, Stream};
-use crate::proto::{
-    self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
-};
+use crate::proto::{self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
 use crate::registry::{name_of, Executable, Function, Task};
 use crate::{worker, ExecError};
 
@@ -102,19 +100,13 @@ pub struct WorkerRequest {
 impl WorkerRequest {
     /// `num_workers` packed onto as few hosts as fit.
     pub fn pack(num_workers: u32) -> Self {
-        WorkerRequest {
-            placement: Placement::Pack { num_workers },
-            resources: WorkerResources::default(),
-        }
+        WorkerRequest { placement: Placement::Pack { num_workers }, resources: WorkerResources::default() }
     }
 
     /// `num_hosts` distinct hosts with `workers_per_host` workers each.
     pub fn colocated(num_hosts: u32, workers_per_host: u32) -> Self {
         WorkerRequest {
-            placement: Placement::Colocated {
-                num_hosts,
-                workers_per_host,
-            },
+            placement: Placement::Colocated { num_hosts, workers_per_host },
             resources: WorkerResources::default(),
         }
     }
@@ -131,17 +123,9 @@ impl WorkerRequest {
         let placement = Placement::from_counts(num_workers, num_hosts, num_workers_per_host)?;
         let gpus = resolve_gpus_per_worker(use_gpu, gpus_per_worker)?;
         if cpus_per_worker == 0 {
-            return Err(
-                TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into(),
-            );
+            return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into());
         }
-        Ok(WorkerRequest {
-            placement,
-            resources: WorkerResources {
-                cpus: cpus_per_worker,
-                gpus,
-            },
-        })
+        Ok(WorkerRequest { placement, resources: WorkerResources { cpus: cpus_per_worker, gpus } })
     }
 
     pub fn cpus_per_worker(mut self, cpus: u32) -> Self {
@@ -189,7 +173,10 @@ pub enum Cause {
         signal: Option<i32>,
     },
     /// The command could not be started; `code` follows the shell (127, 126).
-    StartFailed { message: String, code: i32 },
+    StartFailed {
+        message: String,
+        code: i32,
+    },
     /// The worker itself was lost.
     Lost(String),
 }
@@ -198,13 +185,8 @@ impl Cause {
     /// The shell's exit code for this failure.
     pub fn exit_code(&self) -> i32 {
         match self {
-            Cause::Exited {
-                code: Some(code), ..
-            } => *code,
-            Cause::Exited {
-                signal: Some(signal),
-                ..
-            } => 128 + signal,
+            Cause::Exited { code: Some(code), .. } => *code,
+            Cause::Exited { signal: Some(signal), .. } => 128 + signal,
             Cause::Exited { .. } | Cause::Lost(_) => 1,
             Cause::StartFailed { code, .. } => *code,
         }
@@ -214,15 +196,9 @@ impl Cause {
 impl std::fmt::Display for Cause {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Cause::Exited {
-                code: Some(code), ..
-            } => write!(f, "exited with code {code}"),
-            Cause::Exited {
-                signal: Some(sig), ..
-            } => {
-                let name = Signal::try_from(*sig)
-                    .map(|s| s.as_str())
-                    .unwrap_or("unknown signal");
+            Cause::Exited { code: Some(code), .. } => write!(f, "exited with code {code}"),
+            Cause::Exited { signal: Some(sig), .. } => {
+                let name = Signal::try_from(*sig).map(|s| s.as_str()).unwrap_or("unknown signal");
                 write!(f, "was killed by signal {sig} ({name})")
             }
             Cause::Exited { .. } => write!(f, "ended"),
@@ -241,23 +217,20 @@ pub struct JobOutcome {
     pub interrupted_by: Option<Signal>,
 }
 
-type CallResult = Result<Vec<u8>, String>;
+/// A call's bytes, or why there are none.
+enum CallError {
+    /// The user's code failed (its message).
+    Task(String),
+    /// The worker was lost (why).
+    Lost(String),
+}
+
+type CallResult = Result<Vec<u8>, CallError>;
 
 enum Event {
-    Exited {
-        rank: u32,
-        code: Option<i32>,
-        signal: Option<i32>,
-    },
-    StartFailed {
-        rank: u32,
-        message: String,
-        code: i32,
-    },
-    Lost {
-        rank: u32,
-        reason: String,
-    },
+    Exited { rank: u32, code: Option<i32>, signal: Option<i32> },
+    StartFailed { rank: u32, message: String, code: i32 },
+    Lost { rank: u32, reason: String },
 }
 
 /// The driver's side of one worker's connection.
@@ -282,23 +255,14 @@ impl Link {
         if let Some(reason) = self.lost_reason() {
             return Err(self.lost_error(reason));
         }
-        let frame = proto::encode(message).map_err(|source| ExecError::Io {
-            what: "encoding a message".into(),
-            source,
-        })?;
+        let frame =
+            proto::encode(message).map_err(|source| ExecError::Io { what: "encoding a message".into(), source })?;
         let mut writer = self.writer.lock().await;
-        writer
-            .write_all(&frame)
-            .await
-            .map_err(|e| self.lost_error(format!("cannot send to it: {e}")))
+        writer.write_all(&frame).await.map_err(|e| self.lost_error(format!("cannot send to it: {e}")))
     }
 
     fn lost_error(&self, reason: String) -> ExecError {
-        ExecError::WorkerLost {
-            rank: self.info.rank,
-            host: self.info.hostname.clone(),
-            reason,
-        }
+        ExecError::WorkerLost { rank: self.info.rank, host: self.info.hostname.clone(), reason }
     }
 
     /// Marks the worker lost and fails everything waiting on it.
@@ -310,20 +274,10 @@ impl Link {
         *lost = Some(reason.to_string());
         drop(lost);
         let message = format!("worker {} was lost: {reason}", self.describe());
-        for (_, tx) in self
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-        {
-            let _ = tx.send(Err(message.clone()));
+        for (_, tx) in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = tx.send(Err(CallError::Lost(reason.to_string())));
         }
-        if let Some(tx) = self
-            .created
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(tx) = self.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = tx.send(Err(message));
         }
         true
@@ -354,18 +308,12 @@ impl Executor {
         Self::with_engine(settings, request, Box::new(LocalEngine::this_machine()))
     }
 
-    pub fn with_engine(
-        settings: Settings,
-        request: WorkerRequest,
-        engine: Box<dyn Engine>,
-    ) -> Result<Self, ExecError> {
+    pub fn with_engine(settings: Settings, request: WorkerRequest, engine: Box<dyn Engine>) -> Result<Self, ExecError> {
         if request.num_workers() == 0 {
             return Err(TopologyError::BadRequest("at least one worker is needed".into()).into());
         }
         if request.resources.cpus == 0 {
-            return Err(
-                TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into(),
-            );
+            return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into());
         }
         if settings.heartbeat_timeout <= settings.heartbeat_interval {
             return Err(ExecError::BadSettings(format!(
@@ -373,21 +321,12 @@ impl Executor {
                 settings.heartbeat_timeout, settings.heartbeat_interval
             )));
         }
-        Ok(Executor {
-            settings,
-            request,
-            engine,
-            running: None,
-            next_id: AtomicU64::new(1),
-        })
+        Ok(Executor { settings, request, engine, running: None, next_id: AtomicU64::new(1) })
     }
 
     /// The workers in rank order (after `start`).
     pub fn workers(&self) -> Vec<WorkerInfo> {
-        self.running
-            .as_ref()
-            .map(|r| r.links.iter().map(|l| l.info.clone()).collect())
-            .unwrap_or_default()
+        self.running.as_ref().map(|r| r.links.iter().map(|l| l.info.clone()).collect()).unwrap_or_default()
     }
 
     /// The rendezvous server's address (after `start`).
@@ -411,11 +350,7 @@ impl Executor {
     }
 
     /// Starts the workers and an OS command in each (what `kolo run` does).
-    pub async fn start_command(
-        &mut self,
-        argv: &[OsString],
-        extra_env: &[(String, String)],
-    ) -> Result<(), ExecError> {
+    pub async fn start_command(&mut self, argv: &[OsString], extra_env: &[(String, String)]) -> Result<(), ExecError> {
         use std::os::unix::ffi::OsStrExt;
         if argv.is_empty() {
             return Err(ExecError::NoCommand);
@@ -436,10 +371,7 @@ impl Executor {
     async fn create(&mut self, name: &str, args: Vec<u8>) -> Result<(), ExecError> {
         let running = self.running()?;
         let mut waits = Vec::new();
-        let message = ToWorker::Create {
-            name: name.to_string(),
-            args,
-        };
+        let message = ToWorker::Create { name: name.to_string(), args };
         for link in &running.links {
             let (tx, rx) = oneshot::channel();
             *link.created.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
@@ -450,11 +382,7 @@ impl Executor {
             match rx.await {
                 Ok(Ok(())) => {}
                 Ok(Err(message)) => {
-                    return Err(ExecError::Task {
-                        rank: link.info.rank,
-                        host: link.info.hostname.clone(),
-                        message,
-                    })
+                    return Err(ExecError::Task { rank: link.info.rank, host: link.info.hostname.clone(), message })
                 }
                 Err(_) => return Err(link.lost_error("its connection ended".into())),
             }
@@ -463,32 +391,20 @@ impl Executor {
     }
 
     /// Runs `task` on every worker's executable; results in rank order.
-    pub async fn execute<E: Executable, T: Task<E>>(
-        &self,
-        task: &T,
-    ) -> Result<Vec<T::Output>, ExecError> {
-        let handles = self
-            .call_all(CallKind::Task, name_of::<T>(), task, None)
-            .await?;
+    pub async fn execute<E: Executable, T: Task<E>>(&self, task: &T) -> Result<Vec<T::Output>, ExecError> {
+        let handles = self.call_all(CallKind::Task, name_of::<T>(), task, None).await?;
         join_all(handles).await
     }
 
     /// Runs `task` on rank 0 only.
-    pub async fn execute_single<E: Executable, T: Task<E>>(
-        &self,
-        task: &T,
-    ) -> Result<T::Output, ExecError> {
-        let mut handles = self
-            .call_all(CallKind::Task, name_of::<T>(), task, Some(0))
-            .await?;
+    pub async fn execute_single<E: Executable, T: Task<E>>(&self, task: &T) -> Result<T::Output, ExecError> {
+        let mut handles = self.call_all(CallKind::Task, name_of::<T>(), task, Some(0)).await?;
         handles.remove(0).join().await
     }
 
     /// Runs the plain function `function` on every worker; results in rank order.
     pub async fn run<F: Function>(&self, function: &F) -> Result<Vec<F::Output>, ExecError> {
-        let handles = self
-            .call_all(CallKind::Function, name_of::<F>(), function, None)
-            .await?;
+        let handles = self.call_all(CallKind::Function, name_of::<F>(), function, None).await?;
         join_all(handles).await
     }
 
@@ -497,8 +413,7 @@ impl Executor {
         &self,
         task: &T,
     ) -> Result<Vec<CallHandle<T::Output>>, ExecError> {
-        self.call_all(CallKind::Task, name_of::<T>(), task, None)
-            .await
+        self.call_all(CallKind::Task, name_of::<T>(), task, None).await
     }
 
     /// Starts the plain function on every worker and returns a handle per rank.
@@ -506,8 +421,7 @@ impl Executor {
         &self,
         function: &F,
     ) -> Result<Vec<CallHandle<F::Output>>, ExecError> {
-        self.call_all(CallKind::Function, name_of::<F>(), function, None)
-            .await
+        self.call_all(CallKind::Function, name_of::<F>(), function, None).await
     }
 
     async fn call_all<A: serde::Serialize, O: DeserializeOwned>(
@@ -520,32 +434,15 @@ impl Executor {
         let running = self.running()?;
         let args = postcard::to_stdvec(args).map_err(|e| ExecError::Encode(e.to_string()))?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let message = ToWorker::Call {
-            id,
-            kind,
-            name: name.to_string(),
-            args,
-        };
-        let frame = proto::encode(&message).map_err(|source| ExecError::Io {
-            what: "encoding a call".into(),
-            source,
-        })?;
+        let message = ToWorker::Call { id, kind, name: name.to_string(), args };
+        let frame =
+            proto::encode(&message).map_err(|source| ExecError::Io { what: "encoding a call".into(), source })?;
         let mut handles = Vec::new();
-        for link in running
-            .links
-            .iter()
-            .filter(|l| only.is_none_or(|r| r == l.info.rank))
-        {
+        for link in running.links.iter().filter(|l| only.is_none_or(|r| r == l.info.rank)) {
             let (tx, rx) = oneshot::channel();
-            link.pending
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(id, tx);
+            link.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
             if let Some(reason) = link.lost_reason() {
-                link.pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&id);
+                link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 return Err(link.lost_error(reason));
             }
             let sent = link.writer.lock().await.write_all(&frame).await;
@@ -553,12 +450,7 @@ impl Executor {
                 link.mark_lost(&format!("cannot send to it: {e}"));
                 return Err(link.lost_error(format!("cannot send to it: {e}")));
             }
-            handles.push(CallHandle {
-                link: link.clone(),
-                id,
-                rx: Some(rx),
-                _output: PhantomData,
-            });
+            handles.push(CallHandle { link: link.clone(), id, rx: Some(rx), _output: PhantomData });
         }
         Ok(handles)
     }
@@ -588,20 +480,13 @@ impl Executor {
         // 2. workers, told where to dial back
         let listener = TcpListener::bind(SocketAddr::new(self.engine.driver_addr(), 0))
             .await
-            .map_err(|source| ExecError::Io {
-                what: "listening for workers".into(),
-                source,
-            })?;
-        let control = listener.local_addr().map_err(|source| ExecError::Io {
-            what: "listening for workers".into(),
-            source,
-        })?;
+            .map_err(|source| ExecError::Io { what: "listening for workers".into(), source })?;
+        let control =
+            listener.local_addr().map_err(|source| ExecError::Io { what: "listening for workers".into(), source })?;
         let program = match &settings.worker_program {
             Some(p) => p.clone(),
-            None => std::env::current_exe().map_err(|source| ExecError::Io {
-                what: "finding this program".into(),
-                source,
-            })?,
+            None => std::env::current_exe()
+                .map_err(|source| ExecError::Io { what: "finding this program".into(), source })?,
         };
         let launches: Vec<WorkerLaunch> = placed
             .iter()
@@ -626,8 +511,7 @@ impl Executor {
                 }
             })
             .collect();
-        let expected_hosts: Vec<String> =
-            launches.iter().map(|l| l.host.hostname.clone()).collect();
+        let expected_hosts: Vec<String> = launches.iter().map(|l| l.host.hostname.clone()).collect();
         self.engine.spawn(launches)?;
         tracing::debug!(workers = n, %control, engine = self.engine.name(), "workers spawned");
 
@@ -646,10 +530,7 @@ impl Executor {
         let slots: Vec<Slot> = hellos
             .iter()
             .zip(&infos)
-            .map(|((hello, _), info)| Slot {
-                host: hello.node_id.clone(),
-                info: info.clone(),
-            })
+            .map(|((hello, _), info)| Slot { host: hello.node_id.clone(), info: info.clone() })
             .collect();
         let mut server_config = ServerConfig::new(SocketAddr::new(self.engine.driver_addr(), 0));
         server_config.secret = Some(settings.secret.clone());
@@ -657,10 +538,7 @@ impl Executor {
         let server = RendezvousServer::start(server_config, &slots).await?;
 
         // 6. env: ranks, rendezvous, extra env, then interfaces
-        let nics = settings
-            .nics
-            .clone()
-            .unwrap_or_else(|| self.engine.default_nics());
+        let nics = settings.nics.clone().unwrap_or_else(|| self.engine.default_nics());
         let job = JobEnv {
             rendezvous_addr: server.addr().ip().to_string(),
             rendezvous_port: server.addr().port(),
@@ -711,9 +589,7 @@ impl Executor {
         }
         // 7. env pushed to every worker (the job secret goes to kolo's own clients)
         let forwarded: Vec<(String, String)> = std::env::vars()
-            .filter(|(name, _)| {
-                kolo_topology::forwards_caller_var(name) && !name.starts_with("KOLO_WORKER_")
-            })
+            .filter(|(name, _)| kolo_topology::forwards_caller_var(name) && !name.starts_with("KOLO_WORKER_"))
             .collect();
         for link in &links {
             let mut vars = forwarded.clone();
@@ -721,14 +597,7 @@ impl Executor {
             vars.push((kolo_topology::ENV_SECRET.into(), settings.secret.clone()));
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
-        Ok(Running {
-            links,
-            server,
-            sink,
-            events,
-            tasks,
-            stopping,
-        })
+        Ok(Running { links, server, sink, events, tasks, stopping })
     }
 
     async fn accept_workers(
@@ -792,19 +661,13 @@ impl Executor {
                 }
             }
         }
-        Ok(registered
-            .into_iter()
-            .map(|r| r.expect("all registered"))
-            .collect())
+        Ok(registered.into_iter().map(|r| r.expect("all registered")).collect())
     }
 
     /// Waits for the OS command of every worker to end. The first failure
     /// (or `interrupt`) stops the others: SIGTERM, then SIGKILL after the
     /// grace period.
-    pub async fn wait_command(
-        &mut self,
-        interrupt: impl Future<Output = Signal>,
-    ) -> Result<JobOutcome, ExecError> {
+    pub async fn wait_command(&mut self, interrupt: impl Future<Output = Signal>) -> Result<JobOutcome, ExecError> {
         let grace = self.settings.kill_grace;
         let running = self.running.as_mut().ok_or(ExecError::NotStarted)?;
         tokio::pin!(interrupt);
@@ -857,11 +720,7 @@ impl Executor {
             (Some(f), None) => f.cause.exit_code(),
             (None, None) => 0,
         };
-        Ok(JobOutcome {
-            exit_code,
-            failure,
-            interrupted_by,
-        })
+        Ok(JobOutcome { exit_code, failure, interrupted_by })
     }
 
     /// Stops executables and workers and the rendezvous server; waits up to
@@ -883,10 +742,7 @@ impl Executor {
         // let the readers forward the workers' last output
         let drain = async { while running.tasks.join_next().await.is_some() {} };
         let heartbeats_never_end = Duration::from_millis(200);
-        if tokio::time::timeout(heartbeats_never_end, drain)
-            .await
-            .is_err()
-        {
+        if tokio::time::timeout(heartbeats_never_end, drain).await.is_err() {
             running.tasks.abort_all();
         }
         running.server.stop().await;
@@ -917,9 +773,7 @@ impl<T: DeserializeOwned> CallHandle<T> {
     /// Waits for the result.
     pub async fn join(mut self) -> Result<T, ExecError> {
         let rx = self.rx.take().ok_or(ExecError::Cancelled)?;
-        let result = rx
-            .await
-            .map_err(|_| self.link.lost_error("its connection ended".into()))?;
+        let result = rx.await.map_err(|_| self.link.lost_error("its connection ended".into()))?;
         self.decode(result)
     }
 
@@ -943,19 +797,16 @@ impl<T: DeserializeOwned> CallHandle<T> {
     /// result is dropped otherwise.
     pub async fn cancel(mut self) -> Result<(), ExecError> {
         self.rx = None;
-        self.link
-            .pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.id);
+        self.link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         self.link.send(&ToWorker::Cancel { id: self.id }).await
     }
 
     fn decode(&self, result: CallResult) -> Result<T, ExecError> {
-        let bytes = result.map_err(|message| ExecError::Task {
-            rank: self.link.info.rank,
-            host: self.link.info.hostname.clone(),
-            message,
+        let bytes = result.map_err(|e| match e {
+            CallError::Task(message) => {
+                ExecError::Task { rank: self.link.info.rank, host: self.link.info.hostname.clone(), message }
+            }
+            CallError::Lost(reason) => self.link.lost_error(reason),
         })?;
         postcard::from_bytes(&bytes)
             .map_err(|e| ExecError::Encode(format!("result of rank {}: {e}", self.link.info.rank)))
@@ -986,25 +837,13 @@ async fn handshake(
     workers: usize,
 ) -> Result<(Hello, TcpStream), HandshakeError> {
     let refused = |why: String| HandshakeError::Refused(why);
-    stream
-        .set_nodelay(true)
-        .map_err(|e| refused(e.to_string()))?;
+    stream.set_nodelay(true).map_err(|e| refused(e.to_string()))?;
     let nonce = proto::random_nonce();
-    let challenge = Challenge {
-        magic: MAGIC,
-        version: PROTOCOL_VERSION,
-        nonce,
-    };
+    let challenge = Challenge { magic: MAGIC, version: PROTOCOL_VERSION, nonce };
     let frame = proto::encode(&challenge).map_err(|e| refused(e.to_string()))?;
-    stream
-        .write_all(&frame)
-        .await
-        .map_err(|e| refused(e.to_string()))?;
-    let body = proto::read_frame_async(&mut stream)
-        .await
-        .map_err(|e| refused(format!("no hello: {e}")))?;
-    let hello: Hello =
-        proto::decode(&body).map_err(|e| refused(format!("not a kolo worker: {e}")))?;
+    stream.write_all(&frame).await.map_err(|e| refused(e.to_string()))?;
+    let body = proto::read_frame_async(&mut stream).await.map_err(|e| refused(format!("no hello: {e}")))?;
+    let hello: Hello = proto::decode(&body).map_err(|e| refused(format!("not a kolo worker: {e}")))?;
     if hello.magic != MAGIC {
         return Err(refused("not a kolo worker".into()));
     }
@@ -1022,17 +861,11 @@ async fn handshake(
         )));
     }
     if hello.index as usize >= workers {
-        return Err(refused(format!(
-            "worker index {} is out of range",
-            hello.index
-        )));
+        return Err(refused(format!("worker index {} is out of range", hello.index)));
     }
     welcome.tag = proto::driver_tag(secret, &nonce, &hello.nonce);
     let frame = proto::encode(&welcome).map_err(|e| refused(e.to_string()))?;
-    stream
-        .write_all(&frame)
-        .await
-        .map_err(|e| refused(e.to_string()))?;
+    stream.write_all(&frame).await.map_err(|e| refused(e.to_string()))?;
     Ok((hello, stream))
 }
 
@@ -1047,19 +880,13 @@ async fn read_worker(
     let rank = link.info.rank;
     let mut splitters = [LineSplitter::default(), LineSplitter::default()];
     let reason = loop {
-        let frame = match tokio::time::timeout(timeout, proto::read_frame_async(&mut reader)).await
-        {
+        let frame = match tokio::time::timeout(timeout, proto::read_frame_async(&mut reader)).await {
             Ok(Ok(frame)) => frame,
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 break "its connection closed (the worker process died?)".to_string()
             }
             Ok(Err(e)) => break format!("its connection failed: {e}"),
-            Err(_) => {
-                break format!(
-                    "no heartbeat for {:.1} s (hung or stopped?)",
-                    timeout.as_secs_f64()
-                )
-            }
+            Err(_) => break format!("no heartbeat for {:.1} s (hung or stopped?)", timeout.as_secs_f64()),
         };
         let message: ToDriver = match proto::decode(&frame) {
             Ok(m) => m,
@@ -1068,55 +895,31 @@ async fn read_worker(
         match message {
             ToDriver::Heartbeat | ToDriver::CommandStarted { .. } => {}
             ToDriver::Output { stderr, data } => {
-                let stream = if stderr {
-                    Stream::Stderr
-                } else {
-                    Stream::Stdout
-                };
-                splitters[stderr as usize]
-                    .push(&data, |line| sink.line(rank as usize, stream, line));
+                let stream = if stderr { Stream::Stderr } else { Stream::Stdout };
+                splitters[stderr as usize].push(&data, |line| sink.line(rank as usize, stream, line));
             }
             ToDriver::CommandStartFailed { message, code } => {
-                let _ = events.send(Event::StartFailed {
-                    rank,
-                    message,
-                    code,
-                });
+                let _ = events.send(Event::StartFailed { rank, message, code });
             }
             ToDriver::CommandExited { code, signal } => {
                 flush_partial(&mut splitters, &sink, rank);
                 let _ = events.send(Event::Exited { rank, code, signal });
             }
             ToDriver::Created { result } => {
-                if let Some(tx) = link
-                    .created
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take()
-                {
+                if let Some(tx) = link.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
                     let _ = tx.send(result);
                 }
             }
             ToDriver::Done { id, result } => {
-                if let Some(tx) = link
-                    .pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&id)
-                {
-                    let _ = tx.send(result);
+                if let Some(tx) = link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+                    let _ = tx.send(result.map_err(CallError::Task));
                 }
             }
         }
     };
     flush_partial(&mut splitters, &sink, rank);
     let expected = stopping.load(Ordering::Relaxed);
-    if link.mark_lost(if expected {
-        "the executor was shut down"
-    } else {
-        &reason
-    }) && !expected
-    {
+    if link.mark_lost(if expected { "the executor was shut down" } else { &reason }) && !expected {
         tracing::warn!("worker {} was lost: {reason}", link.describe());
         let _ = events.send(Event::Lost { rank, reason });
     }
@@ -1125,15 +928,7 @@ async fn read_worker(
 fn flush_partial(splitters: &mut [LineSplitter; 2], sink: &OutputSink, rank: u32) {
     for (i, splitter) in splitters.iter_mut().enumerate() {
         if let Some(rest) = splitter.finish() {
-            sink.line(
-                rank as usize,
-                if i == 1 {
-                    Stream::Stderr
-                } else {
-                    Stream::Stdout
-                },
-                &rest,
-            );
+            sink.line(rank as usize, if i == 1 { Stream::Stderr } else { Stream::Stdout }, &rest);
         }
     }
 }
@@ -1151,11 +946,7 @@ async fn send_heartbeats(link: Arc<Link>, interval: Duration) {
 
 async fn signal_commands(links: &[Arc<Link>], signal: Signal) {
     for link in links {
-        let _ = link
-            .send(&ToWorker::SignalCommand {
-                signal: signal as i32,
-            })
-            .await;
+        let _ = link.send(&ToWorker::SignalCommand { signal: signal as i32 }).await;
     }
 }
 
@@ -1167,10 +958,7 @@ async fn sleep_until_opt(at: Option<Instant>) {
 }
 
 fn free_port(ip: std::net::IpAddr) -> Result<u16, ExecError> {
-    let io = |source| ExecError::Io {
-        what: "finding a free port".into(),
-        source,
-    };
+    let io = |source| ExecError::Io { what: "finding a free port".into(), source };
     let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(io)?;
     Ok(listener.local_addr().map_err(io)?.port())
 }

@@ -55,20 +55,15 @@ pub struct LocalEngine {
 impl LocalEngine {
     /// This machine under its host name, with one slot per CPU.
     pub fn this_machine() -> Self {
-        let name = nix::unistd::gethostname()
-            .ok()
-            .and_then(|h| h.into_string().ok())
-            .unwrap_or_else(|| "localhost".into());
+        let name =
+            nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into());
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         LocalEngine::with_hosts(vec![HostSpec::new(name, cpus)])
     }
 
     /// Simulated nodes: each host's slots are its CPUs, `gpus=N` its GPU ids 0..N.
     pub fn with_hosts(hosts: Vec<HostSpec>) -> Self {
-        LocalEngine {
-            hosts,
-            children: Vec::new(),
-        }
+        LocalEngine { hosts, children: Vec::new() }
     }
 }
 
@@ -103,20 +98,14 @@ impl Engine for LocalEngine {
             let mut command = Command::new(&w.program);
             command.args(&w.args);
             for (name, _) in std::env::vars_os() {
-                if !name
-                    .to_str()
-                    .is_some_and(kolo_topology::forwards_caller_var)
-                {
+                if !name.to_str().is_some_and(kolo_topology::forwards_caller_var) {
                     command.env_remove(&name);
                 }
             }
             command.envs(w.env.iter().map(|(k, v)| (k, v)));
             // the worker's own output goes to the driver over the protocol;
             // what it prints before that (a crash at start) reaches our stderr
-            command
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit());
+            command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
             command.process_group(0);
             let child = command.spawn().map_err(|source| ExecError::Io {
                 what: format!("starting worker {} ({})", w.index, w.program.display()),
@@ -138,9 +127,7 @@ impl Engine for LocalEngine {
     }
 
     fn all_exited(&mut self) -> bool {
-        self.children
-            .iter_mut()
-            .all(|(_, child)| matches!(child.try_wait(), Ok(Some(_))))
+        self.children.iter_mut().all(|(_, child)| matches!(child.try_wait(), Ok(Some(_))))
     }
 
     fn kill_all(&mut self) {

@@ -58,17 +58,13 @@ pub fn plan_job(spec: &LaunchSpec, job: &JobEnv) -> Result<Vec<RankPlan>, ExecEr
 
 /// Runs the job to its end. `interrupt` resolves when kolo is asked to stop
 /// (SIGINT/SIGTERM); the job is then torn down like on a failure.
-pub async fn run_job(
-    spec: LaunchSpec,
-    interrupt: impl Future<Output = Signal>,
-) -> Result<JobOutcome, ExecError> {
+pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) -> Result<JobOutcome, ExecError> {
     if spec.command.is_empty() {
         return Err(ExecError::NoCommand);
     }
     // Horovod's checks and messages ("Requested more processes ...")
     host_assignments(&spec.hosts, spec.np, Some(spec.np))?;
-    let np = u32::try_from(spec.np)
-        .map_err(|_| ExecError::BadSettings(format!("-np {} is too large", spec.np)))?;
+    let np = u32::try_from(spec.np).map_err(|_| ExecError::BadSettings(format!("-np {} is too large", spec.np)))?;
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
     settings.kill_grace = spec.grace;

@@ -52,9 +52,7 @@ mod proto;
 mod registry;
 mod worker;
 
-pub use driver::{
-    CallHandle, Cause, Executor, Failure, JobOutcome, Settings, WorkerInfo, WorkerRequest,
-};
+pub use driver::{CallHandle, Cause, Executor, Failure, JobOutcome, Settings, WorkerInfo, WorkerRequest};
 pub use engine::{Engine, LocalEngine, WorkerLaunch};
 pub use launch::{plan_job, run_job, LaunchSpec, RankPlan};
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream};
@@ -71,17 +69,11 @@ pub enum ExecError {
     #[error(transparent)]
     Rendezvous(#[from] kolo_rendezvous::RendezvousError),
     #[error("cannot write output to {path}: {source}")]
-    OutputDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    OutputDir { path: PathBuf, source: std::io::Error },
     #[error("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py")]
     NoCommand,
     #[error("{what}: {source}")]
-    Io {
-        what: String,
-        source: std::io::Error,
-    },
+    Io { what: String, source: std::io::Error },
     #[error("invalid settings: {0}")]
     BadSettings(String),
     #[error("the executor is not started; call start first")]
@@ -89,31 +81,15 @@ pub enum ExecError {
     #[error("the executor is started already; shut it down before starting again")]
     AlreadyStarted,
     #[error("worker {index} on host {host} could not start: {reason}")]
-    WorkerStart {
-        index: u32,
-        host: String,
-        reason: String,
-    },
+    WorkerStart { index: u32, host: String, reason: String },
     #[error("timed out after {seconds:.1} s waiting for workers to connect: {missing} did not (raise the start timeout if they are slow)")]
     StartTimeout { seconds: f64, missing: String },
     #[error("worker {index} on host {host} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere", proto::PROTOCOL_VERSION)]
-    Version {
-        index: u32,
-        host: String,
-        worker: u32,
-    },
+    Version { index: u32, host: String, worker: u32 },
     #[error("worker rank {rank} on host {host} was lost: {reason}")]
-    WorkerLost {
-        rank: u32,
-        host: String,
-        reason: String,
-    },
+    WorkerLost { rank: u32, host: String, reason: String },
     #[error("task failed on rank {rank} (host {host}): {message}")]
-    Task {
-        rank: u32,
-        host: String,
-        message: String,
-    },
+    Task { rank: u32, host: String, message: String },
     #[error("cannot encode or decode a value: {0}")]
     Encode(String),
     #[error("the call was cancelled")]

@@ -103,11 +103,7 @@ impl OutputSink {
 
     /// One line of a rank (with its end, or none for a last partial line).
     pub fn line(&self, rank: usize, stream: Stream, line: &[u8]) {
-        if let Some(files) = self.files[rank]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_mut()
-        {
+        if let Some(files) = self.files[rank].lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
             let file = match stream {
                 Stream::Stdout => &mut files.stdout,
                 Stream::Stderr => &mut files.stderr,
@@ -145,12 +141,7 @@ impl OutputSink {
 
     /// The last stderr lines of a rank, oldest first.
     pub fn stderr_tail(&self, rank: usize) -> Vec<String> {
-        self.tails[rank]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .cloned()
-            .collect()
+        self.tails[rank].lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
     }
 }
 
@@ -161,19 +152,13 @@ fn write_flush(out: &mut impl Write, text: &[u8]) -> io::Result<()> {
 
 fn open_rank_files(dir: &Path, rank: usize, width: usize) -> Result<RankFiles, ExecError> {
     let rank_dir = dir.join(format!("rank.{rank:0width$}"));
-    let io_err = |path: &Path, source| ExecError::OutputDir {
-        path: path.to_path_buf(),
-        source,
-    };
+    let io_err = |path: &Path, source| ExecError::OutputDir { path: path.to_path_buf(), source };
     std::fs::create_dir_all(&rank_dir).map_err(|e| io_err(&rank_dir, e))?;
     let open = |name: &str| {
         let path = rank_dir.join(name);
         File::create(&path).map_err(|e| io_err(&path, e))
     };
-    Ok(RankFiles {
-        stdout: open("stdout")?,
-        stderr: open("stderr")?,
-    })
+    Ok(RankFiles { stdout: open("stdout")?, stderr: open("stderr")? })
 }
 
 #[cfg(test)]
@@ -192,14 +177,8 @@ mod tests {
 
     #[test]
     fn lines_end_at_newline_or_carriage_return() {
-        assert_eq!(
-            split(&[b"a\nb\rc"]),
-            [b"a\n".to_vec(), b"b\r".to_vec(), b"c".to_vec()]
-        );
-        assert_eq!(
-            split(&[b"pa", b"rt", b"ial\n", b"\n"]),
-            [b"partial\n".to_vec(), b"\n".to_vec()]
-        );
+        assert_eq!(split(&[b"a\nb\rc"]), [b"a\n".to_vec(), b"b\r".to_vec(), b"c".to_vec()]);
+        assert_eq!(split(&[b"pa", b"rt", b"ial\n", b"\n"]), [b"partial\n".to_vec(), b"\n".to_vec()]);
         assert_eq!(split(&[b"x\r\n"]), [b"x\r".to_vec(), b"\n".to_vec()]);
         assert!(split(&[b""]).is_empty());
     }
@@ -207,20 +186,10 @@ mod tests {
     #[test]
     fn rank_dirs_are_zero_padded_to_the_width_of_the_last_rank() {
         let dir = std::env::temp_dir().join(format!("kolo-output-test-{}", std::process::id()));
-        let sink = OutputSink::new(
-            OutputOptions {
-                output_dir: Some(dir.clone()),
-                ..Default::default()
-            },
-            11,
-        )
-        .unwrap();
+        let sink = OutputSink::new(OutputOptions { output_dir: Some(dir.clone()), ..Default::default() }, 11).unwrap();
         sink.line(3, Stream::Stdout, b"three\n");
         sink.line(10, Stream::Stderr, b"ten");
-        assert_eq!(
-            std::fs::read(dir.join("rank.03/stdout")).unwrap(),
-            b"three\n"
-        );
+        assert_eq!(std::fs::read(dir.join("rank.03/stdout")).unwrap(), b"three\n");
         assert_eq!(std::fs::read(dir.join("rank.10/stderr")).unwrap(), b"ten");
         assert_eq!(sink.stderr_tail(10), ["ten"]);
         std::fs::remove_dir_all(dir).unwrap();

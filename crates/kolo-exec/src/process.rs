@@ -21,9 +21,7 @@ pub fn describe(status: std::process::ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with code {code}"),
         (None, Some(sig)) => {
-            let name = Signal::try_from(sig)
-                .map(|s| s.as_str())
-                .unwrap_or("unknown signal");
+            let name = Signal::try_from(sig).map(|s| s.as_str()).unwrap_or("unknown signal");
             format!("was killed by signal {sig} ({name})")
         }
         _ => "ended".into(),

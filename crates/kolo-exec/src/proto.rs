@@ -158,10 +158,7 @@ pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            format!(
-                "message of {} bytes is over the {MAX_FRAME}-byte frame limit",
-                body.len()
-            ),
+            format!("message of {} bytes is over the {MAX_FRAME}-byte frame limit", body.len()),
         ));
     }
     let mut frame = Vec::with_capacity(body.len() + 4);
@@ -171,16 +168,12 @@ pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
 }
 
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
-    postcard::from_bytes(body)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
+    postcard::from_bytes(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
 
 fn check_length(len: usize) -> io::Result<usize> {
     if len > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes is over the limit"),
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes is over the limit")));
     }
     Ok(len)
 }
@@ -215,12 +208,7 @@ mod tests {
 
     #[test]
     fn frames_round_trip_and_are_bounded() {
-        let msg = ToWorker::Call {
-            id: 7,
-            kind: CallKind::Task,
-            name: "t".into(),
-            args: vec![1, 2, 3],
-        };
+        let msg = ToWorker::Call { id: 7, kind: CallKind::Task, name: "t".into(), args: vec![1, 2, 3] };
         let frame = encode(&msg).unwrap();
         let body = read_frame(&mut &frame[..]).unwrap();
         match decode::<ToWorker>(&body).unwrap() {
@@ -228,10 +216,7 @@ mod tests {
             other => panic!("{other:?}"),
         }
         let huge = ((MAX_FRAME + 1) as u32).to_be_bytes();
-        assert!(read_frame(&mut &huge[..])
-            .unwrap_err()
-            .to_string()
-            .contains("over the limit"));
+        assert!(read_frame(&mut &huge[..]).unwrap_err().to_string().contains("over the limit"));
         assert!(decode::<ToWorker>(&[250, 1]).is_err());
     }
 

@@ -74,11 +74,8 @@ pub trait Function: Serialize + DeserializeOwned + Send + 'static {
     fn call(self, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
 }
 
-type Creator =
-    Box<dyn Fn(&[u8], &WorkerContext) -> Result<Box<dyn Any + Send>, String> + Send + Sync>;
-type TaskRunner = Box<
-    dyn Fn(&[u8], &mut (dyn Any + Send), &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync,
->;
+type Creator = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Box<dyn Any + Send>, String> + Send + Sync>;
+type TaskRunner = Box<dyn Fn(&[u8], &mut (dyn Any + Send), &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync>;
 type FunctionRunner = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync>;
 
 /// The executables, tasks and functions a worker can run. Build it in
@@ -142,12 +139,7 @@ impl Registry {
         self
     }
 
-    pub(crate) fn create(
-        &self,
-        name: &str,
-        args: &[u8],
-        ctx: &WorkerContext,
-    ) -> Result<Box<dyn Any + Send>, String> {
+    pub(crate) fn create(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Box<dyn Any + Send>, String> {
         let creator = self.executables.get(name).ok_or_else(|| {
             format!("executable {name} is not registered in this worker; add .executable::<{name}>() to its Registry")
         })?;
@@ -161,21 +153,14 @@ impl Registry {
         executable: Option<&mut (dyn Any + Send)>,
         ctx: &WorkerContext,
     ) -> Result<Vec<u8>, String> {
-        let runner = self
-            .tasks
-            .get(name)
-            .ok_or_else(|| format!("task {name} is not registered in this worker; add .task::<_, {name}>() to its Registry"))?;
-        let executable =
-            executable.ok_or("no executable was started in this worker; call start first")?;
+        let runner = self.tasks.get(name).ok_or_else(|| {
+            format!("task {name} is not registered in this worker; add .task::<_, {name}>() to its Registry")
+        })?;
+        let executable = executable.ok_or("no executable was started in this worker; call start first")?;
         runner(args, executable, ctx)
     }
 
-    pub(crate) fn run_function(
-        &self,
-        name: &str,
-        args: &[u8],
-        ctx: &WorkerContext,
-    ) -> Result<Vec<u8>, String> {
+    pub(crate) fn run_function(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Vec<u8>, String> {
         let runner = self.functions.get(name).ok_or_else(|| {
             format!("function {name} is not registered in this worker; add .function::<{name}>() to its Registry")
         })?;
@@ -184,8 +169,7 @@ impl Registry {
 }
 
 fn decode_args<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(bytes)
-        .map_err(|e| format!("cannot decode the arguments of {}: {e}", name_of::<T>()))
+    postcard::from_bytes(bytes).map_err(|e| format!("cannot decode the arguments of {}: {e}", name_of::<T>()))
 }
 
 /// Runs user code, turning its error or panic into a message.

@@ -21,9 +21,7 @@ use nix::sys::signal::Signal;
 
 use crate::process::{group_alive, signal_group};
 
-use crate::proto::{
-    self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
-};
+use crate::proto::{self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
 use crate::registry::{Registry, WorkerContext};
 
 /// Variables an engine sets to start a process in worker mode.
@@ -88,8 +86,7 @@ impl Agent {
     }
 
     fn heard(&self) {
-        self.last_heard_ms
-            .store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.last_heard_ms.store(self.started.elapsed().as_millis() as u64, Ordering::Relaxed);
     }
 
     /// Stops the command's process group (SIGTERM, then SIGKILL after
@@ -101,12 +98,7 @@ impl Agent {
         }
         let _ = io::stdout().flush();
         let _ = io::stderr().flush();
-        if let Some(own) = self
-            .own_output
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
+        if let Some(own) = self.own_output.lock().unwrap_or_else(|p| p.into_inner()).take() {
             // closing our ends lets the pumps see EOF and forward the rest
             if let Ok(null) = File::open("/dev/null") {
                 let _ = nix::unistd::dup2_stdout(null.as_fd());
@@ -159,20 +151,13 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     ])
     .map_err(|e| format!("cannot handle signals: {e}"))?;
 
-    let mut stream =
-        connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
+    let mut stream = connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(|e| e.to_string())?;
-    let welcome = handshake(&mut stream, index, secret.as_bytes())
-        .map_err(|e| format!("driver {driver}: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let welcome = handshake(&mut stream, index, secret.as_bytes()).map_err(|e| format!("driver {driver}: {e}"))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
 
-    let original_stderr = io::stderr()
-        .as_fd()
-        .try_clone_to_owned()
-        .map_err(|e| e.to_string())?;
+    let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
     let agent = Arc::new(Agent {
         index,
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
@@ -212,26 +197,19 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
 }
 
 fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcome, String> {
-    let challenge: Challenge =
-        proto::decode(&proto::read_frame(stream).map_err(|e| e.to_string())?)
-            .map_err(|e| format!("not a kolo driver ({e})"))?;
+    let challenge: Challenge = proto::decode(&proto::read_frame(stream).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("not a kolo driver ({e})"))?;
     if challenge.magic != MAGIC {
         return Err("not a kolo driver".into());
     }
     let nonce = proto::random_nonce();
-    let hostname = std::env::var(env::HOSTNAME)
-        .ok()
-        .unwrap_or_else(real_hostname);
+    let hostname = std::env::var(env::HOSTNAME).ok().unwrap_or_else(real_hostname);
     let node_id = std::env::var(env::NODE_ID).unwrap_or_else(|_| hostname.clone());
     let gpus = std::env::var(env::GPUS)
         .unwrap_or_default()
         .split(',')
         .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.trim()
-                .parse::<u32>()
-                .map_err(|_| format!("{}: '{s}' is not a GPU id", env::GPUS))
-        })
+        .map(|s| s.trim().parse::<u32>().map_err(|_| format!("{}: '{s}' is not a GPU id", env::GPUS)))
         .collect::<Result<Vec<u32>, String>>()?;
     let hello = Hello {
         magic: MAGIC,
@@ -251,23 +229,16 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcom
             challenge.version
         ));
     }
-    let frame =
-        proto::read_frame(stream).map_err(|e| format!("the driver refused this worker ({e})"))?;
+    let frame = proto::read_frame(stream).map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
-    if !proto::tags_match(
-        &welcome.tag,
-        &proto::driver_tag(secret, &challenge.nonce, &nonce),
-    ) {
+    if !proto::tags_match(&welcome.tag, &proto::driver_tag(secret, &challenge.nonce, &nonce)) {
         return Err("the driver could not prove it knows the job secret".into());
     }
     Ok(welcome)
 }
 
 fn real_hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".into())
+    nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok()).unwrap_or_else(|| "localhost".into())
 }
 
 /// Points fds 1 and 2 at pipes whose contents go to the driver as output.
@@ -287,8 +258,7 @@ fn redirect_own_output(agent: &Arc<Agent>) -> io::Result<()> {
             let _ = done.send(());
         });
     }
-    *agent.own_output.lock().unwrap_or_else(|p| p.into_inner()) =
-        Some(OwnOutput { pumps: done_rx });
+    *agent.own_output.lock().unwrap_or_else(|p| p.into_inner()) = Some(OwnOutput { pumps: done_rx });
     Ok(())
 }
 
@@ -298,13 +268,7 @@ fn pump(agent: &Agent, mut from: impl Read, stderr: bool) {
         match from.read(&mut buf) {
             Ok(0) | Err(_) => return,
             Ok(n) => {
-                if agent
-                    .send(&ToDriver::Output {
-                        stderr,
-                        data: buf[..n].to_vec(),
-                    })
-                    .is_err()
-                {
+                if agent.send(&ToDriver::Output { stderr, data: buf[..n].to_vec() }).is_err() {
                     return;
                 }
             }
@@ -319,17 +283,10 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &Atomic
             agent.say(&format!("lost the driver ({e}); stopping"));
             agent.exit(1, Duration::ZERO);
         }
-        let silent = agent
-            .started
-            .elapsed()
-            .saturating_sub(Duration::from_millis(
-                agent.last_heard_ms.load(Ordering::Relaxed),
-            ));
+        let silent =
+            agent.started.elapsed().saturating_sub(Duration::from_millis(agent.last_heard_ms.load(Ordering::Relaxed)));
         if silent > timeout && busy.load(Ordering::Relaxed) == 0 {
-            agent.say(&format!(
-                "no word from the driver for {:.1} s; stopping",
-                silent.as_secs_f64()
-            ));
+            agent.say(&format!("no word from the driver for {:.1} s; stopping", silent.as_secs_f64()));
             agent.exit(1, Duration::ZERO);
         }
     }
@@ -337,16 +294,8 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &Atomic
 
 enum Job {
     SetEnv(Vec<(String, String)>),
-    Create {
-        name: String,
-        args: Vec<u8>,
-    },
-    Call {
-        id: u64,
-        kind: CallKind,
-        name: String,
-        args: Vec<u8>,
-    },
+    Create { name: String, args: Vec<u8> },
+    Call { id: u64, kind: CallKind, name: String, args: Vec<u8> },
 }
 
 fn run_jobs(
@@ -374,24 +323,13 @@ fn run_jobs(
                 busy.fetch_sub(1, Ordering::Relaxed);
                 ToDriver::Created { result }
             }
-            Job::Call {
-                id,
-                kind,
-                name,
-                args,
-            } => {
-                if cancelled
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .remove(&id)
-                {
+            Job::Call { id, kind, name, args } => {
+                if cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
                     continue;
                 }
                 busy.fetch_add(1, Ordering::Relaxed);
                 let result = match kind {
-                    CallKind::Task => {
-                        registry.run_task(&name, &args, executable.as_deref_mut(), &ctx)
-                    }
+                    CallKind::Task => registry.run_task(&name, &args, executable.as_deref_mut(), &ctx),
                     CallKind::Function => registry.run_function(&name, &args, &ctx),
                 };
                 busy.fetch_sub(1, Ordering::Relaxed);
@@ -440,37 +378,20 @@ fn read_loop(
             }
             ToWorker::StartCommand { argv } => start_command(agent, &argv, &env),
             ToWorker::SignalCommand { signal } => {
-                if let (Some(group), Ok(signal)) = (
-                    *agent
-                        .command_group
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner()),
-                    Signal::try_from(signal),
-                ) {
+                if let (Some(group), Ok(signal)) =
+                    (*agent.command_group.lock().unwrap_or_else(|p| p.into_inner()), Signal::try_from(signal))
+                {
                     signal_group(group, signal);
                 }
             }
             ToWorker::Create { name, args } => {
                 let _ = jobs.send(Job::Create { name, args });
             }
-            ToWorker::Call {
-                id,
-                kind,
-                name,
-                args,
-            } => {
-                let _ = jobs.send(Job::Call {
-                    id,
-                    kind,
-                    name,
-                    args,
-                });
+            ToWorker::Call { id, kind, name, args } => {
+                let _ = jobs.send(Job::Call { id, kind, name, args });
             }
             ToWorker::Cancel { id } => {
-                cancelled
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(id);
+                cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
             }
             ToWorker::Stop => agent.exit(0, agent.kill_grace),
         }
@@ -479,47 +400,28 @@ fn read_loop(
 
 fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String, String)]) {
     use std::os::unix::ffi::OsStrExt;
-    let args: Vec<&std::ffi::OsStr> = argv
-        .iter()
-        .map(|a| std::ffi::OsStr::from_bytes(a))
-        .collect();
+    let args: Vec<&std::ffi::OsStr> = argv.iter().map(|a| std::ffi::OsStr::from_bytes(a)).collect();
     let Some((program, rest)) = args.split_first() else {
-        let _ = agent.send(&ToDriver::CommandStartFailed {
-            message: "empty command".into(),
-            code: 127,
-        });
+        let _ = agent.send(&ToDriver::CommandStartFailed { message: "empty command".into(), code: 127 });
         return;
     };
     let mut command = Command::new(program);
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
-    command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
+    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
-            let code = if e.kind() == io::ErrorKind::PermissionDenied {
-                126
-            } else {
-                127
-            };
+            let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
             let message = format!("could not start '{}': {e}", program.to_string_lossy());
             let _ = agent.send(&ToDriver::CommandStartFailed { message, code });
             return;
         }
     };
-    *agent
-        .command_group
-        .lock()
-        .unwrap_or_else(|p| p.into_inner()) = Some(child.id());
+    *agent.command_group.lock().unwrap_or_else(|p| p.into_inner()) = Some(child.id());
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
     let (done_tx, done_rx) = mpsc::channel();
-    let outputs: [(Option<OwnedFd>, bool); 2] = [
-        (child.stdout.take().map(OwnedFd::from), false),
-        (child.stderr.take().map(OwnedFd::from), true),
-    ];
+    let outputs: [(Option<OwnedFd>, bool); 2] =
+        [(child.stdout.take().map(OwnedFd::from), false), (child.stderr.take().map(OwnedFd::from), true)];
     for (fd, stderr) in outputs {
         let Some(fd) = fd else { continue };
         let (agent, done) = (agent.clone(), done_tx.clone());

@@ -1,1 +1,515 @@
-fn main() {}
+//! The Executor API on real worker processes. This test binary is its own
+//! worker program: started in worker mode by the engine, it serves the
+//! driver from `main` before the test harness ever runs.
+
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use kolo_exec::{
+    worker_env, Engine, ExecError, Executable, Executor, Function, LocalEngine, Registry, Settings, Task, UserError,
+    WorkerContext, WorkerLaunch, WorkerRequest,
+};
+use kolo_topology::{HostResources, HostSpec};
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde::{Deserialize, Serialize};
+
+// ---- what the workers run -------------------------------------------------
+
+struct Counter {
+    value: i64,
+}
+
+impl Executable for Counter {
+    type Args = i64;
+    fn create(start: i64, ctx: &WorkerContext) -> Result<Self, UserError> {
+        if start < 0 {
+            return Err(format!("rank {} cannot start below zero", ctx.rank()).into());
+        }
+        Ok(Counter { value: start })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Add(i64);
+
+impl Task<Counter> for Add {
+    type Output = (u32, i64);
+    fn run(self, c: &mut Counter, ctx: &WorkerContext) -> Result<(u32, i64), UserError> {
+        c.value += self.0;
+        Ok((ctx.rank(), c.value))
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Get;
+
+impl Task<Counter> for Get {
+    type Output = i64;
+    fn run(self, c: &mut Counter, _: &WorkerContext) -> Result<i64, UserError> {
+        Ok(c.value)
+    }
+}
+
+/// Fails (or panics) on one rank.
+#[derive(Serialize, Deserialize)]
+struct FailOn {
+    rank: u32,
+    panic: bool,
+}
+
+impl Task<Counter> for FailOn {
+    type Output = u32;
+    fn run(self, _: &mut Counter, ctx: &WorkerContext) -> Result<u32, UserError> {
+        if ctx.rank() == self.rank {
+            if self.panic {
+                panic!("rank {} gave up", ctx.rank());
+            }
+            return Err(format!("rank {} refuses", ctx.rank()).into());
+        }
+        Ok(ctx.rank())
+    }
+}
+
+/// Sleeps, then adds one.
+#[derive(Serialize, Deserialize)]
+struct SlowAdd {
+    millis: u64,
+}
+
+impl Task<Counter> for SlowAdd {
+    type Output = i64;
+    fn run(self, c: &mut Counter, _: &WorkerContext) -> Result<i64, UserError> {
+        std::thread::sleep(Duration::from_millis(self.millis));
+        c.value += 1;
+        Ok(c.value)
+    }
+}
+
+/// What a worker sees of its place in the job.
+#[derive(Serialize, Deserialize)]
+struct Whoami;
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct Place {
+    rank: u32,
+    local_rank: u32,
+    local_size: u32,
+    cross_rank: u32,
+    cross_size: u32,
+    node: String,
+    cuda: Option<String>,
+    process_env_rank: Option<String>,
+    pid: u32,
+}
+
+impl Function for Whoami {
+    type Output = Place;
+    fn call(self, ctx: &WorkerContext) -> Result<Place, UserError> {
+        Ok(Place {
+            rank: ctx.rank(),
+            local_rank: ctx.local_rank(),
+            local_size: ctx.local_size(),
+            cross_rank: ctx.cross_rank(),
+            cross_size: ctx.cross_size(),
+            node: ctx.env("HOROVOD_HOSTNAME").unwrap_or_default().to_string(),
+            cuda: ctx.env("CUDA_VISIBLE_DEVICES").map(String::from),
+            process_env_rank: std::env::var("HOROVOD_RANK").ok(),
+            pid: std::process::id(),
+        })
+    }
+}
+
+fn registry() -> Registry {
+    Registry::new()
+        .executable::<Counter>()
+        .task::<Counter, Add>()
+        .task::<Counter, Get>()
+        .task::<Counter, FailOn>()
+        .task::<Counter, SlowAdd>()
+        .function::<Whoami>()
+}
+
+// ---- helpers ---------------------------------------------------------------
+
+fn block(f: impl std::future::Future<Output = Result<(), Failed>>) -> Result<(), Failed> {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(f)
+}
+
+fn check(cond: bool, what: impl Into<String>) -> Result<(), Failed> {
+    if cond {
+        Ok(())
+    } else {
+        Err(what.into().into())
+    }
+}
+
+fn quick_settings() -> Settings {
+    let mut s = Settings::default();
+    s.heartbeat_interval = Duration::from_millis(100);
+    s.heartbeat_timeout = Duration::from_millis(1500);
+    s.kill_grace = Duration::from_millis(500);
+    s.start_timeout = Duration::from_secs(20);
+    s
+}
+
+fn hosts(spec: &[(&str, u32, u32)]) -> Box<LocalEngine> {
+    Box::new(LocalEngine::with_hosts(
+        spec.iter().map(|&(n, slots, gpus)| HostSpec { name: n.into(), slots, gpus: Some(gpus) }).collect(),
+    ))
+}
+
+async fn counter_executor(workers: u32) -> Result<Executor, Failed> {
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(workers), hosts(&[("node", 16, 0)]))?;
+    ex.start::<Counter>(&10, &[]).await?;
+    Ok(ex)
+}
+
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X")),
+        Err(_) => false,
+    }
+}
+
+async fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Result<(), Failed> {
+    let start = Instant::now();
+    while !cond() {
+        if start.elapsed() > limit {
+            return Err(format!("timed out waiting for {what}").into());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
+// ---- tests -----------------------------------------------------------------
+
+async fn results_in_rank_order_and_state_kept() -> Result<(), Failed> {
+    let mut ex = counter_executor(4).await?;
+    let first = ex.execute(&Add(5)).await?;
+    check(first == vec![(0, 15), (1, 15), (2, 15), (3, 15)], format!("{first:?}"))?;
+    let second = ex.execute(&Add(1)).await?;
+    check(second.iter().all(|&(_, v)| v == 16), format!("state kept: {second:?}"))?;
+    let env = ex.run(&Whoami).await?;
+    check(
+        env.iter().enumerate().all(|(i, p)| p.rank == i as u32 && p.process_env_rank == Some(i.to_string())),
+        format!("{env:?}"),
+    )?;
+    let single = ex.execute_single(&Get).await?;
+    check(single == 16, format!("execute_single: {single}"))?;
+    let pids: Vec<u32> = ex.workers().iter().map(|w| w.pid).collect();
+    let rendezvous = ex.rendezvous_addr().unwrap();
+    ex.shutdown().await;
+    for pid in pids {
+        check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
+    }
+    check(TcpStream::connect(rendezvous).is_err(), "rendezvous server still listening after shutdown")
+}
+
+async fn remote_handles_can_be_awaited_polled_and_cancelled() -> Result<(), Failed> {
+    let mut ex = counter_executor(2).await?;
+    let mut slow = ex.run_remote(&SlowAdd { millis: 300 }).await?;
+    let queued = ex.run_remote(&SlowAdd { millis: 0 }).await?;
+    let polled = slow.remove(1);
+    check(slow[0].rank() == 0, "handles in rank order")?;
+    // cancel the queued call before it starts: it must never run
+    for handle in queued {
+        handle.cancel().await?;
+    }
+    let mut polled = polled;
+    let value = loop {
+        if let Some(result) = polled.try_result() {
+            break result?;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    check(value == 11, format!("polled {value}"))?;
+    check(slow.remove(0).join().await? == 11, "joined")?;
+    let now = ex.execute(&Get).await?;
+    check(now == vec![11, 11], format!("the cancelled call ran: {now:?}"))?;
+    ex.shutdown().await;
+    Ok(())
+}
+
+async fn a_failing_task_names_its_rank_and_the_executor_goes_on() -> Result<(), Failed> {
+    let mut ex = counter_executor(3).await?;
+    for panic in [false, true] {
+        let err = ex.execute(&FailOn { rank: 1, panic }).await.unwrap_err();
+        let text = err.to_string();
+        let expected = if panic { "panicked: rank 1 gave up" } else { "rank 1 refuses" };
+        check(matches!(err, ExecError::Task { rank: 1, .. }) && text.contains(expected), text)?;
+    }
+    let after = ex.execute(&Add(1)).await?;
+    check(after.len() == 3 && after.iter().all(|&(_, v)| v == 11), format!("usable afterwards: {after:?}"))?;
+    ex.shutdown().await;
+    Ok(())
+}
+
+async fn a_create_failure_is_an_error_naming_the_rank() -> Result<(), Failed> {
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), hosts(&[("node", 4, 0)]))?;
+    let err = ex.start::<Counter>(&-1, &[]).await.unwrap_err().to_string();
+    check(err.contains("rank 0") && err.contains("cannot start below zero"), err)
+}
+
+async fn a_worker_killed_mid_task_is_reported() -> Result<(), Failed> {
+    let mut ex = counter_executor(3).await?;
+    let victim = ex.workers()[1].pid;
+    let running = ex.run_remote(&SlowAdd { millis: 20_000 }).await?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim as i32), nix::sys::signal::Signal::SIGKILL)?;
+    let mut handles = running.into_iter();
+    let _rank0 = handles.next();
+    let err = handles.next().unwrap().join().await.unwrap_err();
+    check(matches!(err, ExecError::WorkerLost { rank: 1, .. }), err.to_string())?;
+    check(err.to_string().contains("host node"), err.to_string())?;
+    let later = ex.execute(&Get).await.unwrap_err();
+    check(matches!(later, ExecError::WorkerLost { rank: 1, .. }), later.to_string())?;
+    let pids: Vec<u32> = ex.workers().iter().map(|w| w.pid).collect();
+    ex.shutdown().await;
+    for pid in pids {
+        check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
+    }
+    Ok(())
+}
+
+async fn a_hung_worker_is_reported_within_the_heartbeat_timeout() -> Result<(), Failed> {
+    let mut ex = counter_executor(2).await?;
+    let victim = ex.workers()[1].pid;
+    let pid = nix::unistd::Pid::from_raw(victim as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP)?;
+    let started = Instant::now();
+    let err = ex.execute(&Get).await.unwrap_err();
+    let waited = started.elapsed();
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    check(
+        matches!(err, ExecError::WorkerLost { rank: 1, .. }) && err.to_string().contains("no heartbeat"),
+        err.to_string(),
+    )?;
+    // the bound is the configured timeout; generous slack for a loaded machine
+    check(waited < Duration::from_secs(10), format!("took {waited:?}"))?;
+    ex.shutdown().await;
+    check(!alive(victim), "hung worker outlived shutdown")
+}
+
+async fn placement_colocated_and_pack_with_gpus() -> Result<(), Failed> {
+    let request = WorkerRequest::from_args(None, Some(2), Some(2), 1, true, None)?;
+    let engine = hosts(&[("small", 1, 0), ("a", 4, 4), ("b", 4, 2)]);
+    let mut ex = Executor::with_engine(quick_settings(), request, engine)?;
+    ex.start::<Counter>(&0, &[]).await?;
+    let places = ex.run(&Whoami).await?;
+    ex.shutdown().await;
+    let got: Vec<(String, u32, u32, u32, u32, Option<String>)> = places
+        .iter()
+        .map(|p| (p.node.clone(), p.local_rank, p.local_size, p.cross_rank, p.cross_size, p.cuda.clone()))
+        .collect();
+    let want = vec![
+        ("a".to_string(), 0, 2, 0, 2, Some("0,1".to_string())),
+        ("a".to_string(), 1, 2, 0, 2, Some("0,1".to_string())),
+        ("b".to_string(), 0, 2, 1, 2, Some("0,1".to_string())),
+        ("b".to_string(), 1, 2, 1, 2, Some("0,1".to_string())),
+    ];
+    check(got == want, format!("colocated: {got:?}"))?;
+
+    let request = WorkerRequest::pack(3).cpus_per_worker(2);
+    let mut ex = Executor::with_engine(quick_settings(), request, hosts(&[("a", 4, 0), ("b", 4, 0)]))?;
+    ex.start::<Counter>(&0, &[]).await?;
+    let places = ex.run(&Whoami).await?;
+    ex.shutdown().await;
+    let got: Vec<(String, u32, u32, u32, u32)> =
+        places.iter().map(|p| (p.node.clone(), p.local_rank, p.local_size, p.cross_rank, p.cross_size)).collect();
+    let want = vec![("a".into(), 0, 2, 0, 2), ("a".into(), 1, 2, 0, 1), ("b".into(), 0, 1, 1, 2)];
+    check(got == want, format!("pack: {got:?}"))?;
+    check(places.iter().all(|p| p.cuda.is_none()), "no GPUs asked, none given")
+}
+
+async fn infeasible_placement_names_what_was_asked_and_what_is_there() -> Result<(), Failed> {
+    let mut settings = quick_settings();
+    settings.placement_timeout = Duration::from_secs(2);
+    let request = WorkerRequest::from_args(Some(3), None, None, 2, true, Some(1))?;
+    let mut ex = Executor::with_engine(settings, request, hosts(&[("a", 4, 1), ("b", 2, 0)]))?;
+    let started = Instant::now();
+    let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
+    check(started.elapsed() < Duration::from_secs(10), "placement must fail within its timeout")?;
+    check(
+        err.contains("3 workers with 2 CPUs and 1 GPU each") && err.contains("a (4 CPUs, 1 GPU), b (2 CPUs, 0 GPUs)"),
+        err,
+    )?;
+    for (args, needle) in [
+        ((Some(2), Some(1), Some(1), 1, false, None), "not both"),
+        ((None, None, None, 1, false, None), "give num_workers"),
+        ((Some(2), None, None, 1, false, Some(1)), "use_gpu"),
+        ((Some(2), None, None, 0, false, None), "cpus_per_worker"),
+    ] {
+        let (w, h, p, c, g, gp) = args;
+        let err = WorkerRequest::from_args(w, h, p, c, g, gp).unwrap_err().to_string();
+        check(err.contains(needle), err)?;
+    }
+    Ok(())
+}
+
+/// Starts one worker (the last) with a wrong secret, or as a fake speaking
+/// another protocol version; the others normally.
+struct Tampering {
+    inner: LocalEngine,
+    wrong_version: bool,
+}
+
+impl Engine for Tampering {
+    fn name(&self) -> &'static str {
+        "tampering"
+    }
+    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
+        self.inner.hosts()
+    }
+    fn driver_addr(&self) -> std::net::IpAddr {
+        self.inner.driver_addr()
+    }
+    fn default_nics(&self) -> Vec<String> {
+        self.inner.default_nics()
+    }
+    fn spawn(&mut self, mut workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+        let last = workers.last_mut().unwrap();
+        if self.wrong_version {
+            let driver = last.env.iter().find(|(k, _)| k == worker_env::DRIVER).unwrap().1.clone();
+            let index = last.index;
+            workers.pop();
+            std::thread::spawn(move || fake_worker(&driver, index));
+        } else {
+            for (k, v) in &mut last.env {
+                if k == worker_env::SECRET {
+                    *v = "not-the-secret".into();
+                }
+            }
+        }
+        self.inner.spawn(workers)
+    }
+    fn exited(&mut self) -> Vec<(u32, String)> {
+        // the refused worker exits; keep waiting so the driver's view is tested
+        Vec::new()
+    }
+    fn all_exited(&mut self) -> bool {
+        self.inner.all_exited()
+    }
+    fn kill_all(&mut self) {
+        self.inner.kill_all()
+    }
+}
+
+/// Speaks the handshake with a future protocol version.
+fn fake_worker(driver: &str, index: u32) {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(driver).unwrap();
+    let mut len = [0u8; 4];
+    s.read_exact(&mut len).unwrap();
+    let mut challenge = vec![0u8; u32::from_be_bytes(len) as usize];
+    s.read_exact(&mut challenge).unwrap();
+    // Hello: magic, version, index, nonce, tag, hostname, node id, gpus, pid (postcard varints)
+    let mut body = Vec::new();
+    let varint = |mut v: u64, out: &mut Vec<u8>| loop {
+        if v < 0x80 {
+            out.push(v as u8);
+            break;
+        }
+        out.push((v as u8 & 0x7f) | 0x80);
+        v >>= 7;
+    };
+    varint(0x6b6f_6c6f, &mut body);
+    varint(999, &mut body);
+    varint(index as u64, &mut body);
+    body.extend_from_slice(&[0u8; 64]);
+    for text in ["future", "future"] {
+        varint(text.len() as u64, &mut body);
+        body.extend_from_slice(text.as_bytes());
+    }
+    varint(0, &mut body);
+    varint(1, &mut body);
+    s.write_all(&(body.len() as u32).to_be_bytes()).unwrap();
+    s.write_all(&body).unwrap();
+    let _ = s.read(&mut len);
+}
+
+async fn a_wrong_secret_is_refused() -> Result<(), Failed> {
+    let mut settings = quick_settings();
+    settings.start_timeout = Duration::from_secs(2);
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), wrong_version: false };
+    let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), Box::new(engine))?;
+    let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
+    check(err.contains("worker 1 on host node did not") || err.contains("worker 1 on host node"), err)
+}
+
+async fn a_protocol_version_mismatch_is_named() -> Result<(), Failed> {
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), wrong_version: true };
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
+    check(err.contains("protocol version 999") && err.contains("same kolo version"), err)
+}
+
+/// Run as a child process: a driver that starts workers running a command
+/// and waits forever, printing the workers' and commands' pids.
+fn driver_child() {
+    block(async {
+        let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), hosts(&[("node", 4, 0)]))?;
+        let dir = std::env::var("KOLO_TEST_PIDS").unwrap();
+        let script = format!("sleep 1000 & echo $$ $! > {dir}/$RANK.pid; wait");
+        ex.start_command(&["sh".into(), "-c".into(), script.into()], &[]).await?;
+        let pids: Vec<String> = ex.workers().iter().map(|w| w.pid.to_string()).collect();
+        println!("{}", pids.join(" "));
+        std::future::pending::<()>().await;
+        Ok(())
+    })
+    .unwrap();
+}
+
+async fn workers_exit_when_the_driver_dies() -> Result<(), Failed> {
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("kolo-driver-dies-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let mut driver = std::process::Command::new(std::env::current_exe()?)
+        .env("KOLO_TEST_DRIVER", "1")
+        .env("KOLO_TEST_PIDS", &dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut line = String::new();
+    std::io::BufReader::new(driver.stdout.take().unwrap()).read_line(&mut line)?;
+    let mut pids: Vec<u32> = line.split_whitespace().map(|p| p.parse().unwrap()).collect();
+    check(pids.len() == 2, format!("worker pids: {line:?}"))?;
+    let pid_files = || std::fs::read_dir(&dir).map(|d| d.count()).unwrap_or(0);
+    wait_until("both commands to start", Duration::from_secs(20), || pid_files() == 2).await?;
+    for entry in std::fs::read_dir(&dir)? {
+        for p in std::fs::read_to_string(entry?.path())?.split_whitespace() {
+            pids.push(p.parse()?);
+        }
+    }
+    driver.kill()?;
+    driver.wait()?;
+    wait_until("workers and their commands to exit", Duration::from_secs(20), || pids.iter().all(|&p| !alive(p)))
+        .await?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn main() {
+    kolo_exec::serve_if_worker(registry());
+    if std::env::var("KOLO_TEST_DRIVER").is_ok() {
+        driver_child();
+        return;
+    }
+    let args = Arguments::from_args();
+    macro_rules! trials {
+        ($($name:ident),* $(,)?) => { vec![$(Trial::test(stringify!($name), || block($name())),)*] };
+    }
+    let tests = trials![
+        results_in_rank_order_and_state_kept,
+        remote_handles_can_be_awaited_polled_and_cancelled,
+        a_failing_task_names_its_rank_and_the_executor_goes_on,
+        a_create_failure_is_an_error_naming_the_rank,
+        a_worker_killed_mid_task_is_reported,
+        a_hung_worker_is_reported_within_the_heartbeat_timeout,
+        placement_colocated_and_pack_with_gpus,
+        infeasible_placement_names_what_was_asked_and_what_is_there,
+        a_wrong_secret_is_refused,
+        a_protocol_version_mismatch_is_named,
+        workers_exit_when_the_driver_dies,
+    ];
+    libtest_mimic::run(&args, tests).exit();
+}

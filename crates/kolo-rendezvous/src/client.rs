@@ -44,13 +44,9 @@ impl ClientConfig {
 
     /// From `http://HOST:PORT` (a trailing `/` is allowed).
     pub fn from_url(url: &str) -> Result<Self, RendezvousError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| RendezvousError::BadUrl(url.into()))?;
+        let rest = url.strip_prefix("http://").ok_or_else(|| RendezvousError::BadUrl(url.into()))?;
         let addr = rest.trim_end_matches('/');
-        let valid = addr
-            .rsplit_once(':')
-            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
+        let valid = addr.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok());
         if !valid || addr.contains('/') {
             return Err(RendezvousError::BadUrl(url.into()));
         }
@@ -66,11 +62,7 @@ pub struct Client {
 
 impl Client {
     pub fn new(config: ClientConfig) -> Self {
-        Client {
-            config,
-            conn: Mutex::new(None),
-            requests: AtomicU64::new(0),
-        }
+        Client { config, conn: Mutex::new(None), requests: AtomicU64::new(0) }
     }
 
     /// Requests sent so far, retries included.
@@ -78,15 +70,8 @@ impl Client {
         self.requests.load(Ordering::Relaxed)
     }
 
-    pub async fn put(
-        &self,
-        scope: &str,
-        key: &str,
-        value: impl Into<Bytes>,
-    ) -> Result<(), RendezvousError> {
-        self.request(Method::PUT, scope, key, value.into())
-            .await
-            .map(drop)
+    pub async fn put(&self, scope: &str, key: &str, value: impl Into<Bytes>) -> Result<(), RendezvousError> {
+        self.request(Method::PUT, scope, key, value.into()).await.map(drop)
     }
 
     /// The value, or `None` when the key is absent.
@@ -96,19 +81,12 @@ impl Client {
 
     /// Marks `key` (a rank) finished with `scope`.
     pub async fn delete(&self, scope: &str, key: &str) -> Result<(), RendezvousError> {
-        self.request(Method::DELETE, scope, key, Bytes::new())
-            .await
-            .map(drop)
+        self.request(Method::DELETE, scope, key, Bytes::new()).await.map(drop)
     }
 
     /// Waits until every key is present, polling a missing one every
     /// `poll_interval`, and returns the values in the order asked.
-    pub async fn wait(
-        &self,
-        scope: &str,
-        keys: &[&str],
-        timeout: Duration,
-    ) -> Result<Vec<Bytes>, RendezvousError> {
+    pub async fn wait(&self, scope: &str, keys: &[&str], timeout: Duration) -> Result<Vec<Bytes>, RendezvousError> {
         let start = Instant::now();
         let mut values = Vec::with_capacity(keys.len());
         for key in keys {
@@ -135,9 +113,7 @@ impl Client {
     async fn connect(&self) -> Result<SendRequest<Full<Bytes>>, std::io::Error> {
         let stream = TcpStream::connect(&self.config.addr).await?;
         stream.set_nodelay(true)?;
-        let (sender, connection) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(std::io::Error::other)?;
+        let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
         tokio::spawn(async move {
             let _ = connection.await;
         });
@@ -158,17 +134,10 @@ impl Client {
             if attempt > 0 {
                 tokio::time::sleep(self.config.retry_delay).await;
             }
-            let outcome = tokio::time::timeout(
-                self.config.request_timeout,
-                self.send_once(method.clone(), &path, body.clone()),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(format!(
-                    "no answer within {:?}",
-                    self.config.request_timeout
-                ))
-            });
+            let outcome =
+                tokio::time::timeout(self.config.request_timeout, self.send_once(method.clone(), &path, body.clone()))
+                    .await
+                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.config.request_timeout)));
             match outcome {
                 Ok((StatusCode::OK, bytes)) => return Ok(Some(bytes)),
                 Ok((StatusCode::NOT_FOUND, _)) => return Ok(None),
@@ -181,10 +150,7 @@ impl Client {
                     });
                 }
                 Ok((status, bytes)) => {
-                    last_failure = format!(
-                        "status {status}: {}",
-                        String::from_utf8_lossy(&bytes).trim()
-                    );
+                    last_failure = format!("status {status}: {}", String::from_utf8_lossy(&bytes).trim());
                 }
                 Err(reason) => {
                     *self.conn.lock().await = None;
@@ -196,19 +162,11 @@ impl Client {
         Err(RendezvousError::Request {
             method: method_name,
             path,
-            reason: format!(
-                "{} attempts failed; last: {last_failure}",
-                self.config.attempts.max(1)
-            ),
+            reason: format!("{} attempts failed; last: {last_failure}", self.config.attempts.max(1)),
         })
     }
 
-    async fn send_once(
-        &self,
-        method: Method,
-        path: &str,
-        body: Bytes,
-    ) -> Result<(StatusCode, Bytes), String> {
+    async fn send_once(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), String> {
         let mut guard = self.conn.lock().await;
         // a server that closed the kept-alive connection (or speaks HTTP/1.0)
         // costs a re-dial, not an attempt
@@ -217,33 +175,18 @@ impl Client {
             None => false,
         };
         if !usable {
-            *guard = Some(
-                self.connect()
-                    .await
-                    .map_err(|e| format!("connect to {}: {e}", self.config.addr))?,
-            );
+            *guard = Some(self.connect().await.map_err(|e| format!("connect to {}: {e}", self.config.addr))?);
         }
         let sender = guard.as_mut().expect("connection set above");
-        let mut builder = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("host", &self.config.addr);
+        let mut builder = Request::builder().method(method).uri(path).header("host", &self.config.addr);
         if let Some(secret) = &self.config.secret {
             builder = builder.header(SECRET_HEADER, secret);
         }
         let request = builder.body(Full::new(body)).map_err(|e| e.to_string())?;
         self.requests.fetch_add(1, Ordering::Relaxed);
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| e.to_string())?;
+        let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
         let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
+        let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
         Ok((status, bytes))
     }
 }

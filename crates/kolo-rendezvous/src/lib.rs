@@ -17,37 +17,15 @@ pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
     #[error("cannot listen on {addr}: {source}")]
-    Bind {
-        addr: std::net::SocketAddr,
-        source: std::io::Error,
-    },
+    Bind { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("rendezvous server {addr} unreachable: {source}")]
-    Connect {
-        addr: String,
-        source: std::io::Error,
-    },
+    Connect { addr: String, source: std::io::Error },
     #[error("rendezvous request {method} {path} failed: {reason}")]
-    Request {
-        method: &'static str,
-        path: String,
-        reason: String,
-    },
+    Request { method: &'static str, path: String, reason: String },
     #[error("rendezvous request {method} {path} answered {status}: {body}")]
-    Status {
-        method: &'static str,
-        path: String,
-        status: u16,
-        body: String,
-    },
-    #[error(
-        "timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}"
-    )]
-    WaitTimeout {
-        addr: String,
-        scope: String,
-        missing: Vec<String>,
-        waited_s: f64,
-    },
+    Status { method: &'static str, path: String, status: u16, body: String },
+    #[error("timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}")]
+    WaitTimeout { addr: String, scope: String, missing: Vec<String>, waited_s: f64 },
     #[error("invalid rendezvous URL '{0}': expected http://HOST:PORT")]
     BadUrl(String),
 }

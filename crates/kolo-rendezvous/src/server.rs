@@ -72,10 +72,8 @@ impl Store {
         for slot in plan {
             let i = &slot.info;
             self.plan_sizes.insert("global".into(), i.size as usize);
-            self.plan_sizes
-                .insert(format!("local_{}", slot.host), i.local_size as usize);
-            self.plan_sizes
-                .insert(format!("cross_{}", i.local_rank), i.cross_size as usize);
+            self.plan_sizes.insert(format!("local_{}", slot.host), i.local_size as usize);
+            self.plan_sizes.insert(format!("cross_{}", i.local_rank), i.cross_size as usize);
         }
         self.plan = plan.to_vec();
     }
@@ -104,17 +102,10 @@ impl Store {
     fn rank_and_size(&self, key: &str) -> Option<String> {
         let (host, local_rank) = key.rsplit_once(':')?;
         let local_rank: u32 = local_rank.parse().ok()?;
-        let answer = match self
-            .plan
-            .iter()
-            .find(|s| s.host == host && s.info.local_rank == local_rank)
-        {
+        let answer = match self.plan.iter().find(|s| s.host == host && s.info.local_rank == local_rank) {
             Some(s) => {
                 let i = &s.info;
-                format!(
-                    "{},{},{},{},{},{}",
-                    i.rank, i.size, i.local_rank, i.local_size, i.cross_rank, i.cross_size
-                )
+                format!("{},{},{},{},{},{}", i.rank, i.size, i.local_rank, i.local_size, i.cross_rank, i.cross_size)
             }
             None => "-1,-1,-1,-1,-1,-1".into(),
         };
@@ -130,9 +121,7 @@ struct Shared {
 impl Shared {
     fn store(&self) -> MutexGuard<'_, Store> {
         // a panic while holding the lock cannot leave the map half-written
-        self.store
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
+        self.store.lock().unwrap_or_else(|poison| poison.into_inner())
     }
 }
 
@@ -148,35 +137,19 @@ impl RendezvousServer {
     /// Binds and starts serving on the current tokio runtime; scopes are
     /// sized from `plan` (which may be empty and set later with `init`).
     pub async fn start(config: ServerConfig, plan: &[Slot]) -> Result<Self, RendezvousError> {
-        let bind_err = |source| RendezvousError::Bind {
-            addr: config.bind,
-            source,
-        };
-        let socket = if config.bind.is_ipv4() {
-            TcpSocket::new_v4()
-        } else {
-            TcpSocket::new_v6()
-        }
-        .map_err(bind_err)?;
+        let bind_err = |source| RendezvousError::Bind { addr: config.bind, source };
+        let socket = if config.bind.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(bind_err)?;
         socket.set_reuseaddr(true).map_err(bind_err)?;
         socket.bind(config.bind).map_err(bind_err)?;
         let listener = socket.listen(config.backlog).map_err(bind_err)?;
         let addr = listener.local_addr().map_err(bind_err)?;
         let mut store = Store::default();
         store.init(plan);
-        let shared = Arc::new(Shared {
-            store: Mutex::new(store),
-            config,
-        });
+        let shared = Arc::new(Shared { store: Mutex::new(store), config });
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(accept_loop(listener, shared.clone(), stopped));
         tracing::debug!(%addr, "rendezvous server listening");
-        Ok(RendezvousServer {
-            addr,
-            shared,
-            stop,
-            task: Some(task),
-        })
+        Ok(RendezvousServer { addr, shared, stop, task: Some(task) })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -206,11 +179,7 @@ impl Drop for RendezvousServer {
     }
 }
 
-async fn accept_loop(
-    listener: tokio::net::TcpListener,
-    shared: Arc<Shared>,
-    mut stopped: watch::Receiver<bool>,
-) {
+async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     // connection tasks live in the set, so ending this loop ends them all
     let mut connections = JoinSet::new();
     loop {
@@ -280,78 +249,42 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
     let config = &shared.config;
     if !authorized(&req, config) {
         tracing::warn!(path = %req.uri(), "rendezvous request refused: wrong or missing secret");
-        return error(
-            StatusCode::UNAUTHORIZED,
-            "wrong or missing job secret".into(),
-        );
+        return error(StatusCode::UNAUTHORIZED, "wrong or missing job secret".into());
     }
     // Horovod keys keep any query string, as its server does
-    let path = req
-        .uri()
-        .path_and_query()
-        .map_or("", |p| p.as_str())
-        .to_string();
+    let path = req.uri().path_and_query().map_or("", |p| p.as_str()).to_string();
     let Some((scope, key)) = split_path(&path) else {
-        return error(
-            StatusCode::BAD_REQUEST,
-            format!("malformed path '{path}': expected /<scope>/<key>"),
-        );
+        return error(StatusCode::BAD_REQUEST, format!("malformed path '{path}': expected /<scope>/<key>"));
     };
     let (scope, key) = (scope.to_string(), key.to_string());
     match *req.method() {
         Method::GET if scope == RANK_AND_SIZE => match shared.store().rank_and_size(&key) {
             Some(answer) => reply(StatusCode::OK, answer),
-            None => error(
-                StatusCode::BAD_REQUEST,
-                format!("malformed slot '{key}': expected <host>:<local_rank>"),
-            ),
+            None => error(StatusCode::BAD_REQUEST, format!("malformed slot '{key}': expected <host>:<local_rank>")),
         },
         Method::GET => match shared.store().scopes.get(&scope).and_then(|s| s.get(&key)) {
             Some(value) => reply(StatusCode::OK, value.clone()),
             None => reply(StatusCode::NOT_FOUND, Bytes::new()),
         },
-        Method::PUT if scope == RANK_AND_SIZE => error(
-            StatusCode::FORBIDDEN,
-            format!("scope '{RANK_AND_SIZE}' is reserved for elastic rank assignment"),
-        ),
+        Method::PUT if scope == RANK_AND_SIZE => {
+            error(StatusCode::FORBIDDEN, format!("scope '{RANK_AND_SIZE}' is reserved for elastic rank assignment"))
+        }
         Method::PUT => {
-            let length = req
-                .headers()
-                .get(CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let length = req.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
             let Some(length) = length else {
-                return error(
-                    StatusCode::LENGTH_REQUIRED,
-                    "PUT needs a Content-Length header".into(),
-                );
+                return error(StatusCode::LENGTH_REQUIRED, "PUT needs a Content-Length header".into());
             };
             if length > config.max_body_bytes as u64 {
                 return error(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    format!(
-                        "value of {length} bytes is over the limit of {} bytes",
-                        config.max_body_bytes
-                    ),
+                    format!("value of {length} bytes is over the limit of {} bytes", config.max_body_bytes),
                 );
             }
-            let body = match Limited::new(req.into_body(), config.max_body_bytes)
-                .collect()
-                .await
-            {
+            let body = match Limited::new(req.into_body(), config.max_body_bytes).collect().await {
                 Ok(body) => body.to_bytes(),
-                Err(e) => {
-                    return error(
-                        StatusCode::BAD_REQUEST,
-                        format!("reading the body failed: {e}"),
-                    )
-                }
+                Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body failed: {e}")),
             };
-            shared
-                .store()
-                .scopes
-                .entry(scope)
-                .or_default()
-                .insert(key, body);
+            shared.store().scopes.entry(scope).or_default().insert(key, body);
             reply(StatusCode::OK, Bytes::new())
         }
         Method::DELETE => {
@@ -359,12 +292,8 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
             reply(StatusCode::OK, Bytes::new())
         }
         _ => {
-            let mut r = error(
-                StatusCode::METHOD_NOT_ALLOWED,
-                format!("method {} not supported", req.method()),
-            );
-            r.headers_mut()
-                .insert("allow", HeaderValue::from_static("GET, PUT, DELETE"));
+            let mut r = error(StatusCode::METHOD_NOT_ALLOWED, format!("method {} not supported", req.method()));
+            r.headers_mut().insert("allow", HeaderValue::from_static("GET, PUT, DELETE"));
             r
         }
     }

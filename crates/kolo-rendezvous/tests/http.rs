@@ -13,9 +13,7 @@ fn plan(hosts: &str, np: u64) -> Vec<Slot> {
 }
 
 async fn server(plan: &[Slot]) -> RendezvousServer {
-    RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), plan)
-        .await
-        .unwrap()
+    RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), plan).await.unwrap()
 }
 
 /// A raw keep-alive HTTP/1.1 connection.
@@ -25,9 +23,7 @@ struct Raw {
 
 impl Raw {
     async fn connect(server: &RendezvousServer) -> Raw {
-        Raw {
-            reader: BufReader::new(TcpStream::connect(server.addr()).await.unwrap()),
-        }
+        Raw { reader: BufReader::new(TcpStream::connect(server.addr()).await.unwrap()) }
     }
 
     async fn send(&mut self, head: &str, body: &[u8]) -> (u16, Vec<u8>) {
@@ -40,10 +36,7 @@ impl Raw {
     async fn read_response(&mut self) -> (u16, Vec<u8>) {
         let mut status_line = String::new();
         self.reader.read_line(&mut status_line).await.unwrap();
-        assert!(
-            status_line.starts_with("HTTP/1.1 "),
-            "status line {status_line:?}"
-        );
+        assert!(status_line.starts_with("HTTP/1.1 "), "status line {status_line:?}");
         let status: u16 = status_line[9..12].parse().unwrap();
         let mut length = None;
         loop {
@@ -65,10 +58,7 @@ impl Raw {
     }
 
     async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
+        let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
         self.send(&head, body).await
     }
 }
@@ -78,14 +68,8 @@ async fn put_get_overwrite_and_404_on_one_connection() {
     let server = server(&[]).await;
     let mut c = Raw::connect(&server).await;
     assert_eq!(c.request("GET", "/s/k", b"").await, (404, vec![]));
-    assert_eq!(
-        c.request("PUT", "/s/k", b"\x00bytes\xff").await,
-        (200, vec![])
-    );
-    assert_eq!(
-        c.request("GET", "/s/k", b"").await,
-        (200, b"\x00bytes\xff".to_vec())
-    );
+    assert_eq!(c.request("PUT", "/s/k", b"\x00bytes\xff").await, (200, vec![]));
+    assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"\x00bytes\xff".to_vec()));
     assert_eq!(c.request("PUT", "/s/k", b"new").await, (200, vec![]));
     assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"new".to_vec()));
     assert_eq!(c.request("PUT", "/s/empty", b"").await, (200, vec![]));
@@ -103,10 +87,7 @@ async fn malformed_paths_get_400_and_the_connection_lives_on() {
             let (status, body) = c.request(method, path, b"").await;
             assert_eq!(status, 400, "{method} {path}");
             let text = String::from_utf8(body).unwrap();
-            assert!(
-                text.contains(path) && text.contains("/<scope>/<key>"),
-                "{text}"
-            );
+            assert!(text.contains(path) && text.contains("/<scope>/<key>"), "{text}");
         }
     }
     assert_eq!(c.request("PUT", "/a/b", b"ok").await.0, 200);
@@ -140,47 +121,25 @@ async fn plan_scopes_clear_once_every_rank_finished() {
     let mut c = Raw::connect(&server).await;
     for round in 0..2 {
         for r in 0..4 {
-            assert_eq!(
-                c.request("PUT", &format!("/global/{r}"), b"addr").await.0,
-                200
-            );
+            assert_eq!(c.request("PUT", &format!("/global/{r}"), b"addr").await.0, 200);
         }
         for r in 0..3 {
-            assert_eq!(
-                c.request("DELETE", &format!("/global/{r}"), b"").await.0,
-                200
-            );
+            assert_eq!(c.request("DELETE", &format!("/global/{r}"), b"").await.0, 200);
             // keys stay until the last rank is done
-            assert_eq!(
-                c.request("GET", "/global/3", b"").await.0,
-                200,
-                "round {round}"
-            );
+            assert_eq!(c.request("GET", "/global/3", b"").await.0, 200, "round {round}");
         }
         assert_eq!(c.request("DELETE", "/global/3", b"").await.0, 200);
         for r in 0..4 {
-            assert_eq!(
-                c.request("GET", &format!("/global/{r}"), b"").await.0,
-                404,
-                "round {round}"
-            );
+            assert_eq!(c.request("GET", &format!("/global/{r}"), b"").await.0, 404, "round {round}");
         }
     }
     // local_<host> is sized by the host's local size, cross_<lr> by the cross size
     for scope in ["local_a", "cross_1"] {
         c.request("PUT", &format!("/{scope}/x"), b"v").await;
         c.request("DELETE", &format!("/{scope}/0"), b"").await;
-        assert_eq!(
-            c.request("GET", &format!("/{scope}/x"), b"").await.0,
-            200,
-            "{scope}"
-        );
+        assert_eq!(c.request("GET", &format!("/{scope}/x"), b"").await.0, 200, "{scope}");
         c.request("DELETE", &format!("/{scope}/1"), b"").await;
-        assert_eq!(
-            c.request("GET", &format!("/{scope}/x"), b"").await.0,
-            404,
-            "{scope}"
-        );
+        assert_eq!(c.request("GET", &format!("/{scope}/x"), b"").await.0, 404, "{scope}");
     }
     // a new plan resets the store
     c.request("PUT", "/global/0", b"v").await;
@@ -203,10 +162,7 @@ async fn ad_hoc_scopes_delete_the_key() {
     c.request("PUT", "/procset_1/1", b"y").await;
     assert_eq!(c.request("DELETE", "/procset_1/0", b"").await.0, 200);
     assert_eq!(c.request("GET", "/procset_1/0", b"").await.0, 404);
-    assert_eq!(
-        c.request("GET", "/procset_1/1", b"").await,
-        (200, b"y".to_vec())
-    );
+    assert_eq!(c.request("GET", "/procset_1/1", b"").await, (200, b"y".to_vec()));
     // deleting what is not there is fine
     assert_eq!(c.request("DELETE", "/nothing/here", b"").await.0, 200);
 }
@@ -215,23 +171,11 @@ async fn ad_hoc_scopes_delete_the_key() {
 async fn rank_and_size_is_answered_from_the_plan() {
     let server = server(&plan("worker-0:1,worker-1:2", 3)).await;
     let mut c = Raw::connect(&server).await;
-    assert_eq!(
-        c.request("GET", "/rank_and_size/worker-1:1", b"").await,
-        (200, b"2,3,1,2,0,1".to_vec())
-    );
-    assert_eq!(
-        c.request("GET", "/rank_and_size/worker-0:0", b"").await,
-        (200, b"0,3,0,1,0,2".to_vec())
-    );
-    assert_eq!(
-        c.request("GET", "/rank_and_size/worker-0:1", b"").await,
-        (200, b"-1,-1,-1,-1,-1,-1".to_vec())
-    );
+    assert_eq!(c.request("GET", "/rank_and_size/worker-1:1", b"").await, (200, b"2,3,1,2,0,1".to_vec()));
+    assert_eq!(c.request("GET", "/rank_and_size/worker-0:0", b"").await, (200, b"0,3,0,1,0,2".to_vec()));
+    assert_eq!(c.request("GET", "/rank_and_size/worker-0:1", b"").await, (200, b"-1,-1,-1,-1,-1,-1".to_vec()));
     assert_eq!(c.request("GET", "/rank_and_size/nohost", b"").await.0, 400);
-    assert_eq!(
-        c.request("PUT", "/rank_and_size/worker-0:0", b"1").await.0,
-        403
-    );
+    assert_eq!(c.request("PUT", "/rank_and_size/worker-0:0", b"1").await.0, 403);
 }
 
 #[tokio::test]
@@ -255,16 +199,9 @@ async fn secret_is_checked_when_presented_or_required() {
     client_config.secret = Some("s3cret".into());
     let client = Client::new(client_config.clone());
     client.put("a", "b", "v").await.unwrap();
-    assert_eq!(
-        client.get("a", "b").await.unwrap().as_deref(),
-        Some(&b"v"[..])
-    );
+    assert_eq!(client.get("a", "b").await.unwrap().as_deref(), Some(&b"v"[..]));
     client_config.secret = Some("nope".into());
-    let err = Client::new(client_config)
-        .get("a", "b")
-        .await
-        .unwrap_err()
-        .to_string();
+    let err = Client::new(client_config).get("a", "b").await.unwrap_err().to_string();
     assert!(err.contains("401"), "{err}");
 }
 
@@ -285,19 +222,9 @@ async fn client_waits_for_keys_and_times_out_naming_them() {
         writer.put("global", "0", "zero").await.unwrap();
     };
     let (values, ()) = tokio::join!(waiting, writing);
-    assert_eq!(
-        values.unwrap(),
-        vec![bytes::Bytes::from("zero"), bytes::Bytes::from("one")]
-    );
-    let err = client
-        .wait("global", &["0", "7", "8"], Duration::from_millis(50))
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("[\"7\", \"8\"]") && err.contains("'global'"),
-        "{err}"
-    );
+    assert_eq!(values.unwrap(), vec![bytes::Bytes::from("zero"), bytes::Bytes::from("one")]);
+    let err = client.wait("global", &["0", "7", "8"], Duration::from_millis(50)).await.unwrap_err().to_string();
+    assert!(err.contains("[\"7\", \"8\"]") && err.contains("'global'"), "{err}");
 }
 
 #[tokio::test]
@@ -309,10 +236,7 @@ async fn client_reports_an_unreachable_server_after_its_attempts() {
     config.retry_delay = Duration::from_millis(10);
     let client = Client::new(config);
     let err = client.get("a", "b").await.unwrap_err().to_string();
-    assert!(
-        err.contains("3 attempts failed") && err.contains(&addr.to_string()),
-        "{err}"
-    );
+    assert!(err.contains("3 attempts failed") && err.contains(&addr.to_string()), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -320,34 +244,22 @@ async fn thousands_of_concurrent_keep_alive_connections() {
     let server = server(&[]).await;
     let addr = server.addr().to_string();
     let n = 2000;
-    let clients: Vec<Client> = (0..n)
-        .map(|_| Client::new(ClientConfig::new(addr.clone())))
-        .collect();
+    let clients: Vec<Client> = (0..n).map(|_| Client::new(ClientConfig::new(addr.clone()))).collect();
     // every client holds its connection open while all the others work
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(n));
     let tasks = clients.into_iter().enumerate().map(|(i, client)| {
         let barrier = barrier.clone();
         tokio::spawn(async move {
-            client
-                .put("many", &i.to_string(), i.to_string())
-                .await
-                .unwrap();
+            client.put("many", &i.to_string(), i.to_string()).await.unwrap();
             barrier.wait().await;
             let other = (i + 1) % n;
-            let value = client
-                .get("many", &other.to_string())
-                .await
-                .unwrap()
-                .unwrap();
+            let value = client.get("many", &other.to_string()).await.unwrap().unwrap();
             assert_eq!(value, other.to_string());
             client.requests()
         })
     });
     let counts = futures_join_all(tasks.collect()).await;
-    assert!(
-        counts.iter().all(|&c| c == 2),
-        "one connection, no retries: {counts:?}"
-    );
+    assert!(counts.iter().all(|&c| c == 2), "one connection, no retries: {counts:?}");
 }
 
 async fn futures_join_all(handles: Vec<tokio::task::JoinHandle<u64>>) -> Vec<u64> {

@@ -53,10 +53,7 @@ pub fn rank_env(
     }
     set("HOROVOD_HOSTNAME", node_id.to_string());
     set("HOROVOD_GLOO_RENDEZVOUS_ADDR", job.rendezvous_addr.clone());
-    set(
-        "HOROVOD_GLOO_RENDEZVOUS_PORT",
-        job.rendezvous_port.to_string(),
-    );
+    set("HOROVOD_GLOO_RENDEZVOUS_PORT", job.rendezvous_port.to_string());
     set("HOROVOD_CONTROLLER", "gloo".into());
     set("HOROVOD_CPU_OPERATIONS", "gloo".into());
     set("HOROVOD_GLOO_TIMEOUT_SECONDS", job.timeout_s.to_string());
@@ -121,15 +118,8 @@ mod tests {
 
     #[test]
     fn horovod_and_torch_names() {
-        let info = RankInfo {
-            rank: 3,
-            size: 4,
-            local_rank: 1,
-            local_size: 2,
-            cross_rank: 1,
-            cross_size: 2,
-            node_rank: 1,
-        };
+        let info =
+            RankInfo { rank: 3, size: 4, local_rank: 1, local_size: 2, cross_rank: 1, cross_size: 2, node_rank: 1 };
         let env = rank_env(&info, "b", &job(), Some("0,1"));
         let get = |k: &str| env.get(k).map(String::as_str);
         assert_eq!(get("HOROVOD_RANK"), Some("3"));
@@ -157,31 +147,14 @@ mod tests {
         assert_eq!(get("MASTER_PORT"), Some("29500"));
         assert_eq!(get("KOLO_RANK"), Some("3"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
-        let elastic = rank_env(
-            &info,
-            "b",
-            &JobEnv {
-                elastic: true,
-                ..job()
-            },
-            None,
-        );
-        assert_eq!(
-            elastic.get("HOROVOD_ELASTIC").map(String::as_str),
-            Some("1")
-        );
+        let elastic = rank_env(&info, "b", &JobEnv { elastic: true, ..job() }, None);
+        assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
         assert!(!elastic.contains_key("CUDA_VISIBLE_DEVICES"));
     }
 
     #[test]
     fn caller_env_filter() {
-        for name in [
-            "BASH_FUNC_x%%",
-            "OLDPWD",
-            "CUDA_VISIBLE_DEVICES",
-            "NV_CUDA_VISIBLE_DEVICES",
-            ENV_SECRET,
-        ] {
+        for name in ["BASH_FUNC_x%%", "OLDPWD", "CUDA_VISIBLE_DEVICES", "NV_CUDA_VISIBLE_DEVICES", ENV_SECRET] {
             assert!(!forwards_caller_var(name), "{name}");
         }
         for name in ["PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS"] {

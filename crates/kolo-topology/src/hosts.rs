@@ -14,11 +14,7 @@ pub struct HostSpec {
 
 impl HostSpec {
     pub fn new(name: impl Into<String>, slots: u32) -> Self {
-        HostSpec {
-            name: name.into(),
-            slots,
-            gpus: None,
-        }
+        HostSpec { name: name.into(), slots, gpus: None }
     }
 }
 
@@ -54,21 +50,15 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<HostSpec>, TopologyError> {
         if line.is_empty() {
             continue;
         }
-        let bad = |reason: String| TopologyError::BadHostfileLine {
-            line: line_no,
-            text: raw.trim().to_string(),
-            reason,
-        };
+        let bad =
+            |reason: String| TopologyError::BadHostfileLine { line: line_no, text: raw.trim().to_string(), reason };
         let mut words = line.split_whitespace();
         let first = words.next().unwrap_or_default();
-        let (mut host, mut slots_given) =
-            parse_host_entry(first, first).map_err(|e| bad(e.reason()))?;
+        let (mut host, mut slots_given) = parse_host_entry(first, first).map_err(|e| bad(e.reason()))?;
         for word in words {
-            let (key, value) = word.split_once('=').ok_or_else(|| {
-                bad(format!(
-                    "unexpected '{word}'; write 'host slots=N' or 'host:N'"
-                ))
-            })?;
+            let (key, value) = word
+                .split_once('=')
+                .ok_or_else(|| bad(format!("unexpected '{word}'; write 'host slots=N' or 'host:N'")))?;
             match key {
                 "slots" if slots_given => return Err(bad("slots given twice".into())),
                 "slots" => {
@@ -76,20 +66,13 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<HostSpec>, TopologyError> {
                     slots_given = true;
                 }
                 "gpus" => host.gpus = Some(parse_count(value, "GPU count", false).map_err(bad)?),
-                _ => {
-                    return Err(bad(format!(
-                        "unknown key '{key}'; known keys are slots=N and gpus=N"
-                    )))
-                }
+                _ => return Err(bad(format!("unknown key '{key}'; known keys are slots=N and gpus=N"))),
             }
         }
         hosts.push(host);
     }
     if hosts.is_empty() {
-        return Err(TopologyError::BadHost {
-            input: String::new(),
-            reason: "the host file lists no hosts".into(),
-        });
+        return Err(TopologyError::BadHost { input: String::new(), reason: "the host file lists no hosts".into() });
     }
     check_unique(&hosts)?;
     Ok(hosts)
@@ -97,23 +80,13 @@ pub fn parse_hostfile(text: &str) -> Result<Vec<HostSpec>, TopologyError> {
 
 /// One `host[:N]` entry; the flag tells whether the slot count was written.
 fn parse_host_entry(entry: &str, original: &str) -> Result<(HostSpec, bool), TopologyError> {
-    let bad = |reason: &str| TopologyError::BadHost {
-        input: original.trim().to_string(),
-        reason: reason.to_string(),
-    };
+    let bad = |reason: &str| TopologyError::BadHost { input: original.trim().to_string(), reason: reason.to_string() };
     let (name, slots) = if let Some(rest) = entry.strip_prefix('[') {
-        let (addr, tail) = rest
-            .split_once(']')
-            .ok_or_else(|| bad("unclosed '[' in an IPv6 address; write '[::1]:4'"))?;
+        let (addr, tail) =
+            rest.split_once(']').ok_or_else(|| bad("unclosed '[' in an IPv6 address; write '[::1]:4'"))?;
         match tail {
             "" => (addr, None),
-            t => (
-                addr,
-                Some(
-                    t.strip_prefix(':')
-                        .ok_or_else(|| bad("expected ':N' after ']'"))?,
-                ),
-            ),
+            t => (addr, Some(t.strip_prefix(':').ok_or_else(|| bad("expected ':N' after ']'"))?)),
         }
     } else {
         match entry.split_once(':') {
@@ -124,13 +97,8 @@ fn parse_host_entry(entry: &str, original: &str) -> Result<(HostSpec, bool), Top
     if name.is_empty() {
         return Err(bad("host name is empty; write 'host:N'"));
     }
-    if name
-        .chars()
-        .any(|c| c.is_whitespace() || c == '/' || c == '=')
-    {
-        return Err(bad(
-            "host name contains a character not allowed in a host name",
-        ));
+    if name.chars().any(|c| c.is_whitespace() || c == '/' || c == '=') {
+        return Err(bad("host name contains a character not allowed in a host name"));
     }
     let explicit = slots.is_some();
     let slots = match slots {
@@ -167,14 +135,7 @@ mod tests {
     #[test]
     fn host_list_forms() {
         let h = parse_host_list("a:4,b:2,c").unwrap();
-        assert_eq!(
-            h,
-            vec![
-                HostSpec::new("a", 4),
-                HostSpec::new("b", 2),
-                HostSpec::new("c", 1)
-            ]
-        );
+        assert_eq!(h, vec![HostSpec::new("a", 4), HostSpec::new("b", 2), HostSpec::new("c", 1)]);
         let h = parse_host_list(" a:4 , [::1]:2,[fe80::1]").unwrap();
         assert_eq!(h[1], HostSpec::new("::1", 2));
         assert_eq!(h[2], HostSpec::new("fe80::1", 1));
@@ -209,14 +170,7 @@ mod tests {
         assert_eq!(h[0], HostSpec::new("a", 4));
         assert_eq!(h[1], HostSpec::new("b", 2));
         assert_eq!(h[2], HostSpec::new("c", 1));
-        assert_eq!(
-            h[3],
-            HostSpec {
-                name: "d".into(),
-                slots: 2,
-                gpus: Some(2)
-            }
-        );
+        assert_eq!(h[3], HostSpec { name: "d".into(), slots: 2, gpus: Some(2) });
     }
 
     #[test]

@@ -13,8 +13,7 @@ mod ranks;
 pub use env::{forwards_caller_var, rank_env, JobEnv, ENV_SECRET};
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
 pub use placement::{
-    cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement,
-    WorkerResources,
+    cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement, WorkerResources,
 };
 pub use ranks::{host_assignments, Coordinator, RankInfo, Slot};
 
@@ -25,11 +24,7 @@ pub enum TopologyError {
     #[error("host list '{input}': {reason}")]
     BadHost { input: String, reason: String },
     #[error("host file line {line} '{text}': {reason}")]
-    BadHostfileLine {
-        line: usize,
-        text: String,
-        reason: String,
-    },
+    BadHostfileLine { line: usize, text: String, reason: String },
     #[error("host '{0}' is listed twice; list each host once with its total slots")]
     DuplicateHost(String),
     #[error("Requested more processes ({requested}) than there are available slots ({available})")]

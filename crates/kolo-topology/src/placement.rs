@@ -21,10 +21,7 @@ pub enum Placement {
     /// `num_workers` one-worker bundles packed onto as few hosts as fit.
     Pack { num_workers: u32 },
     /// `num_hosts` distinct hosts with `workers_per_host` workers each.
-    Colocated {
-        num_hosts: u32,
-        workers_per_host: u32,
-    },
+    Colocated { num_hosts: u32, workers_per_host: u32 },
 }
 
 impl Placement {
@@ -41,13 +38,8 @@ impl Placement {
             (None, Some(h), Some(w)) if h == 0 || w == 0 => {
                 bad("num_hosts and num_workers_per_host must be at least 1")
             }
-            (None, Some(h), Some(w)) => Ok(Placement::Colocated {
-                num_hosts: h,
-                workers_per_host: w,
-            }),
-            (Some(_), _, _) => {
-                bad("give either num_workers, or num_hosts with num_workers_per_host, not both")
-            }
+            (None, Some(h), Some(w)) => Ok(Placement::Colocated { num_hosts: h, workers_per_host: w }),
+            (Some(_), _, _) => bad("give either num_workers, or num_hosts with num_workers_per_host, not both"),
             (None, Some(_), None) => bad("num_hosts needs num_workers_per_host too"),
             (None, None, Some(_)) => bad("num_workers_per_host needs num_hosts too"),
             (None, None, None) => bad("give num_workers, or num_hosts with num_workers_per_host"),
@@ -57,10 +49,7 @@ impl Placement {
     pub fn num_workers(&self) -> u32 {
         match *self {
             Placement::Pack { num_workers } => num_workers,
-            Placement::Colocated {
-                num_hosts,
-                workers_per_host,
-            } => num_hosts * workers_per_host,
+            Placement::Colocated { num_hosts, workers_per_host } => num_hosts * workers_per_host,
         }
     }
 }
@@ -80,15 +69,12 @@ impl Default for WorkerResources {
 
 /// Upstream's GPU rule: `gpus_per_worker` without `use_gpu` is an error;
 /// with `use_gpu` it defaults to 1.
-pub fn resolve_gpus_per_worker(
-    use_gpu: bool,
-    gpus_per_worker: Option<u32>,
-) -> Result<u32, TopologyError> {
+pub fn resolve_gpus_per_worker(use_gpu: bool, gpus_per_worker: Option<u32>) -> Result<u32, TopologyError> {
     match (use_gpu, gpus_per_worker) {
         (false, None) => Ok(0),
-        (false, Some(_)) => Err(TopologyError::BadRequest(
-            "gpus_per_worker is set but use_gpu is not; set use_gpu to use GPUs".into(),
-        )),
+        (false, Some(_)) => {
+            Err(TopologyError::BadRequest("gpus_per_worker is set but use_gpu is not; set use_gpu to use GPUs".into()))
+        }
         (true, None) => Ok(1),
         (true, Some(0)) => Err(TopologyError::BadRequest(
             "use_gpu with gpus_per_worker 0; give at least 1 GPU per worker or drop use_gpu".into(),
@@ -111,25 +97,16 @@ pub fn place(
     hosts: &[HostResources],
 ) -> Result<Vec<PlacedWorker>, TopologyError> {
     if need.cpus == 0 {
-        return Err(TopologyError::BadRequest(
-            "cpus_per_worker must be at least 1".into(),
-        ));
+        return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()));
     }
-    let infeasible = || TopologyError::Infeasible {
-        asked: describe_request(placement, need),
-        available: describe_hosts(hosts),
-    };
+    let infeasible =
+        || TopologyError::Infeasible { asked: describe_request(placement, need), available: describe_hosts(hosts) };
     let mut placed = Vec::with_capacity(placement.num_workers() as usize);
     match placement {
-        Placement::Colocated {
-            num_hosts,
-            workers_per_host,
-        } => {
+        Placement::Colocated { num_hosts, workers_per_host } => {
             let (cpus, gpus) = (need.cpus * workers_per_host, need.gpus * workers_per_host);
-            let fitting = hosts
-                .iter()
-                .enumerate()
-                .filter(|(_, h)| h.cpus >= cpus && h.gpus.len() as u64 >= u64::from(gpus));
+            let fitting =
+                hosts.iter().enumerate().filter(|(_, h)| h.cpus >= cpus && h.gpus.len() as u64 >= u64::from(gpus));
             let chosen: Vec<(usize, &HostResources)> = fitting.take(num_hosts as usize).collect();
             if chosen.len() < num_hosts as usize {
                 return Err(infeasible());
@@ -137,28 +114,23 @@ pub fn place(
             for (index, host) in chosen {
                 for worker in 0..workers_per_host as usize {
                     let g = need.gpus as usize;
-                    placed.push(PlacedWorker {
-                        host: index,
-                        gpu_ids: host.gpus[worker * g..(worker + 1) * g].to_vec(),
-                    });
+                    placed
+                        .push(PlacedWorker { host: index, gpu_ids: host.gpus[worker * g..(worker + 1) * g].to_vec() });
                 }
             }
         }
         Placement::Pack { num_workers } => {
             let mut used: Vec<(u32, usize)> = vec![(0, 0); hosts.len()];
             for _ in 0..num_workers {
-                let fit = hosts.iter().enumerate().find(|(i, h)| {
-                    used[*i].0 + need.cpus <= h.cpus
-                        && used[*i].1 + need.gpus as usize <= h.gpus.len()
-                });
+                let fit = hosts
+                    .iter()
+                    .enumerate()
+                    .find(|(i, h)| used[*i].0 + need.cpus <= h.cpus && used[*i].1 + need.gpus as usize <= h.gpus.len());
                 let (index, host) = fit.ok_or_else(infeasible)?;
                 let first_gpu = used[index].1;
                 used[index].0 += need.cpus;
                 used[index].1 += need.gpus as usize;
-                placed.push(PlacedWorker {
-                    host: index,
-                    gpu_ids: host.gpus[first_gpu..used[index].1].to_vec(),
-                });
+                placed.push(PlacedWorker { host: index, gpu_ids: host.gpus[first_gpu..used[index].1].to_vec() });
             }
         }
     }
@@ -174,17 +146,10 @@ fn plural(n: u32, one: &str) -> String {
 }
 
 fn describe_request(placement: Placement, need: WorkerResources) -> String {
-    let each = format!(
-        "{} and {} each",
-        plural(need.cpus, "CPU"),
-        plural(need.gpus, "GPU")
-    );
+    let each = format!("{} and {} each", plural(need.cpus, "CPU"), plural(need.gpus, "GPU"));
     match placement {
         Placement::Pack { num_workers } => format!("{} with {each}", plural(num_workers, "worker")),
-        Placement::Colocated {
-            num_hosts,
-            workers_per_host,
-        } => format!(
+        Placement::Colocated { num_hosts, workers_per_host } => format!(
             "{} x {} per host (one host each) with {each}",
             plural(num_hosts, "host"),
             plural(workers_per_host, "worker")
@@ -198,24 +163,14 @@ fn describe_hosts(hosts: &[HostResources]) -> String {
     }
     let parts: Vec<String> = hosts
         .iter()
-        .map(|h| {
-            format!(
-                "{} ({}, {})",
-                h.hostname,
-                plural(h.cpus, "CPU"),
-                plural(h.gpus.len() as u32, "GPU")
-            )
-        })
+        .map(|h| format!("{} ({}, {})", h.hostname, plural(h.cpus, "CPU"), plural(h.gpus.len() as u32, "GPU")))
         .collect();
     format!("available are {}", parts.join(", "))
 }
 
 /// `CUDA_VISIBLE_DEVICES` per rank: every rank of a node sees the GPU ids of
 /// all that node's ranks, in rank order; `None` where the node has no GPUs.
-pub fn cuda_visible_devices<S: AsRef<str>>(
-    node_of_rank: &[S],
-    gpus_of_rank: &[Vec<u32>],
-) -> Vec<Option<String>> {
+pub fn cuda_visible_devices<S: AsRef<str>>(node_of_rank: &[S], gpus_of_rank: &[Vec<u32>]) -> Vec<Option<String>> {
     node_of_rank
         .iter()
         .map(|node| {
@@ -236,26 +191,13 @@ mod tests {
     use proptest::prelude::*;
 
     fn host(name: &str, cpus: u32, gpus: u32) -> HostResources {
-        HostResources {
-            hostname: name.into(),
-            node_id: name.into(),
-            cpus,
-            gpus: (0..gpus).collect(),
-        }
+        HostResources { hostname: name.into(), node_id: name.into(), cpus, gpus: (0..gpus).collect() }
     }
 
     #[test]
     fn counts_follow_upstream_rules() {
-        assert_eq!(
-            Placement::from_counts(Some(4), None, None).unwrap(),
-            Placement::Pack { num_workers: 4 }
-        );
-        assert_eq!(
-            Placement::from_counts(None, Some(2), Some(3))
-                .unwrap()
-                .num_workers(),
-            6
-        );
+        assert_eq!(Placement::from_counts(Some(4), None, None).unwrap(), Placement::Pack { num_workers: 4 });
+        assert_eq!(Placement::from_counts(None, Some(2), Some(3)).unwrap().num_workers(), 6);
         for (w, h, p, needle) in [
             (Some(4), Some(2), Some(2), "not both"),
             (None, Some(2), None, "needs num_workers_per_host"),
@@ -269,43 +211,19 @@ mod tests {
         assert_eq!(resolve_gpus_per_worker(true, None).unwrap(), 1);
         assert_eq!(resolve_gpus_per_worker(true, Some(2)).unwrap(), 2);
         assert_eq!(resolve_gpus_per_worker(false, None).unwrap(), 0);
-        assert!(resolve_gpus_per_worker(false, Some(1))
-            .unwrap_err()
-            .to_string()
-            .contains("use_gpu"));
+        assert!(resolve_gpus_per_worker(false, Some(1)).unwrap_err().to_string().contains("use_gpu"));
     }
 
     #[test]
     fn colocated_takes_distinct_hosts_in_order() {
-        let hosts = [
-            host("a", 1, 0),
-            host("b", 4, 2),
-            host("c", 4, 2),
-            host("d", 8, 4),
-        ];
+        let hosts = [host("a", 1, 0), host("b", 4, 2), host("c", 4, 2), host("d", 8, 4)];
         let need = WorkerResources { cpus: 2, gpus: 1 };
-        let placed = place(
-            Placement::Colocated {
-                num_hosts: 2,
-                workers_per_host: 2,
-            },
-            need,
-            &hosts,
-        )
-        .unwrap();
+        let placed = place(Placement::Colocated { num_hosts: 2, workers_per_host: 2 }, need, &hosts).unwrap();
         let hosts_of: Vec<usize> = placed.iter().map(|p| p.host).collect();
         assert_eq!(hosts_of, [1, 1, 2, 2]);
         assert_eq!(placed[0].gpu_ids, [0]);
         assert_eq!(placed[1].gpu_ids, [1]);
-        let err = place(
-            Placement::Colocated {
-                num_hosts: 4,
-                workers_per_host: 2,
-            },
-            need,
-            &hosts,
-        )
-        .unwrap_err();
+        let err = place(Placement::Colocated { num_hosts: 4, workers_per_host: 2 }, need, &hosts).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("4 hosts x 2 workers per host"), "{msg}");
         assert!(msg.contains("a (1 CPU, 0 GPUs)"), "{msg}");
@@ -314,32 +232,13 @@ mod tests {
     #[test]
     fn pack_fills_hosts_in_order() {
         let hosts = [host("a", 3, 0), host("b", 4, 0)];
-        let placed = place(
-            Placement::Pack { num_workers: 5 },
-            WorkerResources::default(),
-            &hosts,
-        )
-        .unwrap();
+        let placed = place(Placement::Pack { num_workers: 5 }, WorkerResources::default(), &hosts).unwrap();
         let hosts_of: Vec<usize> = placed.iter().map(|p| p.host).collect();
         assert_eq!(hosts_of, [0, 0, 0, 1, 1]);
-        let err = place(
-            Placement::Pack { num_workers: 8 },
-            WorkerResources::default(),
-            &hosts,
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string()
-                .starts_with("cannot place 8 workers with 1 CPU and 0 GPUs each"),
-            "{err}"
-        );
+        let err = place(Placement::Pack { num_workers: 8 }, WorkerResources::default(), &hosts).unwrap_err();
+        assert!(err.to_string().starts_with("cannot place 8 workers with 1 CPU and 0 GPUs each"), "{err}");
         let gpu = [host("g", 8, 3)];
-        let err = place(
-            Placement::Pack { num_workers: 2 },
-            WorkerResources { cpus: 1, gpus: 2 },
-            &gpu,
-        )
-        .unwrap_err();
+        let err = place(Placement::Pack { num_workers: 2 }, WorkerResources { cpus: 1, gpus: 2 }, &gpu).unwrap_err();
         assert!(err.to_string().contains("g (8 CPUs, 3 GPUs)"), "{err}");
     }
 
@@ -348,15 +247,7 @@ mod tests {
         let nodes = ["a", "b", "a", "b"];
         let gpus = vec![vec![0], vec![3], vec![1], vec![2]];
         let vis = cuda_visible_devices(&nodes, &gpus);
-        assert_eq!(
-            vis,
-            [
-                Some("0,1".into()),
-                Some("3,2".into()),
-                Some("0,1".into()),
-                Some("3,2".into())
-            ]
-        );
+        assert_eq!(vis, [Some("0,1".into()), Some("3,2".into()), Some("0,1".into()), Some("3,2".into())]);
         assert_eq!(cuda_visible_devices(&["a"], &[vec![]]), [None]);
     }
 

@@ -48,11 +48,7 @@ impl Coordinator {
 
     /// `"nodeA:2,nodeB:2"` in node order.
     pub fn node_id_string(&self) -> String {
-        let parts: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|(id, ranks)| format!("{id}:{}", ranks.len()))
-            .collect();
+        let parts: Vec<String> = self.nodes.iter().map(|(id, ranks)| format!("{id}:{}", ranks.len())).collect();
         parts.join(",")
     }
 
@@ -71,9 +67,7 @@ impl Coordinator {
         for (_, ranks) in &self.nodes {
             for (local_rank, &rank) in ranks.iter().enumerate() {
                 let slot = cross_ranks.get_mut(rank as usize).ok_or_else(|| {
-                    TopologyError::Registration(format!(
-                        "rank {rank} registered but the job has only {size} ranks"
-                    ))
+                    TopologyError::Registration(format!("rank {rank} registered but the job has only {size} ranks"))
                 })?;
                 if cross_sizes.len() <= local_rank {
                     cross_sizes.resize(local_rank + 1, 0);
@@ -86,9 +80,7 @@ impl Coordinator {
             for (local_rank, &rank) in ranks.iter().enumerate() {
                 let entry = &mut out[rank as usize];
                 if entry.is_some() {
-                    return Err(TopologyError::Registration(format!(
-                        "rank {rank} registered twice"
-                    )));
+                    return Err(TopologyError::Registration(format!("rank {rank} registered twice")));
                 }
                 *entry = Some(RankInfo {
                     rank,
@@ -102,10 +94,7 @@ impl Coordinator {
             }
         }
         // size entries and no duplicates means every rank 0..size is present
-        Ok(out
-            .into_iter()
-            .map(|r| r.expect("each rank exactly once"))
-            .collect())
+        Ok(out.into_iter().map(|r| r.expect("each rank exactly once")).collect())
     }
 }
 
@@ -120,18 +109,11 @@ pub struct Slot {
 /// Horovod's `get_host_assignments`: fill hosts in list order, ranks
 /// consecutive within a host, stopping at `max_np`; fewer than `min_np`
 /// slots is an error.
-pub fn host_assignments(
-    hosts: &[HostSpec],
-    min_np: u64,
-    max_np: Option<u64>,
-) -> Result<Vec<Slot>, TopologyError> {
+pub fn host_assignments(hosts: &[HostSpec], min_np: u64, max_np: Option<u64>) -> Result<Vec<Slot>, TopologyError> {
     let available = crate::hosts::total_slots(hosts);
     let size = max_np.map_or(available, |m| m.min(available));
     if size < min_np {
-        return Err(TopologyError::NotEnoughSlots {
-            requested: min_np,
-            available,
-        });
+        return Err(TopologyError::NotEnoughSlots { requested: min_np, available });
     }
     if size == 0 {
         return Err(TopologyError::NoProcesses(size));
@@ -149,11 +131,7 @@ pub fn host_assignments(
         }
     }
     let infos = coordinator.finalize()?;
-    Ok(host_of_rank
-        .into_iter()
-        .zip(infos)
-        .map(|(host, info)| Slot { host, info })
-        .collect())
+    Ok(host_of_rank.into_iter().zip(infos).map(|(host, info)| Slot { host, info }).collect())
 }
 
 #[cfg(test)]
@@ -163,10 +141,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn tuples(infos: &[RankInfo]) -> Vec<(u32, u32, u32, u32)> {
-        infos
-            .iter()
-            .map(|i| (i.local_rank, i.local_size, i.cross_rank, i.cross_size))
-            .collect()
+        infos.iter().map(|i| (i.local_rank, i.local_size, i.cross_rank, i.cross_size)).collect()
     }
 
     fn coordinate(nodes: &[&str]) -> Coordinator {
@@ -180,25 +155,17 @@ mod tests {
     #[test]
     fn coordinator_examples_from_horovod() {
         let c = coordinate(&["a", "b", "a", "b"]);
-        assert_eq!(
-            tuples(&c.finalize().unwrap()),
-            [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]
-        );
+        assert_eq!(tuples(&c.finalize().unwrap()), [(0, 2, 0, 2), (0, 2, 1, 2), (1, 2, 0, 2), (1, 2, 1, 2)]);
         assert_eq!(c.node_id_string(), "a:2,b:2");
 
         let c = coordinate(&["a", "a", "b"]);
-        assert_eq!(
-            tuples(&c.finalize().unwrap()),
-            [(0, 2, 0, 2), (1, 2, 0, 1), (0, 1, 1, 2)]
-        );
+        assert_eq!(tuples(&c.finalize().unwrap()), [(0, 2, 0, 2), (1, 2, 0, 1), (0, 1, 1, 2)]);
         assert_eq!(c.node_id_string(), "a:2,b:1");
 
         let names = ["n0", "n1", "n2"];
         let nodes: Vec<&str> = (0..12).map(|r| names[r % 3]).collect();
         let infos = coordinate(&nodes).finalize().unwrap();
-        assert!(infos
-            .iter()
-            .all(|i| i.local_size == 4 && i.cross_size == 3 && i.size == 12));
+        assert!(infos.iter().all(|i| i.local_size == 4 && i.cross_size == 3 && i.size == 12));
     }
 
     #[test]
@@ -219,10 +186,7 @@ mod tests {
             .iter()
             .map(|s| {
                 let i = &s.info;
-                format!(
-                    "{},{},{},{},{},{}",
-                    i.rank, i.size, i.local_rank, i.local_size, i.cross_rank, i.cross_size
-                )
+                format!("{},{},{},{},{},{}", i.rank, i.size, i.local_rank, i.local_size, i.cross_rank, i.cross_size)
             })
             .collect();
         rows.join(" | ")
@@ -230,18 +194,9 @@ mod tests {
 
     #[test]
     fn host_assignment_examples_from_horovod() {
-        assert_eq!(
-            rows("worker-0:2,worker-1:2", 4, Some(4)),
-            "0,4,0,2,0,2 | 1,4,1,2,0,2 | 2,4,0,2,1,2 | 3,4,1,2,1,2"
-        );
-        assert_eq!(
-            rows("worker-0:2,worker-1:2", 1, Some(2)),
-            "0,2,0,2,0,1 | 1,2,1,2,0,1"
-        );
-        assert_eq!(
-            rows("worker-0:1,worker-1:2", 3, Some(3)),
-            "0,3,0,1,0,2 | 1,3,0,2,1,2 | 2,3,1,2,0,1"
-        );
+        assert_eq!(rows("worker-0:2,worker-1:2", 4, Some(4)), "0,4,0,2,0,2 | 1,4,1,2,0,2 | 2,4,0,2,1,2 | 3,4,1,2,1,2");
+        assert_eq!(rows("worker-0:2,worker-1:2", 1, Some(2)), "0,2,0,2,0,1 | 1,2,1,2,0,1");
+        assert_eq!(rows("worker-0:1,worker-1:2", 3, Some(3)), "0,3,0,1,0,2 | 1,3,0,2,1,2 | 2,3,1,2,0,1");
         // no maximum: one process per slot
         assert_eq!(rows("a:1,b:1", 1, None), "0,2,0,1,0,2 | 1,2,0,1,1,2");
     }
@@ -250,14 +205,8 @@ mod tests {
     fn too_many_processes_is_horovods_error() {
         let hosts = parse_host_list("a:2,b:2").unwrap();
         let err = host_assignments(&hosts, 5, Some(5)).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "Requested more processes (5) than there are available slots (4)"
-        );
-        assert!(matches!(
-            host_assignments(&hosts, 0, Some(0)),
-            Err(TopologyError::NoProcesses(0))
-        ));
+        assert_eq!(err.to_string(), "Requested more processes (5) than there are available slots (4)");
+        assert!(matches!(host_assignments(&hosts, 0, Some(0)), Err(TopologyError::NoProcesses(0))));
     }
 
     proptest! {

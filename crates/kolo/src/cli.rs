@@ -6,11 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "kolo",
-    version,
-    about = "Start and run data-parallel training jobs across machines"
-)]
+#[command(name = "kolo", version, about = "Start and run data-parallel training jobs across machines")]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -42,20 +38,10 @@ pub struct RunArgs {
     #[arg(short = 'n', long = "np", visible_alias = "num-proc", value_name = "N")]
     pub np: Option<u64>,
     /// Hosts and slots: host1:4,host2:4 (a host without :N has one slot).
-    #[arg(
-        short = 'H',
-        long = "hosts",
-        visible_alias = "host",
-        value_name = "HOSTS",
-        conflicts_with = "hostfile"
-    )]
+    #[arg(short = 'H', long = "hosts", visible_alias = "host", value_name = "HOSTS", conflicts_with = "hostfile")]
     pub hosts: Option<String>,
     /// File with one host a line: 'host slots=N' or 'host:N'.
-    #[arg(
-        long = "hostfile",
-        visible_alias = "hostfile-path",
-        value_name = "FILE"
-    )]
+    #[arg(long = "hostfile", visible_alias = "hostfile-path", value_name = "FILE")]
     pub hostfile: Option<PathBuf>,
     /// Seconds to wait for every worker to start and rendezvous.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
@@ -88,11 +74,7 @@ pub struct RunArgs {
     #[arg(short, long)]
     pub verbose: bool,
     /// The command each rank runs.
-    #[arg(
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "COMMAND"
-    )]
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
 }
 
@@ -131,11 +113,7 @@ pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString>
         }
         if !in_command && arg == "-np" {
             out.push(OsString::from("--np"));
-        } else if let Some(rest) = arg
-            .to_str()
-            .and_then(|s| s.strip_prefix("-np="))
-            .filter(|_| !in_command)
-        {
+        } else if let Some(rest) = arg.to_str().and_then(|s| s.strip_prefix("-np=")).filter(|_| !in_command) {
             out.push(OsString::from(format!("--np={rest}")));
         } else {
             out.push(arg);

@@ -15,10 +15,7 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
     init_logging(cli.verbose());
     raise_fd_limit();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kolo: cannot start the async runtime: {e}");
@@ -42,16 +39,8 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(verbose: bool) {
-    let level = if verbose {
-        tracing::Level::DEBUG
-    } else {
-        tracing::Level::WARN
-    };
-    tracing_subscriber::fmt()
-        .with_max_level(level)
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .init();
+    let level = if verbose { tracing::Level::DEBUG } else { tracing::Level::WARN };
+    tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).with_target(false).init();
 }
 
 /// Many ranks and many rendezvous connections need descriptors; take what

@@ -5,9 +5,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use kolo_exec::{plan_job, run_job, LaunchSpec, OutputOptions};
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
-use kolo_topology::{
-    host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET,
-};
+use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET};
 use nix::sys::signal::Signal;
 
 use crate::cli::{RendezvousArgs, RunArgs};
@@ -19,10 +17,7 @@ pub async fn run(args: RunArgs) -> Result<i32> {
     }
     let outcome = run_job(spec, stop_signal()).await?;
     if let Some(f) = &outcome.failure {
-        eprintln!(
-            "kolo: rank {} on host {} {}; it failed first, so the job was stopped",
-            f.rank, f.host, f.cause
-        );
+        eprintln!("kolo: rank {} on host {} {}; it failed first, so the job was stopped", f.rank, f.host, f.cause);
         if !f.stderr_tail.is_empty() {
             eprintln!("kolo: last lines of rank {}'s stderr:", f.rank);
             for line in &f.stderr_tail {
@@ -31,10 +26,7 @@ pub async fn run(args: RunArgs) -> Result<i32> {
         }
     }
     if let Some(signal) = outcome.interrupted_by {
-        eprintln!(
-            "kolo: stopped by {}; every rank was terminated",
-            signal.as_str()
-        );
+        eprintln!("kolo: stopped by {}; every rank was terminated", signal.as_str());
     }
     Ok(outcome.exit_code)
 }
@@ -53,10 +45,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         bail!("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py");
     }
     if !(args.kill_grace.is_finite() && args.kill_grace >= 0.0) {
-        bail!(
-            "--kill-grace must be a non-negative number of seconds, got {}",
-            args.kill_grace
-        );
+        bail!("--kill-grace must be a non-negative number of seconds, got {}", args.kill_grace);
     }
     if args.start_timeout == 0 {
         bail!("--start-timeout must be at least 1 second");
@@ -81,8 +70,8 @@ fn hosts(args: &RunArgs) -> Result<Vec<HostSpec>> {
     Ok(match (&args.hosts, &args.hostfile) {
         (Some(list), _) => parse_host_list(list)?,
         (None, Some(path)) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read host file {}", path.display()))?;
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("cannot read host file {}", path.display()))?;
             parse_hostfile(&text).with_context(|| format!("host file {}", path.display()))?
         }
         (None, None) => {
@@ -100,18 +89,14 @@ fn extra_env(exports: &[String], envs: &[String]) -> Result<Vec<(String, String)
             Some((name, value)) => out.push((checked_name(name, "-x")?, value.to_string())),
             None => {
                 let value = std::env::var(item).with_context(|| {
-                    format!(
-                        "-x {item}: {item} is not set here; use -x {item}=VALUE to give a value"
-                    )
+                    format!("-x {item}: {item} is not set here; use -x {item}=VALUE to give a value")
                 })?;
                 out.push((checked_name(item, "-x")?, value));
             }
         }
     }
     for item in envs {
-        let (name, value) = item
-            .split_once('=')
-            .with_context(|| format!("--env '{item}': expected KEY=VALUE"))?;
+        let (name, value) = item.split_once('=').with_context(|| format!("--env '{item}': expected KEY=VALUE"))?;
         out.push((checked_name(name, "--env")?, value.to_string()));
     }
     Ok(out)
@@ -162,11 +147,9 @@ fn dry_run(spec: &LaunchSpec) -> Result<i32> {
 /// Resolves with the first SIGINT, SIGTERM or SIGHUP kolo receives.
 pub async fn stop_signal() -> Signal {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term), Ok(mut hup)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-        signal(SignalKind::hangup()),
-    ) else {
+    let (Ok(mut int), Ok(mut term), Ok(mut hup)) =
+        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()))
+    else {
         tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
         return std::future::pending().await;
     };

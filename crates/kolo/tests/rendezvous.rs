@@ -36,9 +36,7 @@ print("sum", total)
 
 #[test]
 fn workers_rendezvous_on_the_jobs_server() {
-    let out = run(&[
-        "run", "-np", "4", "-H", "a:2,b:2", "--", "python3", "-c", GLOO_LIKE,
-    ]);
+    let out = run(&["run", "-np", "4", "-H", "a:2,b:2", "--", "python3", "-c", GLOO_LIKE]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let sums: Vec<&str> = text.lines().filter(|l| l.ends_with("sum 60")).collect();
@@ -47,12 +45,8 @@ fn workers_rendezvous_on_the_jobs_server() {
 
 fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
     let mut s = TcpStream::connect(addr).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: {}\r\n\r\n", body.len())
+        .unwrap();
     s.write_all(body).unwrap();
     let mut response = Vec::new();
     s.read_to_end(&mut response).unwrap();
@@ -65,22 +59,12 @@ fn http(addr: &str, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
 #[test]
 fn kolo_rendezvous_serves_until_stopped() {
     let mut server = kolo()
-        .args([
-            "rendezvous",
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--plan",
-            "h1:2,h2:1",
-        ])
+        .args(["rendezvous", "--bind", "127.0.0.1", "--port", "0", "--plan", "h1:2,h2:1"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
     let mut first = String::new();
-    BufReader::new(server.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
+    BufReader::new(server.stdout.take().unwrap()).read_line(&mut first).unwrap();
     let addr = first.trim().to_string();
     assert!(addr.starts_with("127.0.0.1:"), "{addr}");
     assert_eq!(http(&addr, "PUT", "/local_h1/k", b"v"), (200, vec![]));
@@ -89,16 +73,9 @@ fn kolo_rendezvous_serves_until_stopped() {
     assert_eq!(http(&addr, "GET", "/local_h1/k", b"").0, 200);
     assert_eq!(http(&addr, "DELETE", "/local_h1/1", b"").0, 200);
     assert_eq!(http(&addr, "GET", "/local_h1/k", b"").0, 404);
-    assert_eq!(
-        http(&addr, "GET", "/rank_and_size/h2:0", b""),
-        (200, b"2,3,0,1,1,2".to_vec())
-    );
+    assert_eq!(http(&addr, "GET", "/rank_and_size/h2:0", b""), (200, b"2,3,0,1,1,2".to_vec()));
     assert_eq!(http(&addr, "GET", "/nokey", b"").0, 400);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(server.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(server.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     assert!(server.wait().unwrap().success());
 }
 
@@ -106,16 +83,8 @@ fn kolo_rendezvous_serves_until_stopped() {
 fn kolo_rendezvous_rejects_bad_arguments() {
     let out = run(&["rendezvous", "--plan", "a:zero"]);
     assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("host list 'a:zero'"),
-        "{}",
-        stderr(&out)
-    );
-    let out = kolo()
-        .args(["rendezvous", "--require-secret"])
-        .env_remove("KOLO_SECRET")
-        .output()
-        .unwrap();
+    assert!(stderr(&out).contains("host list 'a:zero'"), "{}", stderr(&out));
+    let out = kolo().args(["rendezvous", "--require-secret"]).env_remove("KOLO_SECRET").output().unwrap();
     assert!(!out.status.success());
     assert!(stderr(&out).contains("KOLO_SECRET"), "{}", stderr(&out));
 }

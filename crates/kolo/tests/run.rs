@@ -9,27 +9,11 @@ use serde_json::Value;
 
 #[test]
 fn four_ranks_print_prefixed_lines() {
-    let out = run(&[
-        "run",
-        "-np",
-        "4",
-        "--",
-        "sh",
-        "-c",
-        "echo $HOROVOD_RANK $HOROVOD_SIZE $LOCAL_RANK",
-    ]);
+    let out = run(&["run", "-np", "4", "--", "sh", "-c", "echo $HOROVOD_RANK $HOROVOD_SIZE $LOCAL_RANK"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
     lines.sort();
-    assert_eq!(
-        lines,
-        [
-            "[0]<stdout>:0 4 0",
-            "[1]<stdout>:1 4 1",
-            "[2]<stdout>:2 4 2",
-            "[3]<stdout>:3 4 3"
-        ]
-    );
+    assert_eq!(lines, ["[0]<stdout>:0 4 0", "[1]<stdout>:1 4 1", "[2]<stdout>:2 4 2", "[3]<stdout>:3 4 3"]);
 }
 
 fn dry_run(args: &[&str]) -> Vec<Value> {
@@ -38,10 +22,7 @@ fn dry_run(args: &[&str]) -> Vec<Value> {
     all.extend_from_slice(&["--", "true"]);
     let out = run(&all);
     assert!(out.status.success(), "{}", stderr(&out));
-    stdout(&out)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    stdout(&out).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
 }
 
 fn rows(plan: &[Value]) -> String {
@@ -64,22 +45,10 @@ fn rows(plan: &[Value]) -> String {
 #[test]
 fn dry_run_follows_horovods_host_assignment() {
     for (hosts, np, expected) in [
-        (
-            "worker-0:2,worker-1:2",
-            "4",
-            "0,4,0,2,0,2 | 1,4,1,2,0,2 | 2,4,0,2,1,2 | 3,4,1,2,1,2",
-        ),
+        ("worker-0:2,worker-1:2", "4", "0,4,0,2,0,2 | 1,4,1,2,0,2 | 2,4,0,2,1,2 | 3,4,1,2,1,2"),
         ("worker-0:2,worker-1:2", "2", "0,2,0,2,0,1 | 1,2,1,2,0,1"),
-        (
-            "worker-0:1,worker-1:2",
-            "3",
-            "0,3,0,1,0,2 | 1,3,0,2,1,2 | 2,3,1,2,0,1",
-        ),
-        (
-            "a:3,b:1,c:2",
-            "5",
-            "0,5,0,3,0,3 | 1,5,1,3,0,1 | 2,5,2,3,0,1 | 3,5,0,1,1,3 | 4,5,0,1,2,3",
-        ),
+        ("worker-0:1,worker-1:2", "3", "0,3,0,1,0,2 | 1,3,0,2,1,2 | 2,3,1,2,0,1"),
+        ("a:3,b:1,c:2", "5", "0,5,0,3,0,3 | 1,5,1,3,0,1 | 2,5,2,3,0,1 | 3,5,0,1,1,3 | 4,5,0,1,2,3"),
     ] {
         let plan = dry_run(&["-np", np, "-H", hosts]);
         assert_eq!(rows(&plan), expected, "{hosts} -np {np}");
@@ -125,59 +94,21 @@ fn bad_input_is_a_clear_error() {
             vec!["run", "-np", "2", "-H", "a:x", "--", "true"],
             "host list 'a:x': slot count must be a positive integer, got 'x'",
         ),
-        (
-            vec!["run", "-np", "2", "-H", "a:0", "--", "true"],
-            "got '0'",
-        ),
-        (
-            vec!["run", "-np", "2", "-H", ":2", "--", "true"],
-            "host name is empty",
-        ),
-        (
-            vec!["run", "-np", "2", "-H", "a:1,a:1", "--", "true"],
-            "'a' is listed twice",
-        ),
-        (
-            vec!["run", "--hostfile", hf, "--", "true"],
-            "line 2 'b slots=zero'",
-        ),
-        (
-            vec!["run", "--hostfile", "/nonexistent/hosts", "--", "true"],
-            "cannot read host file /nonexistent/hosts",
-        ),
-        (
-            vec!["run", "-np", "0", "--", "true"],
-            "-np must be at least 1",
-        ),
+        (vec!["run", "-np", "2", "-H", "a:0", "--", "true"], "got '0'"),
+        (vec!["run", "-np", "2", "-H", ":2", "--", "true"], "host name is empty"),
+        (vec!["run", "-np", "2", "-H", "a:1,a:1", "--", "true"], "'a' is listed twice"),
+        (vec!["run", "--hostfile", hf, "--", "true"], "line 2 'b slots=zero'"),
+        (vec!["run", "--hostfile", "/nonexistent/hosts", "--", "true"], "cannot read host file /nonexistent/hosts"),
+        (vec!["run", "-np", "0", "--", "true"], "-np must be at least 1"),
         (vec!["run", "-np", "2"], "no command given"),
+        (vec!["run", "--", "true"], "give the number of processes with -np"),
         (
-            vec!["run", "--", "true"],
-            "give the number of processes with -np",
-        ),
-        (
-            vec![
-                "run",
-                "-np",
-                "1",
-                "-x",
-                "KOLO_TEST_SURELY_UNSET",
-                "--",
-                "true",
-            ],
+            vec!["run", "-np", "1", "-x", "KOLO_TEST_SURELY_UNSET", "--", "true"],
             "KOLO_TEST_SURELY_UNSET is not set here",
         ),
-        (
-            vec!["run", "-np", "1", "--env", "NOEQUALS", "--", "true"],
-            "expected KEY=VALUE",
-        ),
-        (
-            vec!["run", "-np", "1", "--env", "1BAD=x", "--", "true"],
-            "not a valid variable name",
-        ),
-        (
-            vec!["run", "-np", "1", "--kill-grace", "-1", "--", "true"],
-            "kill-grace",
-        ),
+        (vec!["run", "-np", "1", "--env", "NOEQUALS", "--", "true"], "expected KEY=VALUE"),
+        (vec!["run", "-np", "1", "--env", "1BAD=x", "--", "true"], "not a valid variable name"),
+        (vec!["run", "-np", "1", "--kill-grace", "-1", "--", "true"], "kill-grace"),
         (vec!["run", "-np", "x", "--", "true"], "invalid value 'x'"),
     ] {
         let out = run(&args);
@@ -198,10 +129,7 @@ fn a_failing_rank_stops_the_job_with_its_code_and_stderr() {
     let out = run(&["run", "-np", "4", "--", "sh", "-c", &script]);
     assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
     let err = stderr(&out);
-    assert!(
-        err.contains("rank 2 on host localhost exited with code 3"),
-        "{err}"
-    );
+    assert!(err.contains("rank 2 on host localhost exited with code 3"), "{err}");
     assert!(err.contains("kolo:   bad things\nkolo:   worse"), "{err}");
     assert!(err.contains("[2]<stderr>:bad things"), "{err}");
     for pid in pids_in(dir.path()) {
@@ -211,21 +139,9 @@ fn a_failing_rank_stops_the_job_with_its_code_and_stderr() {
 
 #[test]
 fn a_rank_killed_by_a_signal_is_reported_with_128_plus_the_signal() {
-    let out = run(&[
-        "run",
-        "-np",
-        "2",
-        "--",
-        "sh",
-        "-c",
-        "[ $RANK = 1 ] && kill -9 $$; exec sleep 1000",
-    ]);
+    let out = run(&["run", "-np", "2", "--", "sh", "-c", "[ $RANK = 1 ] && kill -9 $$; exec sleep 1000"]);
     assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
-    assert!(
-        stderr(&out).contains("rank 1 on host localhost was killed by signal 9 (SIGKILL)"),
-        "{}",
-        stderr(&out)
-    );
+    assert!(stderr(&out).contains("rank 1 on host localhost was killed by signal 9 (SIGKILL)"), "{}", stderr(&out));
 }
 
 #[test]
@@ -233,17 +149,7 @@ fn no_process_is_left_behind_when_ranks_leave_children() {
     let dir = TempDir::new("orphans");
     // every rank starts a background grandchild and exits at once
     let script = format!("sleep 1000 & echo $! > {}/$RANK.pid", dir.path().display());
-    let out = run(&[
-        "run",
-        "-np",
-        "3",
-        "--kill-grace",
-        "0.5",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let out = run(&["run", "-np", "3", "--kill-grace", "0.5", "--", "sh", "-c", &script]);
     assert!(out.status.success(), "{}", stderr(&out));
     let pids = pids_in(dir.path());
     assert_eq!(pids.len(), 3);
@@ -259,17 +165,7 @@ fn ranks_ignoring_sigterm_are_killed_after_the_grace_period() {
         "trap '' TERM; echo $$ > {d}/$RANK.pid; [ $RANK = 0 ] && exit 4; while :; do sleep 0.05; done",
         d = dir.path().display()
     );
-    let out = run(&[
-        "run",
-        "-np",
-        "3",
-        "--kill-grace",
-        "0.3",
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let out = run(&["run", "-np", "3", "--kill-grace", "0.3", "--", "sh", "-c", &script]);
     assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
     for pid in pids_in(dir.path()) {
         assert!(!alive(pid), "{pid} survived SIGKILL");
@@ -278,32 +174,20 @@ fn ranks_ignoring_sigterm_are_killed_after_the_grace_period() {
 
 #[test]
 fn sigterm_and_sigint_to_kolo_tear_the_job_down() {
-    for (signal, code) in [
-        (nix::sys::signal::Signal::SIGTERM, 143),
-        (nix::sys::signal::Signal::SIGINT, 130),
-    ] {
+    for (signal, code) in [(nix::sys::signal::Signal::SIGTERM, 143), (nix::sys::signal::Signal::SIGINT, 130)] {
         let dir = TempDir::new(&format!("sig{}", signal as i32));
-        let script = format!(
-            "sleep 1000 & echo $$ $! > {}/$RANK.pid; wait",
-            dir.path().display()
-        );
+        let script = format!("sleep 1000 & echo $$ $! > {}/$RANK.pid; wait", dir.path().display());
         let child = kolo()
             .args(["run", "-np", "3", "--", "sh", "-c", &script])
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
-        wait_for("all ranks to start", Duration::from_secs(20), || {
-            pids_in(dir.path()).len() == 6
-        });
+        wait_for("all ranks to start", Duration::from_secs(20), || pids_in(dir.path()).len() == 6);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).unwrap();
         let out = child.wait_with_output().unwrap();
         assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
-        assert!(
-            stderr(&out).contains(&format!("stopped by {}", signal.as_str())),
-            "{}",
-            stderr(&out)
-        );
+        assert!(stderr(&out).contains(&format!("stopped by {}", signal.as_str())), "{}", stderr(&out));
         for pid in pids_in(dir.path()) {
             assert!(!alive(pid), "{pid} outlived kolo's {signal}");
         }
@@ -342,35 +226,18 @@ fn output_options() {
         "echo out $RANK; echo err $RANK >&2",
     ]);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert_eq!(
-        std::fs::read_to_string(out_dir.join("rank.03/stdout")).unwrap(),
-        "out 3\n"
-    );
-    assert_eq!(
-        std::fs::read_to_string(out_dir.join("rank.10/stderr")).unwrap(),
-        "err 10\n"
-    );
+    assert_eq!(std::fs::read_to_string(out_dir.join("rank.03/stdout")).unwrap(), "out 3\n");
+    assert_eq!(std::fs::read_to_string(out_dir.join("rank.10/stderr")).unwrap(), "err 10\n");
     assert!(stdout(&out).contains("[10]<stdout>:out 10\n"));
 
     // \r ends a line too, and a last partial line keeps its prefix
     let out = run(&["run", "-np", "1", "--", "printf", "a\\rb\\nc"]);
-    assert_eq!(
-        stdout(&out),
-        "[0]<stdout>:a\r[0]<stdout>:b\n[0]<stdout>:c\n"
-    );
+    assert_eq!(stdout(&out), "[0]<stdout>:a\r[0]<stdout>:b\n[0]<stdout>:c\n");
 
     let out = run(&["run", "-np", "1", "--disable-prefix", "--", "echo", "plain"]);
     assert_eq!(stdout(&out), "plain\n");
 
-    let out = run(&[
-        "run",
-        "-np",
-        "1",
-        "--prefix-output-with-timestamp",
-        "--",
-        "echo",
-        "t",
-    ]);
+    let out = run(&["run", "-np", "1", "--prefix-output-with-timestamp", "--", "echo", "t"]);
     let line = stdout(&out);
     // asctime, e.g. "Wed Dec  2 14:01:33 2026[0]<stdout>:t"
     let (time, rest) = line.split_at(24);
@@ -394,10 +261,7 @@ fn environment_forwarding_and_overrides() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     for line in stdout(&out).lines() {
-        assert!(
-            line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret"),
-            "{line}"
-        );
+        assert!(line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret"), "{line}");
     }
 }
 

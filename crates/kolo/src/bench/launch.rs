@@ -27,10 +27,7 @@ pub struct LaunchArgs {
 
 fn time_once(command: &mut Command) -> Result<f64> {
     let start = Instant::now();
-    let status = command
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()?;
+    let status = command.stdout(Stdio::null()).stderr(Stdio::null()).status()?;
     let seconds = start.elapsed().as_secs_f64();
     if !status.success() {
         bail!("{command:?} failed: {status}");
@@ -39,31 +36,16 @@ fn time_once(command: &mut Command) -> Result<f64> {
 }
 
 pub async fn run(args: LaunchArgs) -> Result<i32> {
-    let sizes = if args.np.is_empty() {
-        vec![4, 16]
-    } else {
-        args.np.clone()
-    };
+    let sizes = if args.np.is_empty() { vec![4, 16] } else { args.np.clone() };
     if args.runs == 0 {
         bail!("--runs must be at least 1");
     }
     let kolo = std::env::current_exe().context("cannot find the kolo binary")?;
     let mpirun = !args.no_mpirun;
-    if mpirun
-        && Command::new("mpirun")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_err()
-    {
-        bail!(
-            "mpirun not found: install Open MPI (../shared/bench/anchors does) or pass --no-mpirun"
-        );
+    if mpirun && Command::new("mpirun").arg("--version").stdout(Stdio::null()).status().is_err() {
+        bail!("mpirun not found: install Open MPI (../shared/bench/anchors does) or pass --no-mpirun");
     }
-    let table = Table::new(
-        args.json,
-        &["np", "runs", "kolo_ms", "mpirun_ms", "mpirun/kolo"],
-    );
+    let table = Table::new(args.json, &["np", "runs", "kolo_ms", "mpirun_ms", "mpirun/kolo"]);
     for np in sizes {
         let n = np.to_string();
         let kolo_cmd = || {

@@ -41,10 +41,7 @@ pub struct Table {
 
 impl Table {
     pub fn new(json: bool, columns: &[&'static str]) -> Table {
-        let table = Table {
-            json,
-            columns: columns.to_vec(),
-        };
+        let table = Table { json, columns: columns.to_vec() };
         if !json {
             let head: Vec<String> = table.columns.iter().map(|c| format!("{c:>14}")).collect();
             println!("{}", head.join(" "));
@@ -54,12 +51,8 @@ impl Table {
 
     pub fn row(&self, values: &[serde_json::Value]) {
         if self.json {
-            let object: serde_json::Map<String, serde_json::Value> = self
-                .columns
-                .iter()
-                .map(|c| c.to_string())
-                .zip(values.iter().cloned())
-                .collect();
+            let object: serde_json::Map<String, serde_json::Value> =
+                self.columns.iter().map(|c| c.to_string()).zip(values.iter().cloned()).collect();
             println!("{}", serde_json::Value::Object(object));
         } else {
             let cells: Vec<String> = values

@@ -47,13 +47,7 @@ impl Drop for ServerProcess {
 fn start_kolo_server(ranks: u32) -> Result<(ServerProcess, String)> {
     let exe = std::env::current_exe().context("cannot find the kolo binary")?;
     let mut child = Command::new(exe)
-        .args([
-            "rendezvous",
-            "--port",
-            "0",
-            "--plan",
-            &format!("localhost:{ranks}"),
-        ])
+        .args(["rendezvous", "--port", "0", "--plan", &format!("localhost:{ranks}")])
         .stdout(Stdio::piped())
         .spawn()
         .context("cannot start kolo rendezvous")?;
@@ -66,18 +60,11 @@ fn start_kolo_server(ranks: u32) -> Result<(ServerProcess, String)> {
 }
 
 pub async fn run(args: RendezvousBenchArgs) -> Result<i32> {
-    let sizes = if args.ranks.is_empty() {
-        vec![64, 256, 1024]
-    } else {
-        args.ranks.clone()
-    };
+    let sizes = if args.ranks.is_empty() { vec![64, 256, 1024] } else { args.ranks.clone() };
     if sizes.contains(&0) {
         bail!("--ranks must be at least 1");
     }
-    let table = Table::new(
-        args.json,
-        &["ranks", "requests", "seconds", "requests/s", "server"],
-    );
+    let table = Table::new(args.json, &["ranks", "requests", "seconds", "requests/s", "server"]);
     for n in sizes {
         let (_server, addr, label) = match &args.url {
             Some(url) => (None, ClientConfig::from_url(url)?.addr, url.clone()),
@@ -87,17 +74,10 @@ pub async fn run(args: RendezvousBenchArgs) -> Result<i32> {
             }
         };
         let limit = Duration::from_secs(args.timeout);
-        let (requests, seconds) =
-            tokio::time::timeout(limit, full_mesh(&addr, n, args.value_bytes))
-                .await
-                .with_context(|| format!("{n} ranks did not finish within {} s", args.timeout))??;
-        table.row(&[
-            json!(n),
-            json!(requests),
-            json!(seconds),
-            json!(requests as f64 / seconds),
-            json!(label),
-        ]);
+        let (requests, seconds) = tokio::time::timeout(limit, full_mesh(&addr, n, args.value_bytes))
+            .await
+            .with_context(|| format!("{n} ranks did not finish within {} s", args.timeout))??;
+        table.row(&[json!(n), json!(requests), json!(seconds), json!(requests as f64 / seconds), json!(label)]);
     }
     Ok(0)
 }
@@ -118,9 +98,7 @@ async fn full_mesh(addr: &str, n: u32, value_bytes: usize) -> Result<(u64, f64)>
             for peer in (0..n).filter(|&p| p != rank) {
                 let key = peer.to_string();
                 // Gloo: wait() polls until present, then get() reads it
-                client
-                    .wait("global", &[&key], Duration::from_secs(600))
-                    .await?;
+                client.wait("global", &[&key], Duration::from_secs(600)).await?;
                 client.get("global", &key).await?;
             }
             barrier.wait().await;
