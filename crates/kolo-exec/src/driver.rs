@@ -240,6 +240,10 @@ struct Link {
     pending: Mutex<HashMap<u64, oneshot::Sender<CallResult>>>,
     created: Mutex<Option<oneshot::Sender<Result<(), String>>>>,
     lost: Mutex<Option<String>>,
+    /// When the worker was last heard from, in ms since `epoch`; checked by
+    /// the watchdog (a timer per frame would cost more than the frame).
+    last_heard_ms: AtomicU64,
+    epoch: std::time::Instant,
 }
 
 impl Link {
@@ -289,7 +293,10 @@ struct Running {
     server: RendezvousServer,
     sink: Arc<OutputSink>,
     events: mpsc::UnboundedReceiver<Event>,
-    tasks: JoinSet<()>,
+    /// One reader per worker; they end when the workers' connections do.
+    readers: JoinSet<()>,
+    /// Heartbeats and the watchdog; they run until shutdown.
+    background: JoinSet<()>,
     stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
@@ -555,8 +562,9 @@ impl Executor {
         let sink = Arc::new(OutputSink::new(settings.output.clone(), n)?);
         let (event_tx, events) = mpsc::unbounded_channel();
         let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut tasks = JoinSet::new();
+        let (mut readers, mut background) = (JoinSet::new(), JoinSet::new());
         let mut links = Vec::with_capacity(n);
+        let mut watched = Vec::with_capacity(n);
         for (((hello, stream), info), visible) in hellos.into_iter().zip(infos).zip(visible) {
             let mut env = rank_env(&info, &hello.node_id, &job, visible.as_deref());
             env.extend(extra_env.iter().cloned());
@@ -575,18 +583,16 @@ impl Executor {
                 pending: Mutex::new(HashMap::new()),
                 created: Mutex::new(None),
                 lost: Mutex::new(None),
+                last_heard_ms: AtomicU64::new(0),
+                epoch: std::time::Instant::now(),
             });
-            tasks.spawn(read_worker(
-                link.clone(),
-                reader,
-                sink.clone(),
-                event_tx.clone(),
-                settings.heartbeat_timeout,
-                stopping.clone(),
-            ));
-            tasks.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));
+            let reading =
+                readers.spawn(read_worker(link.clone(), reader, sink.clone(), event_tx.clone(), stopping.clone()));
+            background.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));
+            watched.push((link.clone(), reading));
             links.push(link);
         }
+        background.spawn(watch_heartbeats(watched, settings.heartbeat_timeout, event_tx, stopping.clone()));
         // 7. env pushed to every worker (the job secret goes to kolo's own clients)
         let forwarded: Vec<(String, String)> = std::env::vars()
             .filter(|(name, _)| kolo_topology::forwards_caller_var(name) && !name.starts_with("KOLO_WORKER_"))
@@ -597,7 +603,7 @@ impl Executor {
             vars.push((kolo_topology::ENV_SECRET.into(), settings.secret.clone()));
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
-        Ok(Running { links, server, sink, events, tasks, stopping })
+        Ok(Running { links, server, sink, events, readers, background, stopping })
     }
 
     async fn accept_workers(
@@ -731,6 +737,7 @@ impl Executor {
             return;
         };
         running.stopping.store(true, Ordering::Relaxed);
+        running.background.abort_all();
         for link in &running.links {
             let _ = link.send(&ToWorker::Stop).await;
         }
@@ -740,10 +747,10 @@ impl Executor {
         }
         self.engine.kill_all();
         // let the readers forward the workers' last output
-        let drain = async { while running.tasks.join_next().await.is_some() {} };
-        let heartbeats_never_end = Duration::from_millis(200);
-        if tokio::time::timeout(heartbeats_never_end, drain).await.is_err() {
-            running.tasks.abort_all();
+        let drain = async { while running.readers.join_next().await.is_some() {} };
+        let limit = Duration::from_millis(500);
+        if tokio::time::timeout(limit, drain).await.is_err() {
+            running.readers.abort_all();
         }
         running.server.stop().await;
     }
@@ -871,23 +878,24 @@ async fn handshake(
 
 async fn read_worker(
     link: Arc<Link>,
-    mut reader: OwnedReadHalf,
+    reader: OwnedReadHalf,
     sink: Arc<OutputSink>,
     events: mpsc::UnboundedSender<Event>,
-    timeout: Duration,
     stopping: Arc<std::sync::atomic::AtomicBool>,
 ) {
     let rank = link.info.rank;
+    // one read takes in whatever the worker sent, not a frame header at a time
+    let mut reader = tokio::io::BufReader::with_capacity(256 * 1024, reader);
     let mut splitters = [LineSplitter::default(), LineSplitter::default()];
     let reason = loop {
-        let frame = match tokio::time::timeout(timeout, proto::read_frame_async(&mut reader)).await {
-            Ok(Ok(frame)) => frame,
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+        let frame = match proto::read_frame_async(&mut reader).await {
+            Ok(frame) => frame,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => {
                 break "its connection closed (the worker process died?)".to_string()
             }
-            Ok(Err(e)) => break format!("its connection failed: {e}"),
-            Err(_) => break format!("no heartbeat for {:.1} s (hung or stopped?)", timeout.as_secs_f64()),
+            Err(e) => break format!("its connection failed: {e}"),
         };
+        link.last_heard_ms.store(link.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
         let message: ToDriver = match proto::decode(&frame) {
             Ok(m) => m,
             Err(e) => break format!("it sent an unreadable message: {e}"),
@@ -929,6 +937,38 @@ fn flush_partial(splitters: &mut [LineSplitter; 2], sink: &OutputSink, rank: u32
     for (i, splitter) in splitters.iter_mut().enumerate() {
         if let Some(rest) = splitter.finish() {
             sink.line(rank as usize, if i == 1 { Stream::Stderr } else { Stream::Stdout }, &rest);
+        }
+    }
+}
+
+/// Reports a worker lost once it has been silent for `timeout` (hung,
+/// stopped, or cut off without its connection closing).
+async fn watch_heartbeats(
+    links: Vec<(Arc<Link>, tokio::task::AbortHandle)>,
+    timeout: Duration,
+    events: mpsc::UnboundedSender<Event>,
+    stopping: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let mut ticks = tokio::time::interval((timeout / 10).max(Duration::from_millis(10)));
+    loop {
+        ticks.tick().await;
+        if stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        for (link, reading) in &links {
+            let heard = Duration::from_millis(link.last_heard_ms.load(Ordering::Relaxed));
+            let silent = link.epoch.elapsed().saturating_sub(heard);
+            if silent > timeout {
+                let reason = format!("no heartbeat for {:.1} s (hung or stopped?)", silent.as_secs_f64());
+                reading.abort();
+                if link.mark_lost(&reason) {
+                    tracing::warn!("worker {} was lost: {reason}", link.describe());
+                    let _ = events.send(Event::Lost { rank: link.info.rank, reason });
+                }
+            }
+        }
+        if links.iter().all(|(l, _)| l.lost_reason().is_some()) {
+            return;
         }
     }
 }

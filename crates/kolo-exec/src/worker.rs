@@ -186,14 +186,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         let (agent, busy) = (agent.clone(), busy.clone());
         std::thread::spawn(move || heartbeat(&agent, interval, timeout, &busy));
     }
-    let (jobs, job_rx) = mpsc::channel::<Job>();
-    let cancelled = Arc::new(Mutex::new(HashSet::new()));
-    {
-        let (agent, cancelled) = (agent.clone(), cancelled.clone());
-        let registry = registry.clone();
-        std::thread::spawn(move || run_jobs(&agent, &registry, job_rx, &cancelled, &busy));
-    }
-    read_loop(&agent, stream, &jobs, &cancelled)
+    read_loop(&agent, &registry, stream, &busy)
 }
 
 fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcome, String> {
@@ -292,109 +285,95 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &Atomic
     }
 }
 
-enum Job {
-    SetEnv(Vec<(String, String)>),
-    Create { name: String, args: Vec<u8> },
-    Call { id: u64, kind: CallKind, name: String, args: Vec<u8> },
+/// What the worker holds between calls.
+struct State {
+    env: Vec<(String, String)>,
+    ctx: WorkerContext,
+    executable: Option<Box<dyn Any + Send>>,
 }
 
-fn run_jobs(
-    agent: &Agent,
-    registry: &Registry,
-    jobs: mpsc::Receiver<Job>,
-    cancelled: &Mutex<HashSet<u64>>,
-    busy: &AtomicU64,
-) {
-    let mut env = BTreeMap::new();
-    let mut ctx = WorkerContext::default();
-    let mut executable: Option<Box<dyn Any + Send>> = None;
-    for job in jobs {
-        let reply = match job {
-            Job::SetEnv(vars) => {
-                env.extend(vars);
-                ctx = WorkerContext::new(env.clone());
-                continue;
+/// Whether `buffered` starts with a whole frame.
+fn frame_buffered(buffered: &[u8]) -> bool {
+    buffered.len() >= 4
+        && buffered.len() - 4 >= u32::from_be_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize
+}
+
+/// Reads the driver's messages and acts on them. Calls run right here, in
+/// order: a call is one wake-up of one thread. Every frame that arrived
+/// together is read before any is acted on, so a `Cancel` sent right
+/// after its call still skips it.
+fn read_loop(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream, busy: &AtomicU64) -> Result<i32, String> {
+    let mut reader = io::BufReader::with_capacity(256 * 1024, stream);
+    let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
+    loop {
+        let mut batch = Vec::new();
+        loop {
+            match proto::read_frame(&mut reader).and_then(|f| proto::decode::<ToWorker>(&f)) {
+                Ok(message) => batch.push(message),
+                Err(e) => {
+                    agent.say(&format!("lost the driver ({e}); stopping"));
+                    agent.exit(1, Duration::ZERO);
+                }
             }
-            Job::Create { name, args } => {
-                busy.fetch_add(1, Ordering::Relaxed);
-                let result = registry.create(&name, &args, &ctx).map(|made| {
-                    executable = Some(made);
-                });
-                busy.fetch_sub(1, Ordering::Relaxed);
-                ToDriver::Created { result }
+            if !frame_buffered(reader.buffer()) {
+                break;
             }
-            Job::Call { id, kind, name, args } => {
-                if cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+        }
+        agent.heard();
+        let cancelled: HashSet<u64> =
+            batch.iter().filter_map(|m| if let ToWorker::Cancel { id } = m { Some(*id) } else { None }).collect();
+        for message in batch {
+            if let ToWorker::Call { id, .. } = &message {
+                if cancelled.contains(id) {
                     continue;
                 }
-                busy.fetch_add(1, Ordering::Relaxed);
-                let result = match kind {
-                    CallKind::Task => registry.run_task(&name, &args, executable.as_deref_mut(), &ctx),
-                    CallKind::Function => registry.run_function(&name, &args, &ctx),
-                };
-                busy.fetch_sub(1, Ordering::Relaxed);
-                ToDriver::Done { id, result }
             }
-        };
-        let _ = io::stdout().flush();
-        if agent.send(&reply).is_err() {
-            return;
+            busy.fetch_add(1, Ordering::Relaxed);
+            handle(agent, registry, &mut state, message);
+            busy.fetch_sub(1, Ordering::Relaxed);
         }
     }
 }
 
-fn read_loop(
-    agent: &Arc<Agent>,
-    mut stream: TcpStream,
-    jobs: &mpsc::Sender<Job>,
-    cancelled: &Mutex<HashSet<u64>>,
-) -> Result<i32, String> {
-    let mut env: Vec<(String, String)> = Vec::new();
-    loop {
-        let frame = match proto::read_frame(&mut stream) {
-            Ok(frame) => frame,
-            Err(e) => {
-                agent.say(&format!("lost the driver ({e}); stopping"));
-                agent.exit(1, Duration::ZERO);
+fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: ToWorker) {
+    let reply = match message {
+        ToWorker::Heartbeat | ToWorker::Cancel { .. } => return,
+        ToWorker::SetEnv(vars) => {
+            for (k, v) in &vars {
+                // user code in this process reads its rank from the environment
+                std::env::set_var(k, v);
             }
-        };
-        agent.heard();
-        let message: ToWorker = match proto::decode(&frame) {
-            Ok(m) => m,
-            Err(e) => {
-                agent.say(&format!("cannot read the driver's message ({e}); stopping"));
-                agent.exit(1, Duration::ZERO);
-            }
-        };
-        match message {
-            ToWorker::Heartbeat => {}
-            ToWorker::SetEnv(vars) => {
-                for (k, v) in &vars {
-                    // user code in this process reads its rank from the environment
-                    std::env::set_var(k, v);
-                }
-                env.extend(vars.iter().cloned());
-                let _ = jobs.send(Job::SetEnv(vars));
-            }
-            ToWorker::StartCommand { argv } => start_command(agent, &argv, &env),
-            ToWorker::SignalCommand { signal } => {
-                if let (Some(group), Ok(signal)) =
-                    (*agent.command_group.lock().unwrap_or_else(|p| p.into_inner()), Signal::try_from(signal))
-                {
-                    signal_group(group, signal);
-                }
-            }
-            ToWorker::Create { name, args } => {
-                let _ = jobs.send(Job::Create { name, args });
-            }
-            ToWorker::Call { id, kind, name, args } => {
-                let _ = jobs.send(Job::Call { id, kind, name, args });
-            }
-            ToWorker::Cancel { id } => {
-                cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
-            }
-            ToWorker::Stop => agent.exit(0, agent.kill_grace),
+            state.env.extend(vars);
+            state.ctx = WorkerContext::new(state.env.iter().cloned().collect::<BTreeMap<_, _>>());
+            return;
         }
+        ToWorker::StartCommand { argv } => return start_command(agent, &argv, &state.env),
+        ToWorker::SignalCommand { signal } => {
+            if let (Some(group), Ok(signal)) =
+                (*agent.command_group.lock().unwrap_or_else(|p| p.into_inner()), Signal::try_from(signal))
+            {
+                signal_group(group, signal);
+            }
+            return;
+        }
+        ToWorker::Stop => agent.exit(0, agent.kill_grace),
+        ToWorker::Create { name, args } => {
+            let result = registry.create(&name, &args, &state.ctx).map(|made| state.executable = Some(made));
+            ToDriver::Created { result }
+        }
+        ToWorker::Call { id, kind, name, args } => {
+            let result = match kind {
+                CallKind::Task => registry.run_task(&name, &args, state.executable.as_deref_mut(), &state.ctx),
+                CallKind::Function => registry.run_function(&name, &args, &state.ctx),
+            };
+            ToDriver::Done { id, result }
+        }
+    };
+    // what the call printed goes out before its result
+    let _ = io::stdout().flush();
+    if let Err(e) = agent.send(&reply) {
+        agent.say(&format!("lost the driver ({e}); stopping"));
+        agent.exit(1, Duration::ZERO);
     }
 }
 

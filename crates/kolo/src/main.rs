@@ -15,7 +15,15 @@ fn main() -> ExitCode {
     let cli = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
     init_logging(cli.verbose());
     raise_fd_limit();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    // a driver is latency-bound: one thread that polls every socket itself
+    // answers calls faster than a pool handing wake-ups across threads;
+    // the rendezvous server and its load generator want every core
+    let mut builder = match &cli.command {
+        cli::Command::Rendezvous(_) => tokio::runtime::Builder::new_multi_thread(),
+        cli::Command::Bench(b) if b.wants_threads() => tokio::runtime::Builder::new_multi_thread(),
+        _ => tokio::runtime::Builder::new_current_thread(),
+    };
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kolo: cannot start the async runtime: {e}");

@@ -1,6 +1,7 @@
 //! `kolo bench ...`: figures side by side with their references, printed
 //! as a table, or with `--json` one JSON object per row.
 
+mod executor;
 mod launch;
 mod rendezvous;
 
@@ -19,17 +20,27 @@ pub enum BenchCommand {
     Launch(launch::LaunchArgs),
     /// Gloo's full-mesh rendezvous traffic for N simulated ranks against a server.
     Rendezvous(rendezvous::RendezvousBenchArgs),
+    /// The Executor's start, execute round and shutdown times.
+    Executor(executor::ExecutorArgs),
+}
+
+impl BenchArgs {
+    /// Whether the benchmark needs a multi-threaded runtime.
+    pub fn wants_threads(&self) -> bool {
+        matches!(self.what, BenchCommand::Rendezvous(_))
+    }
 }
 
 /// What `kolo` workers can run for the benchmarks.
 pub fn worker_registry() -> kolo_exec::Registry {
-    kolo_exec::Registry::new()
+    executor::register(kolo_exec::Registry::new())
 }
 
 pub async fn bench(args: BenchArgs) -> Result<i32> {
     match args.what {
         BenchCommand::Launch(a) => launch::run(a).await,
         BenchCommand::Rendezvous(a) => rendezvous::run(a).await,
+        BenchCommand::Executor(a) => executor::run(a).await,
     }
 }
 
