@@ -6,7 +6,10 @@ use std::ffi::OsString;
 use std::future::Future;
 use std::time::Duration;
 
-use kolo_topology::{host_assignments, rank_env, HostSpec, JobEnv, Slot};
+use kolo_topology::{
+    cuda_visible_devices, host_assignments, place, rank_env, HostResources, HostSpec, JobEnv, Placement, Slot,
+    WorkerResources,
+};
 use nix::sys::signal::Signal;
 
 use crate::driver::{Executor, JobOutcome, Settings, WorkerRequest};
@@ -29,6 +32,8 @@ pub struct LaunchSpec {
     pub output: OutputOptions,
     /// Rendezvous refuses requests without the job secret (kolo-only workers).
     pub require_secret: bool,
+    /// GPUs each rank holds, out of those its host declares (`gpus=N`).
+    pub gpus_per_worker: u32,
 }
 
 /// One rank of a planned job.
@@ -44,16 +49,41 @@ pub struct RankPlan {
 /// and each rank's environment for the given job-wide settings.
 pub fn plan_job(spec: &LaunchSpec, job: &JobEnv) -> Result<Vec<RankPlan>, ExecError> {
     let slots = host_assignments(&spec.hosts, spec.np, Some(spec.np))?;
+    let visible = gpu_plan(spec)?;
     Ok(slots
         .into_iter()
-        .map(|slot| {
+        .zip(visible)
+        .map(|(slot, visible)| {
             // the local engine: a host's name is its node id
             let node_id = slot.host.clone();
-            let mut env = rank_env(&slot.info, &node_id, job, None);
+            let mut env = rank_env(&slot.info, &node_id, job, visible.as_deref());
             env.extend(spec.extra_env.iter().cloned());
             RankPlan { slot, node_id, env }
         })
         .collect())
+}
+
+/// Each rank's `CUDA_VISIBLE_DEVICES`, as the executor hands GPUs out.
+fn gpu_plan(spec: &LaunchSpec) -> Result<Vec<Option<String>>, ExecError> {
+    let np = spec.np as usize;
+    if spec.gpus_per_worker == 0 {
+        return Ok(vec![None; np]);
+    }
+    let hosts: Vec<HostResources> = spec
+        .hosts
+        .iter()
+        .map(|h| HostResources {
+            hostname: h.name.clone(),
+            node_id: h.name.clone(),
+            cpus: h.slots,
+            gpus: (0..h.gpus.unwrap_or(0)).collect(),
+        })
+        .collect();
+    let need = WorkerResources { cpus: 1, gpus: spec.gpus_per_worker };
+    let placed = place(Placement::Pack { num_workers: spec.np as u32 }, need, &hosts)?;
+    let nodes: Vec<&str> = placed.iter().map(|p| hosts[p.host].node_id.as_str()).collect();
+    let gpus: Vec<Vec<u32>> = placed.into_iter().map(|p| p.gpu_ids).collect();
+    Ok(cuda_visible_devices(&nodes, &gpus))
 }
 
 /// Runs the job to its end. `interrupt` resolves when kolo is asked to stop
@@ -62,8 +92,8 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
     if spec.command.is_empty() {
         return Err(ExecError::NoCommand);
     }
-    // Horovod's checks and messages ("Requested more processes ...")
-    host_assignments(&spec.hosts, spec.np, Some(spec.np))?;
+    // Horovod's checks and messages ("Requested more processes ..."), and the GPUs
+    plan_job(&spec, &JobEnv::placeholder())?;
     let np = u32::try_from(spec.np).map_err(|_| ExecError::BadSettings(format!("-np {} is too large", spec.np)))?;
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
@@ -72,7 +102,8 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
     settings.rendezvous_require_secret = spec.require_secret;
     // one slot = one CPU: packing fills the hosts in order, as horovodrun does
     let engine = Box::new(LocalEngine::with_hosts(spec.hosts.clone()));
-    let mut executor = Executor::with_engine(settings, WorkerRequest::pack(np), engine)?;
+    let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
+    let mut executor = Executor::with_engine(settings, request, engine)?;
     tokio::pin!(interrupt);
     let started = tokio::select! {
         started = executor.start_command(&spec.command, &spec.extra_env) => started,

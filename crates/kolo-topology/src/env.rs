@@ -26,6 +26,23 @@ pub struct JobEnv {
     pub job_id: String,
 }
 
+impl JobEnv {
+    /// Loopback addresses and ports 0: the values are chosen when a job
+    /// starts, so a plan shown before (`--dry-run`) carries these.
+    pub fn placeholder() -> Self {
+        JobEnv {
+            rendezvous_addr: "127.0.0.1".into(),
+            rendezvous_port: 0,
+            ifaces: vec!["lo".into()],
+            timeout_s: 30,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+            elastic: false,
+            job_id: "dry-run".into(),
+        }
+    }
+}
+
 /// Every variable kolo sets for one rank. `node_id` is the rank's node
 /// (`HOROVOD_HOSTNAME`, which also names the rank's `local_` scope);
 /// `cuda_visible_devices` is the node's shared GPU list, if it has GPUs.

@@ -64,6 +64,10 @@ pub struct RunArgs {
     /// Set a variable in the workers.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     pub env: Vec<String>,
+    /// GPUs for each rank, out of those its host declares (host file 'gpus=N');
+    /// every rank of a node sees the node's GPUs in CUDA_VISIBLE_DEVICES.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub gpus_per_worker: u32,
     /// Print the plan, one JSON object per rank, instead of running.
     #[arg(long)]
     pub dry_run: bool,

@@ -63,6 +63,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             disable_prefix: args.disable_prefix,
         },
         require_secret: args.require_secret,
+        gpus_per_worker: args.gpus_per_worker,
     })
 }
 
@@ -114,16 +115,7 @@ fn checked_name(name: &str, flag: &str) -> Result<String> {
 
 fn dry_run(spec: &LaunchSpec) -> Result<i32> {
     // ports and the secret are chosen when the job starts
-    let job = JobEnv {
-        rendezvous_addr: "127.0.0.1".into(),
-        rendezvous_port: 0,
-        ifaces: vec!["lo".into()],
-        timeout_s: spec.start_timeout.as_secs(),
-        master_addr: "127.0.0.1".into(),
-        master_port: 0,
-        elastic: false,
-        job_id: "dry-run".into(),
-    };
+    let job = JobEnv { timeout_s: spec.start_timeout.as_secs(), ..JobEnv::placeholder() };
     for rank in plan_job(spec, &job)? {
         let i = &rank.slot.info;
         let mut env = rank.env.clone();

@@ -291,3 +291,33 @@ fn simulated_nodes_get_their_own_node_ids_and_ranks() {
         ]
     );
 }
+
+#[test]
+fn gpus_declared_in_the_host_file_are_shared_per_node() {
+    let dir = TempDir::new("gpus");
+    let file = dir.path().join("hosts");
+    std::fs::write(&file, "a slots=2 gpus=4\nb slots=1 gpus=3\n").unwrap();
+    let hf = file.to_str().unwrap();
+    let out = run(&[
+        "run",
+        "--hostfile",
+        hf,
+        "--gpus-per-worker",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo $HOROVOD_HOSTNAME $LOCAL_RANK $CUDA_VISIBLE_DEVICES",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
+    lines.sort();
+    assert_eq!(lines, ["[0]<stdout>:a 0 0,1,2,3", "[1]<stdout>:a 1 0,1,2,3", "[2]<stdout>:b 0 0,1"]);
+    let plan = dry_run(&["--hostfile", hf, "--gpus-per-worker", "1"]);
+    let visible: Vec<&str> = plan.iter().map(|r| r["env"]["CUDA_VISIBLE_DEVICES"].as_str().unwrap()).collect();
+    assert_eq!(visible, ["0,1", "0,1", "0"]);
+    let out = run(&["run", "--hostfile", hf, "--gpus-per-worker", "4", "--", "true"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("cannot place 3 workers with 1 CPU and 4 GPUs each"), "{}", stderr(&out));
+    assert!(stderr(&out).contains("b (1 CPU, 3 GPUs)"), "{}", stderr(&out));
+}
