@@ -462,7 +462,9 @@ impl Executor {
         Ok(handles)
     }
 
-    async fn start_workers(&mut self, extra_env: &[(String, String)]) -> Result<(), ExecError> {
+    /// Starts the workers without an executable (RayExecutor's
+    /// `executable_cls=None`): `run` and `run_remote_function` work.
+    pub async fn start_workers(&mut self, extra_env: &[(String, String)]) -> Result<(), ExecError> {
         if self.running.is_some() {
             return Err(ExecError::AlreadyStarted);
         }

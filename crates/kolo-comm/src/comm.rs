@@ -1,0 +1,718 @@
+//! The Communicator: point-to-point progress over the links, and the
+//! collective algorithms built on it.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::dtype::{divide, reduce_into, reduce_to, DType, Element, ReduceOp};
+use crate::link::{padded, Abort, Rx, Tx};
+use crate::CommError;
+
+/// Algorithm choices, by size; overridable with environment variables.
+#[derive(Clone, Debug)]
+pub struct Tuning {
+    /// Allreduce of at most this many bytes uses recursive doubling
+    /// (`KOLO_COMM_SMALL_BYTES`); larger ones the ring.
+    pub small_bytes: usize,
+    /// Hierarchical allreduce across hosts from this many bytes
+    /// (`KOLO_COMM_HIER_BYTES`).
+    pub hierarchical_bytes: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning { small_bytes: 64 * 1024, hierarchical_bytes: 256 * 1024 }
+    }
+}
+
+impl Tuning {
+    pub fn from_env() -> Result<Tuning, CommError> {
+        let mut t = Tuning::default();
+        for (name, field) in
+            [("KOLO_COMM_SMALL_BYTES", &mut t.small_bytes), ("KOLO_COMM_HIER_BYTES", &mut t.hierarchical_bytes)]
+        {
+            if let Ok(v) = std::env::var(name) {
+                *field = v.parse().map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count")))?;
+            }
+        }
+        Ok(t)
+    }
+}
+
+/// Links and state shared by a communicator and those split from it.
+pub(crate) struct Shared {
+    pub me: usize,
+    pub tx: Vec<Mutex<Option<Tx>>>,
+    pub rx: Vec<Mutex<Option<Rx>>>,
+    /// Pid of every rank on this host (to notice a dead peer early), 0 elsewhere.
+    pub local_pids: Vec<u32>,
+    pub timeout: Duration,
+    pub scratch: Mutex<Vec<u64>>,
+    pub tuning: Tuning,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Where received bytes go.
+enum Sink<'a> {
+    Copy(&'a mut [u8]),
+    /// `dst op= incoming`
+    Reduce(&'a mut [u8], DType, ReduceOp),
+    /// `dst = a op incoming`
+    ReduceTo(&'a mut [u8], &'a [u8], DType, ReduceOp),
+}
+
+impl Sink<'_> {
+    fn take(&mut self, offset: usize, bytes: &[u8]) {
+        let end = offset + bytes.len();
+        match self {
+            Sink::Copy(dst) => dst[offset..end].copy_from_slice(bytes),
+            Sink::Reduce(dst, dtype, op) => reduce_into(*dtype, *op, &mut dst[offset..end], bytes),
+            Sink::ReduceTo(dst, a, dtype, op) => reduce_to(*dtype, *op, &mut dst[offset..end], &a[offset..end], bytes),
+        }
+    }
+}
+
+enum Op<'a> {
+    Send { peer: usize, data: &'a [u8], done: usize },
+    Recv { peer: usize, len: usize, done: usize, sink: Sink<'a> },
+}
+
+impl Op<'_> {
+    fn finished(&self) -> bool {
+        match self {
+            Op::Send { data, done, .. } => *done >= padded(data.len()),
+            Op::Recv { len, done, .. } => *done >= padded(*len),
+        }
+    }
+}
+
+/// A group of ranks that run collectives together. Every member must call
+/// the same collectives in the same order.
+pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    /// Global rank of each member, in this communicator's rank order.
+    pub(crate) group: Vec<usize>,
+    pub(crate) rank: usize,
+    /// Node index of each member.
+    pub(crate) nodes: Vec<usize>,
+    /// (intra-node, inter-node) communicators for hierarchical algorithms.
+    pub(crate) hierarchy: Option<Box<(Communicator, Communicator)>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator").field("rank", &self.rank).field("size", &self.group.len()).finish()
+    }
+}
+
+/// Element counts of `n` near-equal parts of `count` (the first parts one larger).
+pub fn split_counts(count: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|i| count / n + usize::from(i < count % n)).collect()
+}
+
+fn offsets(counts: &[usize], esize: usize) -> Vec<usize> {
+    let mut at = 0;
+    let mut out = Vec::with_capacity(counts.len() + 1);
+    for c in counts {
+        out.push(at);
+        at += c * esize;
+    }
+    out.push(at);
+    out
+}
+
+/// A shared view of one range and a mutable view of another, disjoint range.
+fn disjoint(buf: &mut [u8], read: std::ops::Range<usize>, write: std::ops::Range<usize>) -> (&[u8], &mut [u8]) {
+    if read.is_empty() {
+        return (&[], &mut buf[write]);
+    }
+    if write.is_empty() {
+        return (&buf[read], &mut []);
+    }
+    if read.start < write.start {
+        let (a, b) = buf.split_at_mut(write.start);
+        (&a[read], &mut b[..write.len()])
+    } else {
+        let (a, b) = buf.split_at_mut(read.start);
+        (&b[..read.len()], &mut a[write])
+    }
+}
+
+fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
+    bytemuck::cast_slice(s)
+}
+
+fn as_bytes_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    bytemuck::cast_slice_mut(s)
+}
+
+impl Communicator {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.len()
+    }
+
+    /// Number of distinct hosts among the members.
+    pub fn num_nodes(&self) -> usize {
+        let mut n = self.nodes.clone();
+        n.sort_unstable();
+        n.dedup();
+        n.len()
+    }
+
+    fn bad(&self, what: String) -> CommError {
+        CommError::BadArgs(what)
+    }
+
+    /// Moves every op to completion; on failure every link is poisoned, so
+    /// the peers fail at once too instead of waiting for their timeout. The
+    /// communicator is unusable afterwards.
+    fn exchange(&self, ops: &mut [Op<'_>]) -> Result<(), CommError> {
+        let result = self.progress(ops);
+        if result.is_err() {
+            for link in &self.shared.tx {
+                if let Some(tx) = lock(link).as_ref() {
+                    tx.abort();
+                }
+            }
+            for link in &self.shared.rx {
+                if let Some(rx) = lock(link).as_ref() {
+                    rx.abort();
+                }
+            }
+        }
+        result
+    }
+
+    /// Moves every op to completion, interleaving them; fails when nothing
+    /// moves for the timeout, or at once when a peer is gone.
+    fn progress(&self, ops: &mut [Op<'_>]) -> Result<(), CommError> {
+        let shared = &*self.shared;
+        let mut idle_rounds: u32 = 0;
+        let mut idle_since: Option<Instant> = None;
+        let mut last_check = Instant::now();
+        loop {
+            let mut progressed = false;
+            let mut all_done = true;
+            for op in ops.iter_mut() {
+                if op.finished() {
+                    continue;
+                }
+                match op {
+                    Op::Send { peer, data, done } => {
+                        let mut tx = lock(&shared.tx[*peer]);
+                        let tx = tx.as_mut().ok_or(CommError::NoLink(*peer))?;
+                        let n = tx.progress(data, *done).map_err(|e| CommError::Io { rank: *peer, source: e })?;
+                        *done += n;
+                        progressed |= n > 0;
+                    }
+                    Op::Recv { peer, len, done, sink } => {
+                        let mut rx = lock(&shared.rx[*peer]);
+                        let rx = rx.as_mut().ok_or(CommError::NoLink(*peer))?;
+                        let n = rx
+                            .progress(*len, *done, |off, bytes| sink.take(off, bytes))
+                            .map_err(|e| CommError::Io { rank: *peer, source: e })?;
+                        *done += n;
+                        progressed |= n > 0;
+                    }
+                }
+                all_done &= op.finished();
+            }
+            if all_done {
+                return Ok(());
+            }
+            if progressed {
+                idle_rounds = 0;
+                idle_since = None;
+                continue;
+            }
+            idle_rounds += 1;
+            // spin, then yield, then nap: fast when peers are running,
+            // polite when ranks outnumber cores
+            if idle_rounds < 256 {
+                std::hint::spin_loop();
+                continue;
+            } else if idle_rounds < 1024 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            let now = Instant::now();
+            let since = *idle_since.get_or_insert(now);
+            if now.duration_since(last_check) > Duration::from_millis(50) {
+                last_check = now;
+                self.check_peers(ops)?;
+            }
+            if now.duration_since(since) > shared.timeout {
+                let mut waiting: Vec<usize> = ops
+                    .iter()
+                    .filter(|o| !o.finished())
+                    .map(|o| match o {
+                        Op::Send { peer, .. } | Op::Recv { peer, .. } => *peer,
+                    })
+                    .collect();
+                waiting.sort_unstable();
+                waiting.dedup();
+                return Err(CommError::Timeout { seconds: shared.timeout.as_secs_f64(), waiting });
+            }
+        }
+    }
+
+    /// A peer on this host whose process is gone will never move its ring.
+    fn check_peers(&self, ops: &[Op<'_>]) -> Result<(), CommError> {
+        for op in ops.iter().filter(|o| !o.finished()) {
+            let (Op::Send { peer, .. } | Op::Recv { peer, .. }) = op;
+            let pid = self.shared.local_pids[*peer];
+            if pid != 0 && !process_alive(pid) {
+                return Err(CommError::PeerDied { rank: *peer, pid });
+            }
+        }
+        Ok(())
+    }
+
+    fn global(&self, member: usize) -> usize {
+        self.group[member]
+    }
+
+    fn send_recv(&self, send: Option<(usize, &[u8])>, recv: Option<(usize, usize, Sink<'_>)>) -> Result<(), CommError> {
+        let mut ops = Vec::with_capacity(2);
+        if let Some((peer, data)) = send {
+            ops.push(Op::Send { peer: self.global(peer), data, done: 0 });
+        }
+        if let Some((peer, len, sink)) = recv {
+            ops.push(Op::Recv { peer: self.global(peer), len, done: 0, sink });
+        }
+        self.exchange(&mut ops)
+    }
+
+    fn with_scratch<R>(&self, bytes: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        let mut scratch = lock(&self.shared.scratch);
+        if scratch.len() * 8 < bytes {
+            // grows to the largest size used, once; never per call
+            scratch.resize(bytes.div_ceil(8), 0);
+        }
+        let bytes_view: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
+        f(&mut bytes_view[..bytes])
+    }
+
+    // ---- point to point ---------------------------------------------------
+
+    /// Sends `buf` to member `peer`, who must `recv` as many elements.
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<(), CommError> {
+        self.check_peer(peer)?;
+        self.send_recv(Some((peer, as_bytes(buf))), None)
+    }
+
+    /// Receives into `buf` from member `peer`.
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<(), CommError> {
+        self.check_peer(peer)?;
+        let b = as_bytes_mut(buf);
+        self.send_recv(None, Some((peer, b.len(), Sink::Copy(b))))
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        if peer >= self.size() || peer == self.rank {
+            return Err(self.bad(format!("peer {peer} is not another rank of this {}-rank communicator", self.size())));
+        }
+        Ok(())
+    }
+
+    // ---- collectives ------------------------------------------------------
+
+    /// Every rank waits until all have arrived.
+    pub fn barrier(&self) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let token = [0u8; 8];
+        let mut sink = [0u8; 8];
+        let mut k = 1;
+        while k < n {
+            self.send_recv(Some(((r + k) % n, &token)), Some(((r + n - k) % n, 8, Sink::Copy(&mut sink))))?;
+            k <<= 1;
+        }
+        Ok(())
+    }
+
+    /// `recv = op over all ranks' send`, out of place.
+    pub fn allreduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        if send.len() != recv.len() {
+            return Err(self.bad(format!("allreduce: send has {} elements, recv {}", send.len(), recv.len())));
+        }
+        self.allreduce_bytes(Some(as_bytes(send)), as_bytes_mut(recv), T::DTYPE, op)
+    }
+
+    /// `buf = op over all ranks' buf`, in place.
+    pub fn allreduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.allreduce_bytes(None, as_bytes_mut(buf), T::DTYPE, op)
+    }
+
+    pub(crate) fn allreduce_bytes(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let n = self.size();
+        if let Some(send) = send {
+            if n == 1 || recv.len() <= self.shared.tuning.small_bytes {
+                recv.copy_from_slice(send);
+            }
+        }
+        if n == 1 || recv.is_empty() {
+            return Ok(());
+        }
+        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        if recv.len() <= self.shared.tuning.small_bytes {
+            self.recursive_doubling(recv, dtype, reduce_op)?;
+        } else if let (Some(h), true) = (&self.hierarchy, recv.len() >= self.shared.tuning.hierarchical_bytes) {
+            self.hierarchical(send, recv, dtype, reduce_op, &h.0, &h.1)?;
+        } else {
+            self.ring_allreduce(send, recv, dtype, reduce_op)?;
+        }
+        if op == ReduceOp::Avg {
+            divide(dtype, recv, n);
+        }
+        Ok(())
+    }
+
+    /// Latency-bound sizes: log2(n) exchanges of the whole buffer; ranks
+    /// beyond the largest power of two fold into a partner first.
+    fn recursive_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let len = buf.len();
+        let new_rank = if r < 2 * extra {
+            if r % 2 == 0 {
+                self.send_recv(Some((r + 1, buf)), None)?;
+                return self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))));
+            }
+            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
+            r / 2
+        } else {
+            r - extra
+        };
+        let real = |nr: usize| if nr < extra { nr * 2 + 1 } else { nr + extra };
+        let mut mask = 1;
+        while mask < p {
+            let partner = real(new_rank ^ mask);
+            self.with_scratch(len, |scratch| -> Result<(), CommError> {
+                self.send_recv(Some((partner, buf)), Some((partner, len, Sink::Copy(scratch))))?;
+                // a op b == b op a for every op here, so both partners agree bit for bit
+                reduce_into(dtype, op, buf, scratch);
+                Ok(())
+            })?;
+            mask <<= 1;
+        }
+        if r < 2 * extra {
+            self.send_recv(Some((r - 1, buf)), None)?;
+        }
+        Ok(())
+    }
+
+    /// Bandwidth-bound sizes: ring reduce-scatter then ring allgather, each
+    /// step streamed through the links in segments.
+    fn ring_allreduce(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let esize = dtype.size();
+        let counts = split_counts(recv.len() / esize, n);
+        let at = offsets(&counts, esize);
+        let range = |c: usize| at[c]..at[c + 1];
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        for s in 0..n - 1 {
+            let out = (r + n - s) % n;
+            let inc = (r + 2 * n - s - 1) % n;
+            match send {
+                // out of place: the first step reads the input, later ones the partial sums
+                Some(input) if s == 0 => {
+                    let dst = &mut recv[range(inc)];
+                    let len = dst.len();
+                    let sink = Sink::ReduceTo(dst, &input[range(inc)], dtype, op);
+                    self.send_recv(Some((next, &input[range(out)])), Some((prev, len, sink)))?;
+                }
+                Some(input) => {
+                    let (data, dst) = disjoint(recv, range(out), range(inc));
+                    let len = dst.len();
+                    let sink = Sink::ReduceTo(dst, &input[range(inc)], dtype, op);
+                    self.send_recv(Some((next, data)), Some((prev, len, sink)))?;
+                }
+                None => {
+                    let (data, dst) = disjoint(recv, range(out), range(inc));
+                    let len = dst.len();
+                    self.send_recv(Some((next, data)), Some((prev, len, Sink::Reduce(dst, dtype, op))))?;
+                }
+            }
+        }
+        self.ring_allgather_chunks(recv, &at, (r + 1) % n)
+    }
+
+    /// Ring allgather over `buf` split at `at`; this rank starts owning chunk `own`.
+    fn ring_allgather_chunks(&self, buf: &mut [u8], at: &[usize], own: usize) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        for s in 0..n - 1 {
+            let out = (own + n - s) % n;
+            let inc = (own + 2 * n - s - 1) % n;
+            let (data, dst) = disjoint(buf, at[out]..at[out + 1], at[inc]..at[inc + 1]);
+            let len = dst.len();
+            self.send_recv(Some((next, data)), Some((prev, len, Sink::Copy(dst))))?;
+        }
+        Ok(())
+    }
+
+    /// Across hosts: reduce-scatter within each host, allreduce of each
+    /// shard between hosts, allgather within each host.
+    fn hierarchical(
+        &self,
+        send: Option<&[u8]>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        local: &Communicator,
+        cross: &Communicator,
+    ) -> Result<(), CommError> {
+        let esize = dtype.size();
+        let counts = split_counts(recv.len() / esize, local.size());
+        let at = offsets(&counts, esize);
+        let mine = at[local.rank]..at[local.rank + 1];
+        match send {
+            Some(input) => local.reduce_scatter_bytes(input, &mut recv[mine.clone()], &counts, dtype, op)?,
+            None => {
+                let input = recv.to_vec();
+                local.reduce_scatter_bytes(&input, &mut recv[mine.clone()], &counts, dtype, op)?
+            }
+        }
+        cross.allreduce_bytes(None, &mut recv[mine], dtype, op)?;
+        local.ring_allgather_chunks(recv, &at, local.rank)
+    }
+
+    /// Each rank gets its part (`counts` elements per rank) of the reduction.
+    /// `recv` holds `counts[rank]` elements.
+    pub fn reduce_scatter_counts<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        if counts.len() != self.size() || counts.iter().sum::<usize>() != send.len() || recv.len() != counts[self.rank]
+        {
+            return Err(self.bad(format!(
+                "reduce_scatter: counts {counts:?} must have one entry per rank ({}), sum to the send length ({}) and give this rank's recv length ({})",
+                self.size(),
+                send.len(),
+                recv.len()
+            )));
+        }
+        let recv = as_bytes_mut(recv);
+        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        self.reduce_scatter_bytes(as_bytes(send), recv, counts, T::DTYPE, reduce_op)?;
+        if op == ReduceOp::Avg {
+            divide(T::DTYPE, recv, self.size());
+        }
+        Ok(())
+    }
+
+    /// Near-equal parts: rank r gets `split_counts(send.len(), size)[r]` elements.
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.reduce_scatter_counts(send, recv, &split_counts(send.len(), self.size()), op)
+    }
+
+    fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        counts: &[usize],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let at = offsets(counts, dtype.size());
+        let range = |c: usize| at[c]..at[c + 1];
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        self.with_scratch(send.len(), |acc| -> Result<(), CommError> {
+            for s in 0..n - 1 {
+                let out = (r + 2 * n - s - 1) % n;
+                let inc = (r + 2 * n - s - 2) % n;
+                let last = s == n - 2;
+                // the last step lands in the caller's buffer
+                let (data, dst): (&[u8], &mut [u8]) = if s == 0 {
+                    (&send[range(out)], if last { &mut *recv } else { &mut acc[range(inc)] })
+                } else if last {
+                    (&acc[range(out)], &mut *recv)
+                } else {
+                    disjoint(acc, range(out), range(inc))
+                };
+                let len = dst.len();
+                self.send_recv(
+                    Some((next, data)),
+                    Some((prev, len, Sink::ReduceTo(dst, &send[range(inc)], dtype, op))),
+                )?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Every rank gets every rank's `send`, in rank order (equal sizes).
+    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+        self.allgatherv(send, recv, &vec![send.len(); self.size()])
+    }
+
+    /// Every rank gets every rank's `send` (`counts[r]` elements from rank r).
+    pub fn allgatherv<T: Element>(&self, send: &[T], recv: &mut [T], counts: &[usize]) -> Result<(), CommError> {
+        if counts.len() != self.size() || counts[self.rank] != send.len() || counts.iter().sum::<usize>() != recv.len()
+        {
+            return Err(self.bad(format!(
+                "allgather: counts {counts:?} must have one entry per rank ({}), this rank's equal to its send length ({}), and sum to the recv length ({})",
+                self.size(),
+                send.len(),
+                recv.len()
+            )));
+        }
+        let at = offsets(counts, std::mem::size_of::<T>());
+        let recv = as_bytes_mut(recv);
+        recv[at[self.rank]..at[self.rank + 1]].copy_from_slice(as_bytes(send));
+        self.ring_allgather_chunks(recv, &at, self.rank)
+    }
+
+    /// Rank `root`'s `buf` to every rank (binomial tree).
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        let n = self.size();
+        if root >= n {
+            return Err(self.bad(format!("broadcast: root {root} is not a rank of this {n}-rank communicator")));
+        }
+        let buf = as_bytes_mut(buf);
+        let vr = (self.rank + n - root) % n;
+        let real = |v: usize| (v + root) % n;
+        let mut mask = 1;
+        while mask < n {
+            if vr & mask != 0 {
+                let len = buf.len();
+                self.send_recv(None, Some((real(vr - mask), len, Sink::Copy(buf))))?;
+                break;
+            }
+            mask <<= 1;
+        }
+        mask >>= 1;
+        while mask > 0 {
+            if vr + mask < n {
+                self.send_recv(Some((real(vr + mask), buf)), None)?;
+            }
+            mask >>= 1;
+        }
+        Ok(())
+    }
+
+    /// `recv` on rank `root` = op over all ranks' `send` (binomial tree);
+    /// `recv` is left alone elsewhere.
+    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<(), CommError> {
+        let n = self.size();
+        if root >= n {
+            return Err(self.bad(format!("reduce: root {root} is not a rank of this {n}-rank communicator")));
+        }
+        if self.rank == root && recv.len() != send.len() {
+            return Err(self.bad(format!("reduce: send has {} elements, the root's recv {}", send.len(), recv.len())));
+        }
+        let dtype = T::DTYPE;
+        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let send = as_bytes(send);
+        let vr = (self.rank + n - root) % n;
+        let real = |v: usize| (v + root) % n;
+        let run = |acc: &mut [u8]| -> Result<(), CommError> {
+            acc.copy_from_slice(send);
+            let len = acc.len();
+            let mut mask = 1;
+            while mask < n {
+                if vr & mask == 0 {
+                    if vr | mask < n {
+                        self.send_recv(None, Some((real(vr | mask), len, Sink::Reduce(acc, dtype, reduce_op))))?;
+                    }
+                } else {
+                    return self.send_recv(Some((real(vr & !mask), acc)), None);
+                }
+                mask <<= 1;
+            }
+            Ok(())
+        };
+        if self.rank == root {
+            let recv = as_bytes_mut(recv);
+            run(recv)?;
+            if op == ReduceOp::Avg {
+                divide(dtype, recv, n);
+            }
+            Ok(())
+        } else {
+            self.with_scratch(send.len(), run)
+        }
+    }
+
+    /// A communicator of the members that gave the same `color`, ordered by
+    /// `key` (then by rank). Collective: every member calls it.
+    pub fn split(&self, color: u32, key: u32) -> Result<Communicator, CommError> {
+        let mine = [(u64::from(color) << 32 | u64::from(key)) as i64];
+        let mut all = vec![0i64; self.size()];
+        self.allgather(&mine, &mut all)?;
+        let mut members: Vec<(u32, usize)> =
+            (0..self.size()).filter(|&m| (all[m] as u64 >> 32) as u32 == color).map(|m| (all[m] as u32, m)).collect();
+        members.sort_unstable();
+        let rank = members.iter().position(|&(_, m)| m == self.rank).expect("this rank gave its own color");
+        Ok(Communicator {
+            shared: self.shared.clone(),
+            group: members.iter().map(|&(_, m)| self.group[m]).collect(),
+            nodes: members.iter().map(|&(_, m)| self.nodes[m]).collect(),
+            rank,
+            hierarchy: None,
+        })
+    }
+
+    /// The members on this host.
+    pub fn split_local(&self) -> Result<Communicator, CommError> {
+        self.split(self.nodes[self.rank] as u32, self.rank as u32)
+    }
+
+    /// The members with the same local rank on every host.
+    pub fn split_cross(&self) -> Result<Communicator, CommError> {
+        let local_rank = (0..self.rank).filter(|&m| self.nodes[m] == self.nodes[self.rank]).count();
+        self.split(local_rank as u32, self.rank as u32)
+    }
+
+    /// Sets up hierarchical algorithms when the members span hosts with the
+    /// same number of ranks on each (collective).
+    pub(crate) fn build_hierarchy(&mut self) -> Result<(), CommError> {
+        let nodes = self.num_nodes();
+        if nodes < 2 || nodes == self.size() {
+            return Ok(());
+        }
+        let per_node: Vec<usize> = (0..nodes).map(|i| self.nodes.iter().filter(|&&n| n == i).count()).collect();
+        if per_node.iter().any(|&c| c != per_node[0]) {
+            return Ok(());
+        }
+        let local = self.split_local()?;
+        let cross = self.split_cross()?;
+        self.hierarchy = Some(Box::new((local, cross)));
+        Ok(())
+    }
+}
+
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X")),
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,253 @@
+//! Element types and reduction kernels. Buffers travel as bytes; the
+//! kernels view them as typed slices (every offset kolo-comm hands them is
+//! a multiple of 8, so the views are aligned).
+
+use half::{bf16, f16};
+
+/// The element types collectives carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I32,
+    I64,
+    U8,
+}
+
+impl DType {
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+        }
+    }
+
+    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| format!("unknown dtype '{s}'; known: f32, f64, f16, bf16, i32, i64, u8"))
+    }
+}
+
+/// How values combine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    Min,
+    Max,
+    /// Sum, divided by the number of ranks at the end.
+    Avg,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Avg => "avg",
+        }
+    }
+}
+
+impl std::str::FromStr for ReduceOp {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| o.name() == s)
+            .ok_or_else(|| format!("unknown op '{s}'; known: sum, prod, min, max, avg"))
+    }
+}
+
+/// A type collectives can carry.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    const DTYPE: DType;
+}
+
+macro_rules! element {
+    ($($t:ty => $d:ident),*) => { $(impl Element for $t { const DTYPE: DType = DType::$d; })* };
+}
+element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u8 => U8);
+
+/// Arithmetic for the kernels; half types compute in f32.
+trait Arith: Copy {
+    fn combine(op: ReduceOp, a: Self, b: Self) -> Self;
+    fn divide(self, n: usize) -> Self;
+}
+
+macro_rules! float_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => a + b,
+                    ReduceOp::Prod => a * b,
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }
+            }
+            fn divide(self, n: usize) -> Self { self / n as $t }
+        }
+    )*};
+}
+float_arith!(f32, f64);
+
+macro_rules! int_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                match op {
+                    // integers wrap, as MPI and NCCL leave overflow to the user
+                    ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
+                    ReduceOp::Prod => a.wrapping_mul(b),
+                    ReduceOp::Min => a.min(b),
+                    ReduceOp::Max => a.max(b),
+                }
+            }
+            fn divide(self, n: usize) -> Self { self / n as $t }
+        }
+    )*};
+}
+int_arith!(i32, i64, u8);
+
+macro_rules! half_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            #[inline(always)]
+            fn combine(op: ReduceOp, a: Self, b: Self) -> Self {
+                <$t>::from_f32(f32::combine(op, a.to_f32(), b.to_f32()))
+            }
+            fn divide(self, n: usize) -> Self { <$t>::from_f32(self.to_f32() / n as f32) }
+        }
+    )*};
+}
+half_arith!(f16, bf16);
+
+// Each op gets its own loop so the compiler vectorizes it.
+fn into_typed<T: Arith + bytemuck::Pod>(op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    let src: &[T] = bytemuck::cast_slice(src);
+    macro_rules! each {
+        ($op:expr) => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = T::combine($op, *d, *s);
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each!(ReduceOp::Sum),
+        ReduceOp::Prod => each!(ReduceOp::Prod),
+        ReduceOp::Min => each!(ReduceOp::Min),
+        ReduceOp::Max => each!(ReduceOp::Max),
+    }
+}
+
+fn to_typed<T: Arith + bytemuck::Pod>(op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    let dst: &mut [T] = bytemuck::cast_slice_mut(dst);
+    let a: &[T] = bytemuck::cast_slice(a);
+    let b: &[T] = bytemuck::cast_slice(b);
+    macro_rules! each {
+        ($op:expr) => {
+            for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+                *d = T::combine($op, *x, *y);
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => each!(ReduceOp::Sum),
+        ReduceOp::Prod => each!(ReduceOp::Prod),
+        ReduceOp::Min => each!(ReduceOp::Min),
+        ReduceOp::Max => each!(ReduceOp::Max),
+    }
+}
+
+fn divide_typed<T: Arith + bytemuck::Pod>(buf: &mut [u8], n: usize) {
+    for v in bytemuck::cast_slice_mut::<u8, T>(buf) {
+        *v = v.divide(n);
+    }
+}
+
+macro_rules! dispatch {
+    ($dtype:expr, $f:ident, $($arg:expr),*) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            DType::I32 => $f::<i32>($($arg),*),
+            DType::I64 => $f::<i64>($($arg),*),
+            DType::U8 => $f::<u8>($($arg),*),
+        }
+    };
+}
+
+/// `dst = dst op src`, element-wise.
+pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
+    debug_assert_eq!(dst.len(), src.len());
+    dispatch!(dtype, into_typed, op, dst, src)
+}
+
+/// `dst = a op b`, element-wise.
+pub(crate) fn reduce_to(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
+    debug_assert!(dst.len() == a.len() && a.len() == b.len());
+    dispatch!(dtype, to_typed, op, dst, a, b)
+}
+
+/// Divides every element by `n` (the end of an average).
+pub(crate) fn divide(dtype: DType, buf: &mut [u8], n: usize) {
+    dispatch!(dtype, divide_typed, buf, n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_per_type_and_op() {
+        let mut d = bytemuck::cast_slice::<f32, u8>(&[1.0, 5.0, -2.0]).to_vec();
+        reduce_into(DType::F32, ReduceOp::Max, &mut d, bytemuck::cast_slice::<f32, u8>(&[3.0, 4.0, -1.0]));
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), [3.0, 5.0, -1.0]);
+        let (a, b) = ([200u8, 3], [100u8, 9]);
+        let mut out = [0u8; 2];
+        reduce_to(DType::U8, ReduceOp::Sum, &mut out, &a, &b);
+        assert_eq!(out, [44, 12]); // wraps
+        let h = [bf16::from_f32(1.5), bf16::from_f32(2.0)];
+        let mut hb = bytemuck::cast_slice::<bf16, u8>(&h).to_vec();
+        reduce_into(DType::BF16, ReduceOp::Prod, &mut hb, bytemuck::cast_slice::<bf16, u8>(&h));
+        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&hb), [bf16::from_f32(2.25), bf16::from_f32(4.0)]);
+        let mut i = bytemuck::cast_slice::<i64, u8>(&[9, -9]).to_vec();
+        divide(DType::I64, &mut i, 2);
+        assert_eq!(bytemuck::cast_slice::<u8, i64>(&i), [4, -4]);
+        assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
+        assert!("f8".parse::<DType>().unwrap_err().contains("unknown dtype 'f8'"));
+    }
+}
