@@ -1,6 +1,7 @@
 //! `kolo bench ...`: figures side by side with their references, printed
 //! as a table, or with `--json` one JSON object per row.
 
+mod collective;
 mod executor;
 mod launch;
 mod rendezvous;
@@ -22,6 +23,16 @@ pub enum BenchCommand {
     Rendezvous(rendezvous::RendezvousBenchArgs),
     /// The Executor's start, execute round and shutdown times.
     Executor(executor::ExecutorArgs),
+    /// kolo-comm allreduce bandwidth (nccl-tests columns).
+    Allreduce(collective::CollectiveArgs),
+    /// kolo-comm allgather bandwidth.
+    Allgather(collective::CollectiveArgs),
+    /// kolo-comm reduce-scatter bandwidth.
+    ReduceScatter(collective::CollectiveArgs),
+    /// kolo-comm broadcast bandwidth.
+    Broadcast(collective::CollectiveArgs),
+    /// kolo-comm reduce bandwidth.
+    Reduce(collective::CollectiveArgs),
 }
 
 impl BenchArgs {
@@ -33,7 +44,7 @@ impl BenchArgs {
 
 /// What `kolo` workers can run for the benchmarks.
 pub fn worker_registry() -> kolo_exec::Registry {
-    executor::register(kolo_exec::Registry::new())
+    collective::register(executor::register(kolo_exec::Registry::new()))
 }
 
 pub async fn bench(args: BenchArgs) -> Result<i32> {
@@ -41,6 +52,11 @@ pub async fn bench(args: BenchArgs) -> Result<i32> {
         BenchCommand::Launch(a) => launch::run(a).await,
         BenchCommand::Rendezvous(a) => rendezvous::run(a).await,
         BenchCommand::Executor(a) => executor::run(a).await,
+        BenchCommand::Allreduce(a) => collective::run(collective::Collective::Allreduce, a).await,
+        BenchCommand::Allgather(a) => collective::run(collective::Collective::Allgather, a).await,
+        BenchCommand::ReduceScatter(a) => collective::run(collective::Collective::ReduceScatter, a).await,
+        BenchCommand::Broadcast(a) => collective::run(collective::Collective::Broadcast, a).await,
+        BenchCommand::Reduce(a) => collective::run(collective::Collective::Reduce, a).await,
     }
 }
 
