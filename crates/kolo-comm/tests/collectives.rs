@@ -175,8 +175,9 @@ fn point_to_point_and_split(comm: &Communicator) -> Result<(), String> {
     let want: i32 = members.iter().map(|&q| q as i32).sum();
     check_eq("split allreduce", &v, |_| want)?;
     let local = comm.split_local().map_err(|e| e.to_string())?;
-    if local.size() != n {
-        return Err(format!("one host: the local communicator has {} of {n} ranks", local.size()));
+    let per_host = n / comm.num_nodes();
+    if local.size() != per_host {
+        return Err(format!("the local communicator has {} ranks, expected {per_host}", local.size()));
     }
     Ok(())
 }
@@ -249,11 +250,19 @@ fn registry() -> Registry {
 }
 
 fn executor(n: u32, env: &[(&str, &str)]) -> impl std::future::Future<Output = Result<Executor, Failed>> {
+    on_hosts(n, vec![HostSpec::new("node", 16)], env)
+}
+
+fn on_hosts(
+    n: u32,
+    hosts: Vec<HostSpec>,
+    env: &[(&str, &str)],
+) -> impl std::future::Future<Output = Result<Executor, Failed>> {
     let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     async move {
         let mut settings = Settings::default();
         settings.heartbeat_timeout = Duration::from_secs(60);
-        let engine = Box::new(LocalEngine::with_hosts(vec![HostSpec::new("node", 16)]));
+        let engine = Box::new(LocalEngine::with_hosts(hosts));
         let mut ex = Executor::with_engine(settings, WorkerRequest::pack(n), engine)?;
         ex.start_workers(&env).await?;
         Ok(ex)
@@ -268,6 +277,19 @@ fn correctness(n: u32, transport: &'static str) -> Result<(), Failed> {
     block(async move {
         let mut ex = executor(n, &[("KOLO_COMM_TRANSPORT", transport)]).await?;
         let result = ex.run(&CheckAll { large: n <= 3 }).await;
+        ex.shutdown().await;
+        result?;
+        Ok(())
+    })
+}
+
+/// Two simulated hosts of two ranks: shared memory within, TCP between,
+/// and the hierarchical allreduce for large buffers.
+fn two_hosts() -> Result<(), Failed> {
+    block(async move {
+        let hosts = vec![HostSpec::new("host-a", 2), HostSpec::new("host-b", 2)];
+        let mut ex = on_hosts(4, hosts, &[]).await?;
+        let result = ex.run(&CheckAll { large: true }).await;
         ex.shutdown().await;
         result?;
         Ok(())
@@ -330,5 +352,6 @@ fn main() {
         }));
     }
     tests.push(Trial::test("a_missing_rank_is_named", a_missing_rank_is_named));
+    tests.push(Trial::test("every_op_dtype_and_size_on_two_hosts_hierarchical", two_hosts));
     libtest_mimic::run(&args, tests).exit();
 }

@@ -321,3 +321,21 @@ fn gpus_declared_in_the_host_file_are_shared_per_node() {
     assert!(stderr(&out).contains("cannot place 3 workers with 1 CPU and 4 GPUs each"), "{}", stderr(&out));
     assert!(stderr(&out).contains("b (1 CPU, 3 GPUs)"), "{}", stderr(&out));
 }
+
+/// The training demo (kolo-comm's `train` example) through `kolo run`:
+/// it must converge, on one host and on two simulated hosts.
+#[test]
+fn the_training_demo_converges() {
+    let kolo = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kolo"));
+    let train = kolo.parent().unwrap().join("examples").join("train");
+    assert!(train.exists(), "{} is missing: build it with cargo build --examples", train.display());
+    for hosts in ["localhost:4", "a:2,b:2"] {
+        let out = run(&["run", "-np", "4", "-H", hosts, "--", train.to_str().unwrap(), "--epochs", "5"]);
+        assert!(out.status.success(), "{hosts}: {}{}", stdout(&out), stderr(&out));
+        let text = stdout(&out);
+        let last = text.lines().find(|l| l.starts_with("[0]<stdout>:final loss")).expect("a final loss line");
+        let loss: f32 = last.split_whitespace().nth(2).unwrap().parse().unwrap();
+        assert!(loss < 0.35, "{hosts}: {last}");
+        assert_eq!(text.lines().filter(|l| l.contains("epoch")).count(), 5, "{text}");
+    }
+}
