@@ -150,7 +150,9 @@ fn train(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
     if rank == 0 {
         println!("final loss {last:.4} (from {first:.4})");
     }
-    if !(last < first / 2.0) {
+    // NaN counts as not converged
+    let converged = last.partial_cmp(&(first / 2.0)) == Some(std::cmp::Ordering::Less);
+    if !converged {
         return Err(format!("did not converge: loss {last:.4} from {first:.4}").into());
     }
     Ok(())
