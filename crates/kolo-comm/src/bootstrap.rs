@@ -148,7 +148,9 @@ impl Communicator {
             if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
         let ring_path = |from: usize, to: usize| dir.join(format!("kolo-{}-{from}-to-{to}", config.job_id));
         // rings shrink as ranks per host grow, so their memory stays bounded
-        let capacity = (64usize << 20).checked_div(local_count).map_or(0, |c| c.clamp(256 << 10, 4 << 20) & !7);
+        let capacity = (64usize << 20)
+            .checked_div(local_count)
+            .map_or(0, |c| c.clamp(256 << 10, config.tuning.ring_bytes.max(256 << 10)) & !7);
         let mut created = Vec::new();
         for p in (0..n).filter(|&p| local(p)) {
             let ring = Ring::create(&ring_path(p, config.rank), capacity).map_err(|e| {

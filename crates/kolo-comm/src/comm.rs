@@ -17,20 +17,25 @@ pub struct Tuning {
     /// Hierarchical allreduce across hosts from this many bytes
     /// (`KOLO_COMM_HIER_BYTES`).
     pub hierarchical_bytes: usize,
+    /// Most bytes of shared-memory ring per direction (`KOLO_COMM_RING_BYTES`);
+    /// rings shrink as ranks per host grow.
+    pub ring_bytes: usize,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { small_bytes: 64 * 1024, hierarchical_bytes: 256 * 1024 }
+        Tuning { small_bytes: 64 * 1024, hierarchical_bytes: 256 * 1024, ring_bytes: 2 << 20 }
     }
 }
 
 impl Tuning {
     pub fn from_env() -> Result<Tuning, CommError> {
         let mut t = Tuning::default();
-        for (name, field) in
-            [("KOLO_COMM_SMALL_BYTES", &mut t.small_bytes), ("KOLO_COMM_HIER_BYTES", &mut t.hierarchical_bytes)]
-        {
+        for (name, field) in [
+            ("KOLO_COMM_SMALL_BYTES", &mut t.small_bytes),
+            ("KOLO_COMM_HIER_BYTES", &mut t.hierarchical_bytes),
+            ("KOLO_COMM_RING_BYTES", &mut t.ring_bytes),
+        ] {
             if let Ok(v) = std::env::var(name) {
                 *field = v.parse().map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count")))?;
             }
