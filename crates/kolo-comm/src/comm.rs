@@ -4,7 +4,11 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::dtype::{divide, reduce_into, reduce_to, DType, Element, ReduceOp};
+use crate::dtype::{divide, reduce_into, reduce_to, reduce_to_streaming, stream_copy, DType, Element, ReduceOp};
+
+/// From this many bytes per buffer, results are written with non-temporal
+/// stores: two ranks' buffers no longer fit the last-level cache.
+const STREAM_BYTES: usize = 8 << 20;
 use crate::link::{padded, Abort, Rx, Tx};
 use crate::CommError;
 
@@ -63,19 +67,35 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Where received bytes go.
 enum Sink<'a> {
     Copy(&'a mut [u8]),
+    /// Copy with non-temporal stores (results larger than the caches).
+    StreamCopy(&'a mut [u8]),
     /// `dst op= incoming`
     Reduce(&'a mut [u8], DType, ReduceOp),
     /// `dst = a op incoming`
     ReduceTo(&'a mut [u8], &'a [u8], DType, ReduceOp),
+    /// `ReduceTo` with non-temporal stores.
+    StreamReduceTo(&'a mut [u8], &'a [u8], DType, ReduceOp),
 }
 
-impl Sink<'_> {
+impl<'a> Sink<'a> {
+    fn reduce_to(stream: bool, dst: &'a mut [u8], a: &'a [u8], dtype: DType, op: ReduceOp) -> Sink<'a> {
+        if stream {
+            Sink::StreamReduceTo(dst, a, dtype, op)
+        } else {
+            Sink::ReduceTo(dst, a, dtype, op)
+        }
+    }
+
     fn take(&mut self, offset: usize, bytes: &[u8]) {
         let end = offset + bytes.len();
         match self {
             Sink::Copy(dst) => dst[offset..end].copy_from_slice(bytes),
             Sink::Reduce(dst, dtype, op) => reduce_into(*dtype, *op, &mut dst[offset..end], bytes),
             Sink::ReduceTo(dst, a, dtype, op) => reduce_to(*dtype, *op, &mut dst[offset..end], &a[offset..end], bytes),
+            Sink::StreamCopy(dst) => stream_copy(&mut dst[offset..end], bytes),
+            Sink::StreamReduceTo(dst, a, dtype, op) => {
+                reduce_to_streaming(*dtype, *op, &mut dst[offset..end], &a[offset..end], bytes)
+            }
         }
     }
 }
@@ -243,13 +263,16 @@ impl Communicator {
             if idle_rounds < 256 {
                 std::hint::spin_loop();
                 continue;
-            } else if idle_rounds < 1024 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
             }
             let now = Instant::now();
             let since = *idle_since.get_or_insert(now);
+            // yielding (not sleeping) for the first milliseconds keeps two
+            // ranks that share a core handing it back and forth quickly
+            if now.duration_since(since) < Duration::from_millis(5) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
             if now.duration_since(last_check) > Duration::from_millis(50) {
                 last_check = now;
                 self.check_peers(ops)?;
@@ -436,6 +459,7 @@ impl Communicator {
         let at = offsets(&counts, esize);
         let range = |c: usize| at[c]..at[c + 1];
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let stream = recv.len() >= STREAM_BYTES;
         for s in 0..n - 1 {
             let out = (r + n - s) % n;
             let inc = (r + 2 * n - s - 1) % n;
@@ -444,13 +468,13 @@ impl Communicator {
                 Some(input) if s == 0 => {
                     let dst = &mut recv[range(inc)];
                     let len = dst.len();
-                    let sink = Sink::ReduceTo(dst, &input[range(inc)], dtype, op);
+                    let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
                     self.send_recv(Some((next, &input[range(out)])), Some((prev, len, sink)))?;
                 }
                 Some(input) => {
                     let (data, dst) = disjoint(recv, range(out), range(inc));
                     let len = dst.len();
-                    let sink = Sink::ReduceTo(dst, &input[range(inc)], dtype, op);
+                    let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
                     self.send_recv(Some((next, data)), Some((prev, len, sink)))?;
                 }
                 None => {
@@ -467,12 +491,14 @@ impl Communicator {
     fn ring_allgather_chunks(&self, buf: &mut [u8], at: &[usize], own: usize) -> Result<(), CommError> {
         let (n, r) = (self.size(), self.rank);
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+        let stream = buf.len() >= STREAM_BYTES;
         for s in 0..n - 1 {
             let out = (own + n - s) % n;
             let inc = (own + 2 * n - s - 1) % n;
             let (data, dst) = disjoint(buf, at[out]..at[out + 1], at[inc]..at[inc + 1]);
             let len = dst.len();
-            self.send_recv(Some((next, data)), Some((prev, len, Sink::Copy(dst))))?;
+            let sink = if stream { Sink::StreamCopy(dst) } else { Sink::Copy(dst) };
+            self.send_recv(Some((next, data)), Some((prev, len, sink)))?;
         }
         Ok(())
     }
