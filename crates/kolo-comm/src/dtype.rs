@@ -227,31 +227,6 @@ pub(crate) fn divide(dtype: DType, buf: &mut [u8], n: usize) {
     dispatch!(dtype, divide_typed, buf, n)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kernels_per_type_and_op() {
-        let mut d = bytemuck::cast_slice::<f32, u8>(&[1.0, 5.0, -2.0]).to_vec();
-        reduce_into(DType::F32, ReduceOp::Max, &mut d, bytemuck::cast_slice::<f32, u8>(&[3.0, 4.0, -1.0]));
-        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), [3.0, 5.0, -1.0]);
-        let (a, b) = ([200u8, 3], [100u8, 9]);
-        let mut out = [0u8; 2];
-        reduce_to(DType::U8, ReduceOp::Sum, &mut out, &a, &b);
-        assert_eq!(out, [44, 12]); // wraps
-        let h = [bf16::from_f32(1.5), bf16::from_f32(2.0)];
-        let mut hb = bytemuck::cast_slice::<bf16, u8>(&h).to_vec();
-        reduce_into(DType::BF16, ReduceOp::Prod, &mut hb, bytemuck::cast_slice::<bf16, u8>(&h));
-        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&hb), [bf16::from_f32(2.25), bf16::from_f32(4.0)]);
-        let mut i = bytemuck::cast_slice::<i64, u8>(&[9, -9]).to_vec();
-        divide(DType::I64, &mut i, 2);
-        assert_eq!(bytemuck::cast_slice::<u8, i64>(&i), [4, -4]);
-        assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
-        assert!("f8".parse::<DType>().unwrap_err().contains("unknown dtype 'f8'"));
-    }
-}
-
 /// Copies with non-temporal stores: for results larger than the caches,
 /// skipping the read-for-ownership of `dst` saves a third of the memory
 /// traffic of a copy.
@@ -293,5 +268,30 @@ pub(crate) fn reduce_to_streaming(dtype: DType, op: ReduceOp, dst: &mut [u8], a:
         reduce_to(dtype, op, tmp, &a[at..end], &b[at..end]);
         stream_copy(&mut dst[at..end], tmp);
         at = end;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernels_per_type_and_op() {
+        let mut d = bytemuck::cast_slice::<f32, u8>(&[1.0, 5.0, -2.0]).to_vec();
+        reduce_into(DType::F32, ReduceOp::Max, &mut d, bytemuck::cast_slice::<f32, u8>(&[3.0, 4.0, -1.0]));
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), [3.0, 5.0, -1.0]);
+        let (a, b) = ([200u8, 3], [100u8, 9]);
+        let mut out = [0u8; 2];
+        reduce_to(DType::U8, ReduceOp::Sum, &mut out, &a, &b);
+        assert_eq!(out, [44, 12]); // wraps
+        let h = [bf16::from_f32(1.5), bf16::from_f32(2.0)];
+        let mut hb = bytemuck::cast_slice::<bf16, u8>(&h).to_vec();
+        reduce_into(DType::BF16, ReduceOp::Prod, &mut hb, bytemuck::cast_slice::<bf16, u8>(&h));
+        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&hb), [bf16::from_f32(2.25), bf16::from_f32(4.0)]);
+        let mut i = bytemuck::cast_slice::<i64, u8>(&[9, -9]).to_vec();
+        divide(DType::I64, &mut i, 2);
+        assert_eq!(bytemuck::cast_slice::<u8, i64>(&i), [4, -4]);
+        assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
+        assert!("f8".parse::<DType>().unwrap_err().contains("unknown dtype 'f8'"));
     }
 }
