@@ -46,6 +46,22 @@ pub enum CommError {
     BadArgs(String),
 }
 
+/// Pins this process to one CPU, chosen by `local_rank` among the CPUs it
+/// may use (what `mpirun --bind-to core` does). Ranks that spin while they
+/// wait run best one to a core; call it before the communicator when there
+/// are no more ranks on a host than cores.
+pub fn bind_to_core(local_rank: usize) -> Result<(), CommError> {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let err = |e: nix::Error| CommError::Env(format!("cannot set CPU affinity: {e}"));
+    let allowed = sched_getaffinity(Pid::from_raw(0)).map_err(err)?;
+    let cpus: Vec<usize> = (0..CpuSet::count()).filter(|&c| allowed.is_set(c).unwrap_or(false)).collect();
+    let Some(&cpu) = cpus.get(local_rank % cpus.len().max(1)) else { return Ok(()) };
+    let mut one = CpuSet::new();
+    one.set(cpu).map_err(err)?;
+    sched_setaffinity(Pid::from_raw(0), &one).map_err(err)
+}
+
 fn link_tags_match(a: &[u8], b: &[u8; 32]) -> bool {
     a.len() == 32 && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

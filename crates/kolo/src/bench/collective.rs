@@ -54,6 +54,10 @@ pub struct CollectiveArgs {
     /// TCP between all ranks, even on one host (kolo-comm's KOLO_COMM_TRANSPORT=tcp).
     #[arg(long)]
     tcp: bool,
+    /// Leave ranks unpinned (by default each is pinned to a CPU by local
+    /// rank, as mpirun's default --bind-to core does).
+    #[arg(long)]
+    no_bind: bool,
     /// Simulated hosts (host:slots,...) to spread the ranks over.
     #[arg(short = 'H', long = "hosts")]
     hosts: Option<String>,
@@ -67,8 +71,11 @@ pub struct CommBench {
 }
 
 impl Executable for CommBench {
-    type Args = ();
-    fn create(_: (), _: &WorkerContext) -> Result<Self, UserError> {
+    type Args = bool;
+    fn create(bind: bool, ctx: &WorkerContext) -> Result<Self, UserError> {
+        if bind {
+            kolo_comm::bind_to_core(ctx.local_rank() as usize)?;
+        }
         Ok(CommBench { comm: Communicator::from_env()? })
     }
 }
@@ -194,7 +201,7 @@ pub async fn run(collective: Collective, args: CollectiveArgs) -> Result<i32> {
     let engine = Box::new(LocalEngine::with_hosts(hosts));
     let mut executor = Executor::with_engine(settings, WorkerRequest::pack(args.np), engine)?;
     let env = if args.tcp { vec![("KOLO_COMM_TRANSPORT".to_string(), "tcp".to_string())] } else { Vec::new() };
-    executor.start::<CommBench>(&(), &env).await?;
+    executor.start::<CommBench>(&!args.no_bind, &env).await?;
     let table = Table::new(args.json, &["bytes", "iters", "time_us", "algbw_GB/s", "busbw_GB/s"]);
     // one size at a time so rows appear as they are measured
     for &size in &sizes {
