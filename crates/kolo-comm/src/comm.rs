@@ -18,6 +18,10 @@ pub struct Tuning {
     /// Allreduce of at most this many bytes uses recursive doubling
     /// (`KOLO_COMM_SMALL_BYTES`); larger ones the ring.
     pub small_bytes: usize,
+    /// Allreduce of at most this many bytes (and above `small_bytes`) uses
+    /// recursive halving-doubling (Rabenseifner); larger ones the ring
+    /// (`KOLO_COMM_MID_BYTES`).
+    pub mid_bytes: usize,
     /// Hierarchical allreduce across hosts from this many bytes
     /// (`KOLO_COMM_HIER_BYTES`).
     pub hierarchical_bytes: usize,
@@ -28,7 +32,7 @@ pub struct Tuning {
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { small_bytes: 64 * 1024, hierarchical_bytes: 256 * 1024, ring_bytes: 2 << 20 }
+        Tuning { small_bytes: 64 * 1024, mid_bytes: 1 << 20, hierarchical_bytes: 256 * 1024, ring_bytes: 2 << 20 }
     }
 }
 
@@ -37,6 +41,7 @@ impl Tuning {
         let mut t = Tuning::default();
         for (name, field) in [
             ("KOLO_COMM_SMALL_BYTES", &mut t.small_bytes),
+            ("KOLO_COMM_MID_BYTES", &mut t.mid_bytes),
             ("KOLO_COMM_HIER_BYTES", &mut t.hierarchical_bytes),
             ("KOLO_COMM_RING_BYTES", &mut t.ring_bytes),
         ] {
@@ -387,21 +392,32 @@ impl Communicator {
         op: ReduceOp,
     ) -> Result<(), CommError> {
         let n = self.size();
-        if let Some(send) = send {
-            if n == 1 || recv.len() <= self.shared.tuning.small_bytes {
+        if n == 1 || recv.is_empty() {
+            if let Some(send) = send {
                 recv.copy_from_slice(send);
             }
-        }
-        if n == 1 || recv.is_empty() {
             return Ok(());
         }
+        let tuning = &self.shared.tuning;
         let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
-        if recv.len() <= self.shared.tuning.small_bytes {
-            self.recursive_doubling(recv, dtype, reduce_op)?;
-        } else if let (Some(h), true) = (&self.hierarchy, recv.len() >= self.shared.tuning.hierarchical_bytes) {
-            self.hierarchical(send, recv, dtype, reduce_op, &h.0, &h.1)?;
-        } else {
-            self.ring_allreduce(send, recv, dtype, reduce_op)?;
+        match (&self.hierarchy, recv.len()) {
+            (_, len) if len <= tuning.small_bytes => {
+                if let Some(s) = send {
+                    recv.copy_from_slice(s);
+                }
+                self.recursive_doubling(recv, dtype, reduce_op)?;
+            }
+            (Some(h), len) if len >= tuning.hierarchical_bytes => {
+                self.hierarchical(send, recv, dtype, reduce_op, &h.0, &h.1)?;
+            }
+            (_, len) if len <= tuning.mid_bytes => {
+                if let Some(s) = send {
+                    recv.copy_from_slice(s);
+                }
+                self.halving_doubling(recv, dtype, reduce_op)?;
+            }
+            // the ring reads an out-of-place input directly: no copy first
+            _ => self.ring_allreduce(send, recv, dtype, reduce_op)?,
         }
         if op == ReduceOp::Avg {
             divide(dtype, recv, n);
@@ -436,6 +452,57 @@ impl Communicator {
                 reduce_into(dtype, op, buf, scratch);
                 Ok(())
             })?;
+            mask <<= 1;
+        }
+        if r < 2 * extra {
+            self.send_recv(Some((r - 1, buf)), None)?;
+        }
+        Ok(())
+    }
+
+    /// Mid sizes (Rabenseifner): reduce-scatter by recursive halving, then
+    /// allgather by recursive doubling: log2(n) steps moving n-1/n of the
+    /// buffer. Ranks beyond the largest power of two fold in first.
+    fn halving_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let len = buf.len();
+        let new_rank = if r < 2 * extra {
+            if r % 2 == 0 {
+                self.send_recv(Some((r + 1, buf)), None)?;
+                return self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))));
+            }
+            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
+            r / 2
+        } else {
+            r - extra
+        };
+        let real = |nr: usize| if nr < extra { nr * 2 + 1 } else { nr + extra };
+        let at = offsets(&split_counts(len / dtype.size(), p), dtype.size());
+        // halving: keep the half of the chunks on this rank's side of each bit
+        let (mut lo, mut hi) = (0, p);
+        let mut mask = p >> 1;
+        while mask > 0 {
+            let partner = real(new_rank ^ mask);
+            let mid = (lo + hi) / 2;
+            let (keep, give) = if new_rank & mask == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
+            let (data, dst) = disjoint(buf, at[give.0]..at[give.1], at[keep.0]..at[keep.1]);
+            let want = dst.len();
+            self.send_recv(Some((partner, data)), Some((partner, want, Sink::Reduce(dst, dtype, op))))?;
+            (lo, hi) = keep;
+            mask >>= 1;
+        }
+        // doubling: swap owned blocks with partners, growing them
+        let mut mask = 1;
+        while mask < p {
+            let partner = real(new_rank ^ mask);
+            let width = hi - lo;
+            let other = if new_rank & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
+            let (data, dst) = disjoint(buf, at[lo]..at[hi], at[other.0]..at[other.1]);
+            let want = dst.len();
+            self.send_recv(Some((partner, data)), Some((partner, want, Sink::Copy(dst))))?;
+            (lo, hi) = (lo.min(other.0), hi.max(other.1));
             mask <<= 1;
         }
         if r < 2 * extra {

@@ -136,19 +136,22 @@ fn dry_run(spec: &LaunchSpec) -> Result<i32> {
     Ok(0)
 }
 
-/// Resolves with the first SIGINT, SIGTERM or SIGHUP kolo receives.
-pub async fn stop_signal() -> Signal {
+/// Resolves with the first SIGINT, SIGTERM or SIGHUP kolo receives. The
+/// handlers are installed on the call, not on the first poll, so a signal
+/// that comes right after is not lost to the default action.
+pub fn stop_signal() -> impl std::future::Future<Output = Signal> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut int), Ok(mut term), Ok(mut hup)) =
-        (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()))
-    else {
-        tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = int.recv() => Signal::SIGINT,
-        _ = term.recv() => Signal::SIGTERM,
-        _ = hup.recv() => Signal::SIGHUP,
+    let streams = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
+    async move {
+        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = streams else {
+            tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = int.recv() => Signal::SIGINT,
+            _ = term.recv() => Signal::SIGTERM,
+            _ = hup.recv() => Signal::SIGHUP,
+        }
     }
 }
 
@@ -168,9 +171,10 @@ pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
         bail!("--require-secret needs the secret in ${ENV_SECRET}");
     }
     config.require_secret = args.require_secret;
+    let stop = stop_signal();
     let server = RendezvousServer::start(config, &plan).await?;
     println!("{}", server.addr());
-    let signal = stop_signal().await;
+    let signal = stop.await;
     tracing::debug!("rendezvous server stopping on {}", signal.as_str());
     server.stop().await;
     Ok(0)
