@@ -292,46 +292,103 @@ struct State {
     executable: Option<Box<dyn Any + Send>>,
 }
 
-/// Whether `buffered` starts with a whole frame.
-fn frame_buffered(buffered: &[u8]) -> bool {
-    buffered.len() >= 4
-        && buffered.len() - 4 >= u32::from_be_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize
+/// Frames from the driver, read ahead in one buffer.
+struct FrameReader {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
 }
 
-/// Reads the driver's messages and acts on them. Calls run right here, in
-/// order: a call is one wake-up of one thread. Every frame that arrived
-/// together is read before any is acted on, so a `Cancel` sent right
-/// after its call still skips it.
+impl FrameReader {
+    fn new(stream: TcpStream) -> Self {
+        FrameReader { stream, buf: vec![0; 256 * 1024], start: 0, end: 0 }
+    }
+
+    /// Reads what the socket has; blocks for it only if `block`.
+    fn fill(&mut self, block: bool) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.end == self.buf.len() {
+            self.buf.copy_within(self.start..self.end, 0);
+            (self.start, self.end) = (0, self.end - self.start);
+        }
+        if self.end == self.buf.len() {
+            // one frame larger than the buffer
+            let grown = self.buf.len() * 2;
+            self.buf.resize(grown, 0);
+        }
+        let flags = if block { nix::sys::socket::MsgFlags::empty() } else { nix::sys::socket::MsgFlags::MSG_DONTWAIT };
+        match nix::sys::socket::recv(self.stream.as_raw_fd(), &mut self.buf[self.end..], flags) {
+            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
+            Ok(n) => {
+                self.end += n;
+                Ok(())
+            }
+            Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The next whole frame already read, if any.
+    fn frame(&mut self) -> io::Result<Option<ToWorker>> {
+        let buffered = &self.buf[self.start..self.end];
+        if buffered.len() < 4 {
+            return Ok(None);
+        }
+        let len = u32::from_be_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize;
+        if len > proto::MAX_FRAME {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes is over the limit")));
+        }
+        if buffered.len() < 4 + len {
+            if 4 + len > self.buf.len() {
+                self.buf.resize(4 + len, 0);
+            }
+            return Ok(None);
+        }
+        let message = proto::decode(&buffered[4..4 + len])?;
+        self.start += 4 + len;
+        Ok(Some(message))
+    }
+}
+
+/// Reads the driver's messages and acts on them in order. Calls run right
+/// here: a call is one wake-up of one thread. Before each call, whatever
+/// else has arrived is read first, so a `Cancel` sent while earlier calls
+/// ran still skips its call.
 fn read_loop(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream, busy: &AtomicU64) -> Result<i32, String> {
-    let mut reader = io::BufReader::with_capacity(256 * 1024, stream);
+    let mut reader = FrameReader::new(stream);
+    let mut queue: std::collections::VecDeque<ToWorker> = std::collections::VecDeque::new();
+    let mut cancelled: HashSet<u64> = HashSet::new();
     let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
     loop {
-        let mut batch = Vec::new();
-        loop {
-            match proto::read_frame(&mut reader).and_then(|f| proto::decode::<ToWorker>(&f)) {
-                Ok(message) => batch.push(message),
-                Err(e) => {
-                    agent.say(&format!("lost the driver ({e}); stopping"));
-                    agent.exit(1, Duration::ZERO);
+        let read = (|| -> io::Result<()> {
+            reader.fill(queue.is_empty())?;
+            while let Some(message) = reader.frame()? {
+                match message {
+                    ToWorker::Cancel { id } => {
+                        cancelled.insert(id);
+                    }
+                    other => queue.push_back(other),
                 }
             }
-            if !frame_buffered(reader.buffer()) {
-                break;
-            }
+            Ok(())
+        })();
+        if let Err(e) = read {
+            agent.say(&format!("lost the driver ({e}); stopping"));
+            agent.exit(1, Duration::ZERO);
         }
         agent.heard();
-        let cancelled: HashSet<u64> =
-            batch.iter().filter_map(|m| if let ToWorker::Cancel { id } = m { Some(*id) } else { None }).collect();
-        for message in batch {
-            if let ToWorker::Call { id, .. } = &message {
-                if cancelled.contains(id) {
-                    continue;
-                }
+        let Some(message) = queue.pop_front() else { continue };
+        if let ToWorker::Call { id, .. } = &message {
+            if cancelled.remove(id) {
+                continue;
             }
-            busy.fetch_add(1, Ordering::Relaxed);
-            handle(agent, registry, &mut state, message);
-            busy.fetch_sub(1, Ordering::Relaxed);
         }
+        busy.fetch_add(1, Ordering::Relaxed);
+        handle(agent, registry, &mut state, message);
+        busy.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
