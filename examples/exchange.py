@@ -2,7 +2,7 @@
 job's rendezvous server the way Gloo does (PUT its own key, poll GET for
 everyone else's, DELETE when done), then reports what it learned.
 
-    kolo run -np 4 -H node-a:2,node-b:2 -- python3 examples/exchange.py
+    kolo run --engine local -np 4 -H node-a:2,node-b:2 -- python3 examples/exchange.py
 """
 import http.client
 import os

@@ -3,7 +3,7 @@
 //! trains on its shard, and averages gradients with an allreduce each step;
 //! rank 0 prints the loss per epoch and the throughput.
 //!
-//!     cargo build --release -p kolo -p kolo-comm --examples
+//!     cargo build --release --bins --examples
 //!     target/release/kolo run -np 4 -- target/release/examples/train
 //!
 //! Options: --epochs N (10), --samples N (65536), --features N (32),

@@ -307,6 +307,7 @@ pub struct Executor {
     engine: Box<dyn Engine>,
     running: Option<Running>,
     next_id: AtomicU64,
+    nic_report: Vec<crate::nics::PairReport>,
 }
 
 impl Executor {
@@ -328,12 +329,18 @@ impl Executor {
                 settings.heartbeat_timeout, settings.heartbeat_interval
             )));
         }
-        Ok(Executor { settings, request, engine, running: None, next_id: AtomicU64::new(1) })
+        Ok(Executor { settings, request, engine, running: None, next_id: AtomicU64::new(1), nic_report: Vec::new() })
     }
 
     /// The workers in rank order (after `start`).
     pub fn workers(&self) -> Vec<WorkerInfo> {
         self.running.as_ref().map(|r| r.links.iter().map(|l| l.info.clone()).collect()).unwrap_or_default()
+    }
+
+    /// What interface detection found, host by host around the ring (after
+    /// `start`; empty when the interfaces were given or all workers share a host).
+    pub fn nic_report(&self) -> &[crate::nics::PairReport] {
+        &self.nic_report
     }
 
     /// The rendezvous server's address (after `start`).
@@ -547,7 +554,14 @@ impl Executor {
         let server = RendezvousServer::start(server_config, &slots).await?;
 
         // 6. env: ranks, rendezvous, extra env, then interfaces
-        let nics = settings.nics.clone().unwrap_or_else(|| self.engine.default_nics());
+        let (nics, report) = match &settings.nics {
+            Some(nics) => (nics.clone(), Vec::new()),
+            None => {
+                let deadline = Instant::now() + settings.start_timeout;
+                detect_nics(&mut hellos, deadline, self.engine.default_nics()).await?
+            }
+        };
+        self.nic_report = report;
         let job = JobEnv {
             rendezvous_addr: server.addr().ip().to_string(),
             rendezvous_port: server.addr().port(),
@@ -765,6 +779,90 @@ impl Drop for Executor {
     }
 }
 
+/// Reads frames until `pick` accepts one (heartbeats and early output are
+/// skipped), within `deadline`.
+async fn await_reply<T>(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    what: &str,
+    host: &str,
+    mut pick: impl FnMut(ToDriver) -> Option<T>,
+) -> Result<T, ExecError> {
+    loop {
+        let frame = tokio::time::timeout_at(deadline, proto::read_frame_async(stream))
+            .await
+            .map_err(|_| ExecError::Nics(format!("host {host} did not answer the {what} before the start timeout")))?
+            .map_err(|e| ExecError::Nics(format!("host {host} was lost during the {what}: {e}")))?;
+        let message: ToDriver = proto::decode(&frame)
+            .map_err(|e| ExecError::Nics(format!("host {host}: unreadable {what} answer: {e}")))?;
+        if let Some(reply) = pick(message) {
+            return Ok(reply);
+        }
+    }
+}
+
+/// One agent per host lists and probes interfaces in a ring; see `nics`.
+/// All workers on one host use `single_host` (loopback by default).
+async fn detect_nics(
+    hellos: &mut [(Hello, TcpStream)],
+    deadline: Instant,
+    single_host: Vec<String>,
+) -> Result<(Vec<String>, Vec<crate::nics::PairReport>), ExecError> {
+    let mut reps: Vec<usize> = Vec::new();
+    for (i, (hello, _)) in hellos.iter().enumerate() {
+        if !reps.iter().any(|&r| hellos[r].0.node_id == hello.node_id) {
+            reps.push(i);
+        }
+    }
+    if reps.len() < 2 {
+        let nics = if single_host.is_empty() { vec!["lo".to_string()] } else { single_host };
+        return Ok((nics, Vec::new()));
+    }
+    let frame = |m: &ToWorker| proto::encode(m).map_err(|source| ExecError::Io { what: "encoding".into(), source });
+    let listen = frame(&ToWorker::ProbeListen)?;
+    for &r in &reps {
+        let host = hellos[r].0.hostname.clone();
+        hellos[r].1.write_all(&listen).await.map_err(|e| ExecError::Nics(format!("host {host}: {e}")))?;
+    }
+    let mut listeners = Vec::new();
+    for &r in &reps {
+        let host = hellos[r].0.hostname.clone();
+        let ready = await_reply(&mut hellos[r].1, deadline, "interface listing", &host, |m| match m {
+            ToDriver::ProbeReady { port, interfaces } => Some((port, interfaces)),
+            _ => None,
+        })
+        .await?;
+        listeners.push(ready);
+    }
+    // every probe gets what is left of the start timeout
+    let timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis().max(100) as u64;
+    for (k, &r) in reps.iter().enumerate() {
+        let next = (k + 1) % reps.len();
+        let (port, interfaces) = &listeners[next];
+        let targets: Vec<(String, String, u16)> = interfaces
+            .iter()
+            .flat_map(|(name, addrs)| addrs.iter().map(move |a| (name.clone(), a.clone(), *port)))
+            .collect();
+        let probe = frame(&ToWorker::Probe { index: hellos[reps[next]].0.index, targets, timeout_ms })?;
+        let host = hellos[r].0.hostname.clone();
+        hellos[r].1.write_all(&probe).await.map_err(|e| ExecError::Nics(format!("host {host}: {e}")))?;
+    }
+    let mut pairs = Vec::new();
+    for (k, &r) in reps.iter().enumerate() {
+        let host = hellos[r].0.hostname.clone();
+        let results =
+            await_reply(&mut hellos[r].1, deadline + Duration::from_secs(1), "interface probe", &host, |m| match m {
+                ToDriver::ProbeResult { results } => Some(results),
+                _ => None,
+            })
+            .await?;
+        let to = hellos[reps[(k + 1) % reps.len()]].0.hostname.clone();
+        pairs.push(crate::nics::PairReport { from: host, to, results });
+    }
+    let common = crate::nics::common(&pairs).map_err(ExecError::Nics)?;
+    Ok((common, pairs))
+}
+
 /// A call running on one worker.
 pub struct CallHandle<T> {
     link: Arc<Link>,
@@ -903,7 +1001,10 @@ async fn read_worker(
             Err(e) => break format!("it sent an unreadable message: {e}"),
         };
         match message {
-            ToDriver::Heartbeat | ToDriver::CommandStarted { .. } => {}
+            ToDriver::Heartbeat
+            | ToDriver::CommandStarted { .. }
+            | ToDriver::ProbeReady { .. }
+            | ToDriver::ProbeResult { .. } => {}
             ToDriver::Output { stderr, data } => {
                 let stream = if stderr { Stream::Stderr } else { Stream::Stdout };
                 splitters[stderr as usize].push(&data, |line| sink.line(rank as usize, stream, line));

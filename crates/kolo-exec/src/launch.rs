@@ -15,6 +15,7 @@ use nix::sys::signal::Signal;
 use crate::driver::{Executor, JobOutcome, Settings, WorkerRequest};
 use crate::engine::LocalEngine;
 use crate::output::OutputOptions;
+use crate::ssh::{SshEngine, SshOptions};
 use crate::ExecError;
 
 /// Everything `kolo run` was asked for.
@@ -34,6 +35,59 @@ pub struct LaunchSpec {
     pub require_secret: bool,
     /// GPUs each rank holds, out of those its host declares (`gpus=N`).
     pub gpus_per_worker: u32,
+    pub engine: EngineChoice,
+    pub ssh: SshOptions,
+    /// Interfaces to use instead of detecting them.
+    pub nics: Option<Vec<String>>,
+    /// The program started as the worker agent (default: this binary).
+    pub worker_program: Option<std::path::PathBuf>,
+}
+
+/// Which engine places the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// Slurm inside an allocation, ssh when the host list names other
+    /// machines, local processes otherwise.
+    Auto,
+    Local,
+    Ssh,
+}
+
+impl EngineChoice {
+    /// The engine `Auto` stands for with these hosts.
+    pub fn resolve(self, hosts: &[HostSpec]) -> EngineChoice {
+        match self {
+            EngineChoice::Auto if hosts.iter().all(|h| is_this_machine(&h.name)) => EngineChoice::Local,
+            EngineChoice::Auto => EngineChoice::Ssh,
+            other => other,
+        }
+    }
+}
+
+/// Whether `host` names this machine: `localhost`, its host name, or one
+/// of its addresses.
+pub fn is_this_machine(host: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    if host == "localhost" {
+        return true;
+    }
+    let own = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok());
+    if own.as_deref() == Some(host) {
+        return true;
+    }
+    let Ok(addrs) = (host, 0).to_socket_addrs() else { return false };
+    let local: Vec<std::net::IpAddr> = nix::ifaddrs::getifaddrs()
+        .map(|all| {
+            all.filter_map(|a| {
+                let a = a.address?;
+                a.as_sockaddr_in()
+                    .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                    .or_else(|| a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    addrs.into_iter().any(|a| a.ip().is_loopback() || local.contains(&a.ip()))
 }
 
 /// One rank of a planned job.
@@ -100,8 +154,13 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
     settings.kill_grace = spec.grace;
     settings.output = spec.output.clone();
     settings.rendezvous_require_secret = spec.require_secret;
+    settings.nics = spec.nics.clone();
+    settings.worker_program = spec.worker_program.clone();
     // one slot = one CPU: packing fills the hosts in order, as horovodrun does
-    let engine = Box::new(LocalEngine::with_hosts(spec.hosts.clone()));
+    let engine: Box<dyn crate::Engine> = match spec.engine.resolve(&spec.hosts) {
+        EngineChoice::Ssh => Box::new(SshEngine::new(spec.hosts.clone(), spec.ssh.clone())),
+        _ => Box::new(LocalEngine::with_hosts(spec.hosts.clone())),
+    };
     let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
     let mut executor = Executor::with_engine(settings, request, engine)?;
     tokio::pin!(interrupt);

@@ -46,18 +46,22 @@
 mod driver;
 mod engine;
 mod launch;
+mod nics;
 mod output;
 mod process;
 mod proto;
 mod registry;
+mod ssh;
 mod worker;
 
 pub use driver::{CallHandle, Cause, Executor, Failure, JobOutcome, Settings, WorkerInfo, WorkerRequest};
 pub use engine::{Engine, LocalEngine, WorkerLaunch};
-pub use launch::{plan_job, run_job, LaunchSpec, RankPlan};
+pub use launch::{is_this_machine, plan_job, run_job, EngineChoice, LaunchSpec, RankPlan};
+pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream};
 pub use proto::PROTOCOL_VERSION;
 pub use registry::{Executable, Function, Registry, Task, UserError, WorkerContext};
+pub use ssh::{SshEngine, SshOptions};
 pub use worker::{env as worker_env, serve_if_worker};
 
 use std::path::PathBuf;
@@ -90,6 +94,10 @@ pub enum ExecError {
     WorkerLost { rank: u32, host: String, reason: String },
     #[error("task failed on rank {rank} (host {host}): {message}")]
     Task { rank: u32, host: String, message: String },
+    #[error("network interface detection: {0}")]
+    Nics(String),
+    #[error("cannot reach these hosts over ssh: {0}")]
+    Unreachable(String),
     #[error("cannot encode or decode a value: {0}")]
     Encode(String),
     #[error("the call was cancelled")]

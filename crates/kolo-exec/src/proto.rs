@@ -95,6 +95,14 @@ pub enum ToWorker {
     },
     /// Stop the executable and exit.
     Stop,
+    /// Open a listener for interface probes and list this host's interfaces.
+    ProbeListen,
+    /// Probe these (interface, address, port) of worker `index`'s listener.
+    Probe {
+        index: u32,
+        targets: Vec<(String, String, u16)>,
+        timeout_ms: u64,
+    },
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -123,6 +131,24 @@ pub enum ToDriver {
         id: u64,
         result: Result<Vec<u8>, String>,
     },
+    /// The probe listener's port and this host's interfaces with their IPv4 addresses.
+    ProbeReady {
+        port: u16,
+        interfaces: Vec<(String, Vec<String>)>,
+    },
+    /// Per target (interface, address): `None` when the probe got through
+    /// on the interface of that name, else why not.
+    ProbeResult {
+        results: Vec<(String, String, Option<String>)>,
+    },
+}
+
+pub fn probe_tag(secret: &[u8], index: u32, nonce: &Nonce) -> Tag {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"probe");
+    mac.update(&index.to_be_bytes());
+    mac.update(nonce);
+    mac.finalize().into_bytes().into()
 }
 
 pub fn worker_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {

@@ -37,6 +37,8 @@ pub mod env {
     /// GPU ids the engine gave this worker, comma-separated.
     pub const GPUS: &str = "KOLO_WORKER_GPUS";
     pub use kolo_topology::ENV_SECRET as SECRET;
+    /// Set when the secret comes on the first line of stdin instead.
+    pub const SECRET_ON_STDIN: &str = "KOLO_WORKER_SECRET_ON_STDIN";
 }
 
 /// Serves as a worker and exits if this process was started as one;
@@ -57,6 +59,7 @@ pub fn serve_if_worker(registry: Registry) {
 
 struct Agent {
     index: u32,
+    secret: Vec<u8>,
     writer: Mutex<TcpStream>,
     /// Process group of the OS command, once started.
     command_group: Mutex<Option<u32>>,
@@ -141,7 +144,18 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         .ok()
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| format!("{} is missing or not a number", env::INDEX))?;
-    let secret = std::env::var(env::SECRET).map_err(|_| format!("{} is not set", env::SECRET))?;
+    let secret = match std::env::var(env::SECRET_ON_STDIN) {
+        // remote engines pass the secret on stdin, out of sight of `ps`
+        Ok(_) => {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).map_err(|e| format!("cannot read the job secret from stdin: {e}"))?;
+            line.trim_end().to_string()
+        }
+        Err(_) => std::env::var(env::SECRET).map_err(|_| format!("{} is not set", env::SECRET))?,
+    };
+    if secret.is_empty() {
+        return Err("the job secret is empty".into());
+    }
     // SIGTERM/SIGINT/SIGHUP stop the command cleanly; handlers (unlike a
     // blocked mask) do not pass on to the command
     let mut signals = signal_hook::iterator::Signals::new([
@@ -160,6 +174,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
     let agent = Arc::new(Agent {
         index,
+        secret: secret.as_bytes().to_vec(),
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
         command_group: Mutex::new(None),
         started: Instant::now(),
@@ -414,6 +429,16 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
             return;
         }
         ToWorker::Stop => agent.exit(0, agent.kill_grace),
+        ToWorker::ProbeListen => match crate::nics::listen(agent.index, agent.secret.clone()) {
+            Ok((port, interfaces)) => ToDriver::ProbeReady { port, interfaces },
+            Err(e) => {
+                agent.say(&format!("cannot listen for interface probes: {e}"));
+                ToDriver::ProbeReady { port: 0, interfaces: Vec::new() }
+            }
+        },
+        ToWorker::Probe { index, targets, timeout_ms } => ToDriver::ProbeResult {
+            results: crate::nics::probe(index, &targets, &agent.secret, Duration::from_millis(timeout_ms)),
+        },
         ToWorker::Create { name, args } => {
             let result = registry.create(&name, &args, &state.ctx).map(|made| state.executable = Some(made));
             ToDriver::Created { result }

@@ -25,7 +25,7 @@ impl Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run COMMAND as N ranks of a job (like horovodrun / mpirun).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Serve the rendezvous key-value store on its own until stopped.
     Rendezvous(RendezvousArgs),
     /// Measure kolo against its references.
@@ -68,6 +68,30 @@ pub struct RunArgs {
     /// every rank of a node sees the node's GPUs in CUDA_VISIBLE_DEVICES.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub gpus_per_worker: u32,
+    /// Where workers run: auto (ssh when the hosts include other machines,
+    /// local otherwise), local (every host a simulated node here), ssh.
+    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
+    pub engine: EngineArg,
+    /// ssh port of the hosts.
+    #[arg(long, value_name = "PORT")]
+    pub ssh_port: Option<u16>,
+    /// ssh identity file.
+    #[arg(long, value_name = "FILE")]
+    pub ssh_identity_file: Option<PathBuf>,
+    /// ssh client config file (ssh -F).
+    #[arg(long, value_name = "FILE")]
+    pub ssh_config: Option<PathBuf>,
+    /// More ssh options, as for ssh -o (repeatable).
+    #[arg(long = "ssh-option", value_name = "KEY=VALUE")]
+    pub ssh_options: Vec<String>,
+    /// Network interfaces for the workers' traffic (comma-separated),
+    /// instead of detecting the ones all hosts share.
+    #[arg(long, value_name = "IFACES")]
+    pub nics: Option<String>,
+    /// The program to start as the worker agent on every host (default:
+    /// this kolo, at the same path).
+    #[arg(long, value_name = "PATH")]
+    pub worker_program: Option<PathBuf>,
     /// Print the plan, one JSON object per rank, instead of running.
     #[arg(long)]
     pub dry_run: bool,
@@ -80,6 +104,13 @@ pub struct RunArgs {
     /// The command each rank runs.
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineArg {
+    Auto,
+    Local,
+    Ssh,
 }
 
 #[derive(Args, Debug)]

@@ -32,7 +32,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            cli::Command::Run(args) => run::run(args).await,
+            cli::Command::Run(args) => run::run(*args).await,
             cli::Command::Rendezvous(args) => run::rendezvous(args).await,
             cli::Command::Bench(args) => bench::bench(args).await,
         }

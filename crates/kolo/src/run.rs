@@ -3,12 +3,12 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kolo_exec::{plan_job, run_job, LaunchSpec, OutputOptions};
+use kolo_exec::{plan_job, run_job, EngineChoice, LaunchSpec, OutputOptions, SshOptions};
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
 use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET};
 use nix::sys::signal::Signal;
 
-use crate::cli::{RendezvousArgs, RunArgs};
+use crate::cli::{EngineArg, RendezvousArgs, RunArgs};
 
 pub async fn run(args: RunArgs) -> Result<i32> {
     let spec = launch_spec(&args)?;
@@ -64,6 +64,30 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         },
         require_secret: args.require_secret,
         gpus_per_worker: args.gpus_per_worker,
+        engine: match args.engine {
+            EngineArg::Auto => EngineChoice::Auto,
+            EngineArg::Local => EngineChoice::Local,
+            EngineArg::Ssh => EngineChoice::Ssh,
+        },
+        ssh: SshOptions {
+            port: args.ssh_port,
+            identity_file: args.ssh_identity_file.clone(),
+            config_file: args.ssh_config.clone(),
+            options: args.ssh_options.clone(),
+            connect_timeout: Some(args.start_timeout.min(30)),
+        },
+        nics: match &args.nics {
+            Some(list) => {
+                let nics: Vec<String> =
+                    list.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+                if nics.is_empty() {
+                    bail!("--nics '{list}': give interface names, e.g. --nics eth0,eth1");
+                }
+                Some(nics)
+            }
+            None => None,
+        },
+        worker_program: args.worker_program.clone(),
     })
 }
 

@@ -36,7 +36,7 @@ print("sum", total)
 
 #[test]
 fn workers_rendezvous_on_the_jobs_server() {
-    let out = run(&["run", "-np", "4", "-H", "a:2,b:2", "--", "python3", "-c", GLOO_LIKE]);
+    let out = run(&["run", "--engine", "local", "-np", "4", "-H", "a:2,b:2", "--", "python3", "-c", GLOO_LIKE]);
     assert!(out.status.success(), "{}", stderr(&out));
     let text = stdout(&out);
     let sums: Vec<&str> = text.lines().filter(|l| l.ends_with("sum 60")).collect();

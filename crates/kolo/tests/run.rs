@@ -269,6 +269,8 @@ fn environment_forwarding_and_overrides() {
 fn simulated_nodes_get_their_own_node_ids_and_ranks() {
     let out = run(&[
         "run",
+        "--engine",
+        "local",
         "-np",
         "4",
         "-H",
@@ -300,6 +302,8 @@ fn gpus_declared_in_the_host_file_are_shared_per_node() {
     let hf = file.to_str().unwrap();
     let out = run(&[
         "run",
+        "--engine",
+        "local",
         "--hostfile",
         hf,
         "--gpus-per-worker",
@@ -316,7 +320,7 @@ fn gpus_declared_in_the_host_file_are_shared_per_node() {
     let plan = dry_run(&["--hostfile", hf, "--gpus-per-worker", "1"]);
     let visible: Vec<&str> = plan.iter().map(|r| r["env"]["CUDA_VISIBLE_DEVICES"].as_str().unwrap()).collect();
     assert_eq!(visible, ["0,1", "0,1", "0"]);
-    let out = run(&["run", "--hostfile", hf, "--gpus-per-worker", "4", "--", "true"]);
+    let out = run(&["run", "--engine", "local", "--hostfile", hf, "--gpus-per-worker", "4", "--", "true"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("cannot place 3 workers with 1 CPU and 4 GPUs each"), "{}", stderr(&out));
     assert!(stderr(&out).contains("b (1 CPU, 3 GPUs)"), "{}", stderr(&out));
@@ -330,7 +334,8 @@ fn the_training_demo_converges() {
     let train = kolo.parent().unwrap().join("examples").join("train");
     assert!(train.exists(), "{} is missing: build it with cargo build --examples", train.display());
     for hosts in ["localhost:4", "a:2,b:2"] {
-        let out = run(&["run", "-np", "4", "-H", hosts, "--", train.to_str().unwrap(), "--epochs", "5"]);
+        let out =
+            run(&["run", "--engine", "local", "-np", "4", "-H", hosts, "--", train.to_str().unwrap(), "--epochs", "5"]);
         assert!(out.status.success(), "{hosts}: {}{}", stdout(&out), stderr(&out));
         let text = stdout(&out);
         let last = text.lines().find(|l| l.starts_with("[0]<stdout>:final loss")).expect("a final loss line");

@@ -1,0 +1,190 @@
+//! Finding the network interfaces every host can use to reach the next
+//! (Horovod's NIC detection, done in parallel and authenticated): one agent
+//! per host lists its interfaces and listens; in a ring, each agent probes
+//! every address of the next host and keeps an interface when the probe
+//! got through, the next agent proved the job secret, and the connection
+//! left through the interface of the same name. The result is the names
+//! common to every pair.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::time::Duration;
+
+use crate::proto::{self, Nonce};
+
+/// Interface names with their IPv4 addresses.
+pub type Interfaces = Vec<(String, Vec<String>)>;
+
+/// This host's interfaces with IPv4 addresses (loopback left out).
+pub fn interfaces() -> Interfaces {
+    let mut out: Interfaces = Vec::new();
+    let Ok(all) = nix::ifaddrs::getifaddrs() else { return out };
+    for a in all {
+        let Some(v4) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()).map(|s| s.ip()) else { continue };
+        if v4.is_loopback() {
+            continue;
+        }
+        match out.iter_mut().find(|(n, _)| *n == a.interface_name) {
+            Some((_, addrs)) => addrs.push(v4.to_string()),
+            None => out.push((a.interface_name.clone(), vec![v4.to_string()])),
+        }
+    }
+    out
+}
+
+fn interface_of(ip: IpAddr) -> Option<String> {
+    let all = nix::ifaddrs::getifaddrs().ok()?;
+    for a in all {
+        if let Some(v4) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()) {
+            if IpAddr::V4(v4.ip()) == ip {
+                return Some(a.interface_name);
+            }
+        }
+    }
+    None
+}
+
+/// Listens for probes for a minute; each prober gets this agent's index and
+/// a proof of the job secret over its nonce.
+pub fn listen(index: u32, secret: Vec<u8>) -> std::io::Result<(u16, Interfaces)> {
+    let listener = TcpListener::bind("0.0.0.0:0")?;
+    let port = listener.local_addr()?.port();
+    listener.set_nonblocking(true)?;
+    std::thread::spawn(move || {
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while std::time::Instant::now() < until {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                    let mut nonce: Nonce = [0; 32];
+                    if s.read_exact(&mut nonce).is_ok() {
+                        let mut reply = index.to_be_bytes().to_vec();
+                        reply.extend_from_slice(&proto::probe_tag(&secret, index, &nonce));
+                        let _ = s.write_all(&reply);
+                    }
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    Ok((port, interfaces()))
+}
+
+fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &[u8], timeout: Duration) -> Option<String> {
+    let ip: IpAddr = match addr.parse() {
+        Ok(ip) => ip,
+        Err(_) => return Some(format!("'{addr}' is not an address")),
+    };
+    let mut s = match TcpStream::connect_timeout(&SocketAddr::new(ip, port), timeout) {
+        Ok(s) => s,
+        Err(e) => return Some(format!("cannot connect: {e}")),
+    };
+    let _ = s.set_read_timeout(Some(timeout));
+    let nonce = proto::random_nonce();
+    let mut reply = [0u8; 36];
+    if let Err(e) = s.write_all(&nonce).and_then(|_| s.read_exact(&mut reply)) {
+        return Some(format!("no answer: {e}"));
+    }
+    let answered = u32::from_be_bytes([reply[0], reply[1], reply[2], reply[3]]);
+    let tag: [u8; 32] = reply[4..].try_into().expect("32 bytes");
+    if answered != index || !proto::tags_match(&tag, &proto::probe_tag(secret, index, &nonce)) {
+        return Some("reached something that is not the next host's agent".into());
+    }
+    let local = s.local_addr().map(|a| a.ip()).ok();
+    match local.and_then(interface_of) {
+        Some(name) if name == iface => None,
+        Some(name) => Some(format!("left through {name}, not {iface}")),
+        None => Some("left through an unknown interface".into()),
+    }
+}
+
+/// Probes every target in parallel.
+pub fn probe(
+    index: u32,
+    targets: &[(String, String, u16)],
+    secret: &[u8],
+    timeout: Duration,
+) -> Vec<(String, String, Option<String>)> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = targets
+            .iter()
+            .map(|(iface, addr, port)| {
+                scope
+                    .spawn(move || (iface.clone(), addr.clone(), probe_one(index, iface, addr, *port, secret, timeout)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("probe thread")).collect()
+    })
+}
+
+/// What one host found probing the next.
+#[derive(Clone, Debug)]
+pub struct PairReport {
+    pub from: String,
+    pub to: String,
+    /// (interface, address, None if it carried traffic, else why not)
+    pub results: Vec<(String, String, Option<String>)>,
+}
+
+impl PairReport {
+    pub fn working(&self) -> BTreeSet<String> {
+        self.results.iter().filter(|(_, _, e)| e.is_none()).map(|(i, _, _)| i.clone()).collect()
+    }
+}
+
+/// The interfaces that work for every pair, or an error naming each pair
+/// with what failed there.
+pub fn common(pairs: &[PairReport]) -> Result<Vec<String>, String> {
+    let mut common: Option<BTreeSet<String>> = None;
+    for p in pairs {
+        let working = p.working();
+        common = Some(match common {
+            None => working,
+            Some(c) => c.intersection(&working).cloned().collect(),
+        });
+    }
+    let common = common.unwrap_or_default();
+    if common.is_empty() {
+        let mut why = Vec::new();
+        for p in pairs {
+            let failed: Vec<String> =
+                p.results.iter().filter_map(|(i, a, e)| e.as_ref().map(|e| format!("{i} ({a}): {e}"))).collect();
+            if !failed.is_empty() || p.results.is_empty() {
+                let detail =
+                    if failed.is_empty() { "the next host lists no interfaces".into() } else { failed.join("; ") };
+                why.push(format!("{} -> {}: {detail}", p.from, p.to));
+            }
+        }
+        return Err(format!("no network interface connects every host to the next: {}", why.join(" | ")));
+    }
+    Ok(common.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(from: &str, to: &str, results: &[(&str, Option<&str>)]) -> PairReport {
+        PairReport {
+            from: from.into(),
+            to: to.into(),
+            results: results.iter().map(|(i, e)| (i.to_string(), "10.0.0.1".into(), e.map(String::from))).collect(),
+        }
+    }
+
+    #[test]
+    fn common_interfaces_over_the_ring() {
+        let pairs = [
+            pair("h1", "h2", &[("eth0", None), ("eth1", None)]),
+            pair("h2", "h3", &[("eth0", None)]),
+            pair("h3", "h1", &[("eth0", None), ("eth1", Some("timed out"))]),
+        ];
+        assert_eq!(common(&pairs).unwrap(), ["eth0"]);
+        assert_eq!(common(&pairs[..1]).unwrap(), ["eth0", "eth1"]);
+        let broken = [pair("h1", "h2", &[("eth0", None)]), pair("h2", "h3", &[("eth0", Some("cannot connect"))])];
+        let err = common(&broken).unwrap_err();
+        assert!(err.contains("h2 -> h3: eth0 (10.0.0.1): cannot connect"), "{err}");
+    }
+}
