@@ -18,6 +18,7 @@ impl Cli {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
             Command::Bench(_) => false,
+            Command::Nics(a) => a.verbose,
         }
     }
 }
@@ -30,6 +31,29 @@ pub enum Command {
     Rendezvous(RendezvousArgs),
     /// Measure kolo against its references.
     Bench(crate::bench::BenchArgs),
+    /// Find the network interfaces every host can use to reach the next.
+    Nics(NicsArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct NicsArgs {
+    /// Hosts to probe: host1,host2,... (slots are ignored: one agent per host).
+    #[arg(short = 'H', long = "hosts", value_name = "HOSTS")]
+    pub hosts: String,
+    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
+    pub engine: EngineArg,
+    #[arg(long, value_name = "FILE")]
+    pub ssh_config: Option<PathBuf>,
+    #[arg(long, value_name = "PORT")]
+    pub ssh_port: Option<u16>,
+    #[arg(long, value_name = "FILE")]
+    pub ssh_identity_file: Option<PathBuf>,
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub start_timeout: u64,
+    #[arg(long)]
+    pub json: bool,
+    #[arg(short, long)]
+    pub verbose: bool,
 }
 
 #[derive(Args, Debug)]

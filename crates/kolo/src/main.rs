@@ -35,6 +35,7 @@ fn main() -> ExitCode {
             cli::Command::Run(args) => run::run(*args).await,
             cli::Command::Rendezvous(args) => run::rendezvous(args).await,
             cli::Command::Bench(args) => bench::bench(args).await,
+            cli::Command::Nics(args) => run::nics(args).await,
         }
     });
     match result {

@@ -8,7 +8,7 @@ use kolo_rendezvous::{RendezvousServer, ServerConfig};
 use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET};
 use nix::sys::signal::Signal;
 
-use crate::cli::{EngineArg, RendezvousArgs, RunArgs};
+use crate::cli::{EngineArg, NicsArgs, RendezvousArgs, RunArgs};
 
 pub async fn run(args: RunArgs) -> Result<i32> {
     let spec = launch_spec(&args)?;
@@ -64,11 +64,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         },
         require_secret: args.require_secret,
         gpus_per_worker: args.gpus_per_worker,
-        engine: match args.engine {
-            EngineArg::Auto => EngineChoice::Auto,
-            EngineArg::Local => EngineChoice::Local,
-            EngineArg::Ssh => EngineChoice::Ssh,
-        },
+        engine: engine_choice(args.engine),
         ssh: SshOptions {
             port: args.ssh_port,
             identity_file: args.ssh_identity_file.clone(),
@@ -202,4 +198,65 @@ pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
     tracing::debug!("rendezvous server stopping on {}", signal.as_str());
     server.stop().await;
     Ok(0)
+}
+
+/// `kolo nics`: one agent per host, interface detection, a line per host pair.
+pub async fn nics(args: NicsArgs) -> Result<i32> {
+    let hosts: Vec<HostSpec> = parse_host_list(&args.hosts)?.into_iter().map(|h| HostSpec { slots: 1, ..h }).collect();
+    let ssh = SshOptions {
+        port: args.ssh_port,
+        identity_file: args.ssh_identity_file.clone(),
+        config_file: args.ssh_config.clone(),
+        options: Vec::new(),
+        connect_timeout: Some(args.start_timeout.min(30)),
+    };
+    let engine: Box<dyn kolo_exec::Engine> = match engine_choice(args.engine).resolve(&hosts) {
+        EngineChoice::Ssh => Box::new(kolo_exec::SshEngine::new(hosts.clone(), ssh)),
+        _ => Box::new(kolo_exec::LocalEngine::with_hosts(hosts.clone())),
+    };
+    let mut settings = kolo_exec::Settings::default();
+    settings.start_timeout = Duration::from_secs(args.start_timeout.max(1));
+    let request = kolo_exec::WorkerRequest::colocated(hosts.len() as u32, 1);
+    let mut executor = kolo_exec::Executor::with_engine(settings, request, engine)?;
+    let started = executor.start_workers(&[]).await;
+    if let Err(e) = started {
+        executor.shutdown().await;
+        return Err(e.into());
+    }
+    let common = executor.workers().first().and_then(|w| w.env.get("KOLO_IFACES").cloned()).unwrap_or_default();
+    for pair in executor.nic_report() {
+        if args.json {
+            let results: Vec<serde_json::Value> = pair
+                .results
+                .iter()
+                .map(|(iface, addr, err)| serde_json::json!({"iface": iface, "addr": addr, "ok": err.is_none(), "error": err}))
+                .collect();
+            println!("{}", serde_json::json!({"from": pair.from, "to": pair.to, "results": results}));
+        } else {
+            let parts: Vec<String> = pair
+                .results
+                .iter()
+                .map(|(iface, addr, err)| match err {
+                    None => format!("{iface} ({addr}) ok"),
+                    Some(e) => format!("{iface} ({addr}) failed: {e}"),
+                })
+                .collect();
+            println!("{} -> {}: {}", pair.from, pair.to, parts.join(", "));
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::json!({"common": common.split(',').collect::<Vec<_>>()}));
+    } else {
+        println!("common: {common}");
+    }
+    executor.shutdown().await;
+    Ok(0)
+}
+
+fn engine_choice(arg: EngineArg) -> EngineChoice {
+    match arg {
+        EngineArg::Auto => EngineChoice::Auto,
+        EngineArg::Local => EngineChoice::Local,
+        EngineArg::Ssh => EngineChoice::Ssh,
+    }
 }
