@@ -15,6 +15,7 @@ use nix::sys::signal::Signal;
 use crate::driver::{Executor, JobOutcome, Settings, WorkerRequest};
 use crate::engine::LocalEngine;
 use crate::output::OutputOptions;
+use crate::slurm::{SlurmEngine, SlurmOptions};
 use crate::ssh::{SshEngine, SshOptions};
 use crate::ExecError;
 
@@ -37,6 +38,7 @@ pub struct LaunchSpec {
     pub gpus_per_worker: u32,
     pub engine: EngineChoice,
     pub ssh: SshOptions,
+    pub slurm: SlurmOptions,
     /// Interfaces to use instead of detecting them.
     pub nics: Option<Vec<String>>,
     /// The program started as the worker agent (default: this binary).
@@ -51,12 +53,14 @@ pub enum EngineChoice {
     Auto,
     Local,
     Ssh,
+    Slurm,
 }
 
 impl EngineChoice {
     /// The engine `Auto` stands for with these hosts.
     pub fn resolve(self, hosts: &[HostSpec]) -> EngineChoice {
         match self {
+            EngineChoice::Auto if SlurmEngine::in_allocation() => EngineChoice::Slurm,
             EngineChoice::Auto if hosts.iter().all(|h| is_this_machine(&h.name)) => EngineChoice::Local,
             EngineChoice::Auto => EngineChoice::Ssh,
             other => other,
@@ -146,9 +150,27 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
     if spec.command.is_empty() {
         return Err(ExecError::NoCommand);
     }
+    let np = u32::try_from(spec.np).map_err(|_| ExecError::BadSettings(format!("-np {} is too large", spec.np)))?;
+    let mut spec = spec;
+    let engine: Box<dyn crate::Engine> = match spec.engine.resolve(&spec.hosts) {
+        EngineChoice::Slurm => {
+            let mut slurm = if SlurmEngine::in_allocation() {
+                SlurmEngine::from_allocation()?
+            } else {
+                SlurmEngine::allocate(np, &spec.slurm)?
+            };
+            // the allocation's nodes are the host list
+            spec.hosts = crate::Engine::hosts(&mut slurm)?
+                .into_iter()
+                .map(|h| HostSpec { name: h.hostname, slots: h.cpus, gpus: None })
+                .collect();
+            Box::new(slurm)
+        }
+        EngineChoice::Ssh => Box::new(SshEngine::new(spec.hosts.clone(), spec.ssh.clone())),
+        _ => Box::new(LocalEngine::with_hosts(spec.hosts.clone())),
+    };
     // Horovod's checks and messages ("Requested more processes ..."), and the GPUs
     plan_job(&spec, &JobEnv::placeholder())?;
-    let np = u32::try_from(spec.np).map_err(|_| ExecError::BadSettings(format!("-np {} is too large", spec.np)))?;
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
     settings.kill_grace = spec.grace;
@@ -157,10 +179,6 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
     settings.nics = spec.nics.clone();
     settings.worker_program = spec.worker_program.clone();
     // one slot = one CPU: packing fills the hosts in order, as horovodrun does
-    let engine: Box<dyn crate::Engine> = match spec.engine.resolve(&spec.hosts) {
-        EngineChoice::Ssh => Box::new(SshEngine::new(spec.hosts.clone(), spec.ssh.clone())),
-        _ => Box::new(LocalEngine::with_hosts(spec.hosts.clone())),
-    };
     let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
     let mut executor = Executor::with_engine(settings, request, engine)?;
     tokio::pin!(interrupt);

@@ -51,6 +51,7 @@ mod output;
 mod process;
 mod proto;
 mod registry;
+mod slurm;
 mod ssh;
 mod worker;
 
@@ -61,6 +62,7 @@ pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream};
 pub use proto::PROTOCOL_VERSION;
 pub use registry::{Executable, Function, Registry, Task, UserError, WorkerContext};
+pub use slurm::{SlurmEngine, SlurmOptions};
 pub use ssh::{SshEngine, SshOptions};
 pub use worker::{env as worker_env, serve_if_worker};
 
@@ -94,6 +96,8 @@ pub enum ExecError {
     WorkerLost { rank: u32, host: String, reason: String },
     #[error("task failed on rank {rank} (host {host}): {message}")]
     Task { rank: u32, host: String, message: String },
+    #[error("slurm: {0}")]
+    Slurm(String),
     #[error("network interface detection: {0}")]
     Nics(String),
     #[error("cannot reach these hosts over ssh: {0}")]

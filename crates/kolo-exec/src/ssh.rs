@@ -38,6 +38,18 @@ pub struct SshEngine {
     checked: bool,
 }
 
+/// The address this machine uses toward `host` (what workers there can
+/// dial back to); all addresses if the route cannot be found.
+pub(crate) fn route_to(host: &str, port: u16) -> IpAddr {
+    let probe = || -> Option<IpAddr> {
+        let target = (host, port).to_socket_addrs().ok()?.next()?;
+        let socket = UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).ok()?;
+        socket.connect(target).ok()?;
+        Some(socket.local_addr().ok()?.ip())
+    };
+    probe().unwrap_or(IpAddr::from([0, 0, 0, 0]))
+}
+
 /// Quotes a word for the remote shell.
 fn quote(word: &str) -> String {
     format!("'{}'", word.replace('\'', r"'\''"))
@@ -131,15 +143,7 @@ impl Engine for SshEngine {
         if let Some(ip) = self.driver_ip {
             return ip;
         }
-        // the address this machine uses toward the first host
-        let first = self.hosts.first().map(|h| h.name.as_str()).unwrap_or("localhost");
-        let probe = || -> Option<IpAddr> {
-            let target = (first, self.options.port.unwrap_or(22)).to_socket_addrs().ok()?.next()?;
-            let socket = UdpSocket::bind(if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }).ok()?;
-            socket.connect(target).ok()?;
-            Some(socket.local_addr().ok()?.ip())
-        };
-        probe().unwrap_or(IpAddr::from([0, 0, 0, 0]))
+        route_to(self.hosts.first().map(|h| h.name.as_str()).unwrap_or("localhost"), self.options.port.unwrap_or(22))
     }
 
     fn default_nics(&self) -> Vec<String> {

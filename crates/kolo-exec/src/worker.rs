@@ -37,6 +37,8 @@ pub mod env {
     /// GPU ids the engine gave this worker, comma-separated.
     pub const GPUS: &str = "KOLO_WORKER_GPUS";
     pub use kolo_topology::ENV_SECRET as SECRET;
+    /// `INDEX` set to this means: the index is Slurm's task id (`SLURM_PROCID`).
+    pub const INDEX_FROM_SLURM: &str = "SLURM_PROCID";
     /// Set when the secret comes on the first line of stdin instead.
     pub const SECRET_ON_STDIN: &str = "KOLO_WORKER_SECRET_ON_STDIN";
 }
@@ -142,6 +144,7 @@ fn connect(driver: &str) -> io::Result<TcpStream> {
 fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     let index: u32 = std::env::var(env::INDEX)
         .ok()
+        .and_then(|v| if v == env::INDEX_FROM_SLURM { std::env::var(env::INDEX_FROM_SLURM).ok() } else { Some(v) })
         .and_then(|v| v.parse().ok())
         .ok_or_else(|| format!("{} is missing or not a number", env::INDEX))?;
     let secret = match std::env::var(env::SECRET_ON_STDIN) {

@@ -9,6 +9,7 @@ mod env;
 mod hosts;
 mod placement;
 mod ranks;
+mod slurm;
 
 pub use env::{forwards_caller_var, rank_env, JobEnv, ENV_SECRET};
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
@@ -16,6 +17,7 @@ pub use placement::{
     cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement, WorkerResources,
 };
 pub use ranks::{host_assignments, Coordinator, RankInfo, Slot};
+pub use slurm::{expand_nodelist, expand_tasks_per_node};
 
 /// Everything a user can get wrong about a job's layout, each naming the
 /// input and the fix.

@@ -92,10 +92,20 @@ pub struct RunArgs {
     /// every rank of a node sees the node's GPUs in CUDA_VISIBLE_DEVICES.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub gpus_per_worker: u32,
-    /// Where workers run: auto (ssh when the hosts include other machines,
-    /// local otherwise), local (every host a simulated node here), ssh.
+    /// Where workers run: auto (slurm inside an allocation, ssh when the
+    /// hosts include other machines, local otherwise), local (every host a
+    /// simulated node here), ssh, slurm.
     #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
     pub engine: EngineArg,
+    /// Nodes to ask Slurm for (with --engine slurm outside an allocation).
+    #[arg(long, value_name = "N")]
+    pub slurm_nodes: Option<u32>,
+    /// Slurm partition for the allocation kolo asks for.
+    #[arg(long, value_name = "NAME")]
+    pub slurm_partition: Option<String>,
+    /// Time limit of the allocation kolo asks for (Slurm's format).
+    #[arg(long, value_name = "TIME")]
+    pub slurm_time: Option<String>,
     /// ssh port of the hosts.
     #[arg(long, value_name = "PORT")]
     pub ssh_port: Option<u16>,
@@ -135,6 +145,7 @@ pub enum EngineArg {
     Auto,
     Local,
     Ssh,
+    Slurm,
 }
 
 #[derive(Args, Debug)]

@@ -37,6 +37,13 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         Some(0) => bail!("-np must be at least 1, got 0"),
         Some(np) => np,
         None if args.hosts.is_some() || args.hostfile.is_some() => total_slots(&hosts),
+        // inside an allocation: every task Slurm gave
+        None if matches!(args.engine, EngineArg::Auto | EngineArg::Slurm)
+            && kolo_exec::SlurmEngine::in_allocation() =>
+        {
+            let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
+            kolo_exec::Engine::hosts(&mut slurm)?.iter().map(|h| u64::from(h.cpus)).sum()
+        }
         None => {
             bail!("give the number of processes with -np N (and hosts with -H host1:4,host2:4)")
         }
@@ -84,6 +91,12 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             None => None,
         },
         worker_program: args.worker_program.clone(),
+        slurm: kolo_exec::SlurmOptions {
+            nodes: args.slurm_nodes,
+            partition: args.slurm_partition.clone(),
+            time_limit: args.slurm_time.clone(),
+            extra: Vec::new(),
+        },
     })
 }
 
@@ -258,5 +271,6 @@ fn engine_choice(arg: EngineArg) -> EngineChoice {
         EngineArg::Auto => EngineChoice::Auto,
         EngineArg::Local => EngineChoice::Local,
         EngineArg::Ssh => EngineChoice::Ssh,
+        EngineArg::Slurm => EngineChoice::Slurm,
     }
 }

@@ -202,3 +202,90 @@ fn a_worker_killed_on_h2_ends_the_job_naming_h2() {
     }
     assert_nothing_left();
 }
+
+/// Runs a command inside h1 with the test cluster's Slurm config.
+fn in_h1(cmd: &[&str]) -> Output {
+    let t = testhosts();
+    Command::new(t.join("hx")).arg("h1").args(cmd).env("SLURM_CONF", t.join("slurm/slurm.conf")).output().unwrap()
+}
+
+fn slurm_jobs() -> String {
+    stdout(&in_h1(&["squeue", "-h", "-o", "%i %j %T"]))
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn slurm_inside_an_allocation_three_nodes_two_tasks_each() {
+    let kolo = env!("CARGO_BIN_EXE_kolo");
+    let out = in_h1(&[
+        "salloc",
+        "-N3",
+        "--ntasks-per-node=2",
+        kolo,
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "echo $(hostname) $HOROVOD_RANK $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $HOROVOD_GLOO_IFACE",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut lines: Vec<String> = stdout(&out).lines().filter(|l| l.starts_with('[')).map(String::from).collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            "[0]<stdout>:h1 0 0 0 eth0",
+            "[1]<stdout>:h1 1 1 0 eth0",
+            "[2]<stdout>:h2 2 0 1 eth0",
+            "[3]<stdout>:h2 3 1 1 eth0",
+            "[4]<stdout>:h3 4 0 2 eth0",
+            "[5]<stdout>:h3 5 1 2 eth0",
+        ]
+    );
+    let check = example("allreduce_check");
+    let out = in_h1(&["salloc", "-N3", "--ntasks-per-node=2", kolo, "run", "--", &check]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    assert_eq!(stdout(&out).lines().filter(|l| l.contains("allreduce sums ok (21)")).count(), 6, "{}", stdout(&out));
+    assert_nothing_left();
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn slurm_outside_an_allocation_asks_for_one_and_gives_it_back() {
+    let out = kolo_in_h1(&["run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3", "--", "sh", "-c", "hostname"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let mut hosts: Vec<String> = stdout(&out).lines().map(|l| l.rsplit(':').next().unwrap().to_string()).collect();
+    hosts.sort();
+    assert_eq!(hosts, ["h1", "h1", "h2", "h2", "h3", "h3"]);
+    wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn scancel_ends_a_slurm_job_with_a_report() {
+    let dir = TempDir::new("hosts-scancel");
+    let script = format!("echo $$ > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
+    let t = testhosts();
+    let child = Command::new(t.join("hx"))
+        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3"])
+        .args(["--kill-grace", "1", "--", "sh", "-c", &script])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
+    let jobs = slurm_jobs();
+    let job = jobs.split_whitespace().next().expect("a running job").to_string();
+    assert!(in_h1(&["scancel", &job]).status.success());
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(err.contains("rank") && err.contains("on host h"), "{err}");
+    for pid in pids_in(dir.path()) {
+        assert!(!alive(pid), "rank process {pid} outlived the job");
+    }
+    wait_for("the allocation to end", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}

@@ -58,7 +58,12 @@ pub struct CollectiveArgs {
     /// rank, as mpirun's default --bind-to core does).
     #[arg(long)]
     no_bind: bool,
-    /// Simulated hosts (host:slots,...) to spread the ranks over.
+    /// Start the ranks over ssh on the hosts of -H (with this ssh config file),
+    /// instead of simulated hosts on this machine.
+    #[arg(long, value_name = "FILE")]
+    ssh_config: Option<std::path::PathBuf>,
+    /// Hosts (host:slots,...) to spread the ranks over: simulated on this
+    /// machine, or real ones with --ssh-config.
     #[arg(short = 'H', long = "hosts")]
     hosts: Option<String>,
     #[arg(long)]
@@ -198,7 +203,13 @@ pub async fn run(collective: Collective, args: CollectiveArgs) -> Result<i32> {
     };
     let mut settings = Settings::default();
     settings.heartbeat_timeout = std::time::Duration::from_secs(120);
-    let engine = Box::new(LocalEngine::with_hosts(hosts));
+    let engine: Box<dyn kolo_exec::Engine> = match &args.ssh_config {
+        Some(config) => {
+            let ssh = kolo_exec::SshOptions { config_file: Some(config.clone()), ..Default::default() };
+            Box::new(kolo_exec::SshEngine::new(hosts, ssh))
+        }
+        None => Box::new(LocalEngine::with_hosts(hosts)),
+    };
     let mut executor = Executor::with_engine(settings, WorkerRequest::pack(args.np), engine)?;
     let env = if args.tcp { vec![("KOLO_COMM_TRANSPORT".to_string(), "tcp".to_string())] } else { Vec::new() };
     executor.start::<CommBench>(&!args.no_bind, &env).await?;

@@ -1,0 +1,203 @@
+//! The Slurm engine: workers started with one `srun` over the nodes of an
+//! allocation, each task placed exactly where kolo's plan says (an
+//! arbitrary distribution from a host file). Inside an allocation (`salloc`,
+//! `sbatch`) it uses that one; outside, it asks Slurm for one and gives it
+//! back at the end. Worker death, `scancel` and time limits end the tasks,
+//! whose connections close, and the driver reports them.
+
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use kolo_topology::{expand_nodelist, expand_tasks_per_node, HostResources};
+
+use crate::engine::{Engine, WorkerLaunch};
+use crate::{worker, ExecError};
+
+/// What to ask Slurm for when kolo makes the allocation itself.
+#[derive(Clone, Debug, Default)]
+pub struct SlurmOptions {
+    pub nodes: Option<u32>,
+    pub partition: Option<String>,
+    /// Slurm's time format (`10`, `1:00:00`, ...).
+    pub time_limit: Option<String>,
+    /// More `salloc` arguments.
+    pub extra: Vec<String>,
+}
+
+pub struct SlurmEngine {
+    job_id: String,
+    nodes: Vec<(String, u32)>,
+    /// Whether kolo made the allocation (and so gives it back).
+    owned: bool,
+    srun: Option<Child>,
+    hostfile: PathBuf,
+    workers: Vec<u32>,
+}
+
+fn slurm_err(what: &str, detail: impl std::fmt::Display) -> ExecError {
+    ExecError::Slurm(format!("{what}: {detail}"))
+}
+
+impl SlurmEngine {
+    /// Whether this process runs inside a Slurm allocation.
+    pub fn in_allocation() -> bool {
+        std::env::var_os("SLURM_JOB_ID").is_some()
+    }
+
+    /// The allocation this process runs in.
+    pub fn from_allocation() -> Result<Self, ExecError> {
+        let var = |n: &str| {
+            std::env::var(n).map_err(|_| slurm_err("not inside a Slurm allocation", format!("{n} is not set")))
+        };
+        let job_id = var("SLURM_JOB_ID")?;
+        let nodes = expand_nodelist(&var("SLURM_JOB_NODELIST")?)?;
+        let tasks = match std::env::var("SLURM_TASKS_PER_NODE") {
+            Ok(spec) => expand_tasks_per_node(&spec)?,
+            Err(_) => vec![1; nodes.len()],
+        };
+        if tasks.len() != nodes.len() {
+            return Err(slurm_err("SLURM_TASKS_PER_NODE", format!("{} counts for {} nodes", tasks.len(), nodes.len())));
+        }
+        Ok(Self::new(job_id, nodes.into_iter().zip(tasks).collect(), false))
+    }
+
+    /// Asks Slurm for `np` tasks (on `options.nodes` nodes, evenly).
+    pub fn allocate(np: u32, options: &SlurmOptions) -> Result<Self, ExecError> {
+        let nodes = options.nodes.unwrap_or(1).max(1);
+        let per_node = np.div_ceil(nodes);
+        let mut salloc = Command::new("salloc");
+        salloc.args(["--no-shell", "--job-name", "kolo", "-N", &nodes.to_string()]);
+        salloc.args(["--ntasks-per-node", &per_node.to_string()]);
+        if let Some(p) = &options.partition {
+            salloc.args(["-p", p]);
+        }
+        if let Some(t) = &options.time_limit {
+            salloc.args(["-t", t]);
+        }
+        salloc.args(&options.extra);
+        let out = salloc
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| slurm_err("cannot run salloc (is Slurm installed?)", e))?;
+        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(slurm_err("salloc failed", text.trim()));
+        }
+        let job_id = text
+            .split_whitespace()
+            .skip_while(|w| *w != "allocation")
+            .nth(1)
+            .map(String::from)
+            .ok_or_else(|| slurm_err("salloc did not say which allocation it granted", text.trim()))?;
+        let list = Command::new("squeue").args(["-h", "-j", &job_id, "-o", "%N"]).output();
+        let list = match list {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).trim().to_string(),
+            _ => {
+                let _ = Command::new("scancel").arg(&job_id).status();
+                return Err(slurm_err("cannot list the nodes of allocation", &job_id));
+            }
+        };
+        let names = expand_nodelist(&list)?;
+        Ok(Self::new(job_id, names.into_iter().map(|n| (n, per_node)).collect(), true))
+    }
+
+    fn new(job_id: String, nodes: Vec<(String, u32)>, owned: bool) -> Self {
+        let hostfile = std::env::temp_dir().join(format!("kolo-slurm-{}-{job_id}", std::process::id()));
+        SlurmEngine { job_id, nodes, owned, srun: None, hostfile, workers: Vec::new() }
+    }
+
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
+}
+
+impl Engine for SlurmEngine {
+    fn name(&self) -> &'static str {
+        "slurm"
+    }
+
+    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
+        Ok(self
+            .nodes
+            .iter()
+            .map(|(name, tasks)| HostResources {
+                hostname: name.clone(),
+                node_id: name.clone(),
+                cpus: *tasks,
+                gpus: Vec::new(),
+            })
+            .collect())
+    }
+
+    fn driver_addr(&self) -> IpAddr {
+        // the address this machine uses toward the first node
+        crate::ssh::route_to(self.nodes.first().map(|n| n.0.as_str()).unwrap_or("localhost"), 6818)
+    }
+
+    fn default_nics(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+        let Some(first) = workers.first() else { return Ok(()) };
+        // task i runs where the plan put worker i
+        let mut file = std::fs::File::create(&self.hostfile)
+            .map_err(|source| ExecError::Io { what: format!("writing {}", self.hostfile.display()), source })?;
+        for w in &workers {
+            let _ = writeln!(file, "{}", w.host.hostname);
+        }
+        let mut srun = Command::new("srun");
+        srun.args(["--jobid", &self.job_id, "-n", &workers.len().to_string(), "--distribution=arbitrary"]);
+        srun.args(["--kill-on-bad-exit=0", "--export=ALL", "--quiet"]);
+        srun.arg(&first.program).args(&first.args);
+        srun.env("SLURM_HOSTFILE", &self.hostfile);
+        for (k, v) in &first.env {
+            // per-task values come from Slurm: the index is the task id
+            match k.as_str() {
+                worker::env::INDEX => srun.env(k, worker::env::INDEX_FROM_SLURM),
+                worker::env::HOSTNAME | worker::env::NODE_ID | worker::env::GPUS => &mut srun,
+                _ => srun.env(k, v),
+            };
+        }
+        srun.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
+        self.srun = Some(srun.spawn().map_err(|e| slurm_err("cannot run srun", e))?);
+        self.workers = workers.iter().map(|w| w.index).collect();
+        Ok(())
+    }
+
+    fn exited(&mut self) -> Vec<(u32, String)> {
+        match self.srun.as_mut().map(|c| c.try_wait()) {
+            Some(Ok(Some(status))) => {
+                let how = format!("srun {}", crate::process::describe(status));
+                self.workers.iter().map(|&i| (i, how.clone())).collect()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn all_exited(&mut self) -> bool {
+        self.srun.as_mut().is_none_or(|c| matches!(c.try_wait(), Ok(Some(_))))
+    }
+
+    fn kill_all(&mut self) {
+        if let Some(mut srun) = self.srun.take() {
+            if matches!(srun.try_wait(), Ok(None)) {
+                // srun ends the step's tasks when it is killed
+                let _ = srun.kill();
+                let _ = srun.wait();
+            }
+        }
+        let _ = std::fs::remove_file(&self.hostfile);
+    }
+}
+
+impl Drop for SlurmEngine {
+    fn drop(&mut self) {
+        self.kill_all();
+        if self.owned {
+            let _ = Command::new("scancel").arg(&self.job_id).status();
+        }
+    }
+}
