@@ -632,6 +632,11 @@ impl Executor {
         let mut registered: Vec<Option<(Hello, TcpStream)>> = (0..n).map(|_| None).collect();
         let mut handshakes = JoinSet::new();
         let mut poll = tokio::time::interval(Duration::from_millis(50));
+        let mut failed_since: Option<Instant> = None;
+        // workers that are in wait for the rest; they must hear from us meanwhile
+        let heartbeat =
+            proto::encode(&ToWorker::Heartbeat).map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
+        let mut next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
         let welcome = Welcome {
             tag: [0; 32],
             heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
@@ -666,9 +671,32 @@ impl Executor {
                     }
                 }
                 _ = poll.tick() => {
-                    for (index, how) in self.engine.exited() {
-                        if registered[index as usize].is_none() {
-                            return Err(ExecError::WorkerStart { index, host: hosts[index as usize].clone(), reason: format!("its process {how} before connecting") });
+                    if Instant::now() >= next_heartbeat {
+                        next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+                        for (_, stream) in registered.iter_mut().flatten() {
+                            let _ = stream.write_all(&heartbeat).await;
+                        }
+                    }
+                    let failed: Vec<(u32, String)> =
+                        self.engine.exited().into_iter().filter(|(i, _)| registered[*i as usize].is_none()).collect();
+                    if !failed.is_empty() {
+                        // hosts fail together (unreachable ones time out alike):
+                        // a moment more names them all
+                        let first_seen = *failed_since.get_or_insert_with(Instant::now);
+                        if first_seen.elapsed() >= Duration::from_secs(1) || Instant::now() >= deadline {
+                            let mut reasons: Vec<String> = Vec::new();
+                            for (index, how) in &failed {
+                                let line = format!("host {}: {how}", hosts[*index as usize]);
+                                if !reasons.contains(&line) {
+                                    reasons.push(line);
+                                }
+                            }
+                            let (index, _) = failed[0];
+                            return Err(ExecError::WorkerStart {
+                                index,
+                                host: hosts[index as usize].clone(),
+                                reason: format!("workers exited before connecting: {}", reasons.join("; ")),
+                            });
                         }
                     }
                     if Instant::now() >= deadline {

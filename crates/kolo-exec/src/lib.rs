@@ -100,8 +100,6 @@ pub enum ExecError {
     Slurm(String),
     #[error("network interface detection: {0}")]
     Nics(String),
-    #[error("cannot reach these hosts over ssh: {0}")]
-    Unreachable(String),
     #[error("cannot encode or decode a value: {0}")]
     Encode(String),
     #[error("the call was cancelled")]

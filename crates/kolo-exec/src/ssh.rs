@@ -1,14 +1,15 @@
 //! The SSH engine (what horovodrun does): workers started on the hosts of
-//! a host list with the system `ssh` client, connections multiplexed per
-//! host, all hosts started in parallel after a reachability check that
-//! names every host it could not reach. The secret travels on stdin. ssh
-//! does not stop remote processes when it ends, but kolo's workers stop by
+//! a host list with the system `ssh` client, one session per host for all
+//! of its workers, every host at once; a host that cannot be reached is
+//! named with ssh's own reason. The secret travels on stdin. ssh does not
+//! stop remote processes when it ends, but kolo's workers stop by
 //! themselves as soon as their driver connection goes.
 
-use std::io::Write;
+use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, ToSocketAddrs, UdpSocket};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 
 use kolo_topology::{HostResources, HostSpec};
 
@@ -33,9 +34,11 @@ pub struct SshEngine {
     hosts: Vec<HostSpec>,
     options: SshOptions,
     control_dir: PathBuf,
-    children: Vec<(u32, Child)>,
+    /// One ssh session per host, with the indices of its workers.
+    children: Vec<(Vec<u32>, Child)>,
     driver_ip: Option<IpAddr>,
-    checked: bool,
+    /// The last line each session wrote on stderr (ssh's reason for failing).
+    last_words: Vec<Arc<Mutex<String>>>,
 }
 
 /// The address this machine uses toward `host` (what workers there can
@@ -58,7 +61,7 @@ fn quote(word: &str) -> String {
 impl SshEngine {
     pub fn new(hosts: Vec<HostSpec>, options: SshOptions) -> Self {
         let control_dir = std::env::temp_dir().join(format!("kolo-ssh-{}", std::process::id()));
-        SshEngine { hosts, options, control_dir, children: Vec::new(), driver_ip: None, checked: false }
+        SshEngine { hosts, options, control_dir, children: Vec::new(), driver_ip: None, last_words: Vec::new() }
     }
 
     fn ssh(&self, host: &str) -> Command {
@@ -84,37 +87,6 @@ impl SshEngine {
         c.arg(host);
         c
     }
-
-    /// Reaches every host in parallel; names each that could not be reached.
-    fn check_hosts(&mut self) -> Result<(), ExecError> {
-        std::fs::create_dir_all(&self.control_dir)
-            .map_err(|source| ExecError::Io { what: format!("creating {}", self.control_dir.display()), source })?;
-        let mut probes = Vec::new();
-        for h in &self.hosts {
-            let child = self
-                .ssh(&h.name)
-                .arg("true")
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|source| ExecError::Io { what: "running ssh (is an ssh client installed?)".into(), source })?;
-            probes.push((h.name.clone(), child));
-        }
-        let mut unreachable = Vec::new();
-        for (host, child) in probes {
-            let out =
-                child.wait_with_output().map_err(|source| ExecError::Io { what: format!("ssh {host}"), source })?;
-            if !out.status.success() {
-                let why = String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim().to_string();
-                unreachable.push(format!("{host} ({})", if why.is_empty() { out.status.to_string() } else { why }));
-            }
-        }
-        if !unreachable.is_empty() {
-            return Err(ExecError::Unreachable(unreachable.join(", ")));
-        }
-        Ok(())
-    }
 }
 
 impl Engine for SshEngine {
@@ -123,10 +95,8 @@ impl Engine for SshEngine {
     }
 
     fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
-        if !self.checked {
-            self.check_hosts()?;
-            self.checked = true;
-        }
+        std::fs::create_dir_all(&self.control_dir)
+            .map_err(|source| ExecError::Io { what: format!("creating {}", self.control_dir.display()), source })?;
         Ok(self
             .hosts
             .iter()
@@ -150,48 +120,85 @@ impl Engine for SshEngine {
         Vec::new()
     }
 
+    /// One ssh session per host starts all of that host's workers: the
+    /// remote shell reads the secret once from stdin and hands it to each.
     fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
         self.driver_ip = Some(self.driver_addr());
         let cwd = std::env::current_dir().ok();
-        for w in workers {
-            let mut remote = String::from("exec env");
-            for (k, v) in w.env.iter().filter(|(k, _)| k != worker::env::SECRET) {
-                remote.push_str(&format!(" {k}={}", quote(v)));
+        let secret = workers
+            .first()
+            .and_then(|w| w.env.iter().find(|(k, _)| k == worker::env::SECRET))
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default();
+        let mut hosts: Vec<&str> = Vec::new();
+        for w in &workers {
+            if !hosts.contains(&w.host.hostname.as_str()) {
+                hosts.push(&w.host.hostname);
             }
-            remote.push_str(&format!(" {}=1 {}", worker::env::SECRET_ON_STDIN, quote(&w.program.to_string_lossy())));
-            for a in &w.args {
-                remote.push(' ');
-                remote.push_str(&quote(&a.to_string_lossy()));
-            }
+        }
+        for host in hosts {
+            let mine: Vec<&WorkerLaunch> = workers.iter().filter(|w| w.host.hostname == host).collect();
+            let mut script = String::from("read -r KOLO_S; ");
             if let Some(dir) = &cwd {
-                remote = format!("cd {} 2>/dev/null; {remote}", quote(&dir.to_string_lossy()));
+                script.push_str(&format!("cd {} 2>/dev/null; ", quote(&dir.to_string_lossy())));
             }
-            let secret =
-                w.env.iter().find(|(k, _)| k == worker::env::SECRET).map(|(_, v)| v.clone()).unwrap_or_default();
+            for w in &mine {
+                let mut line = String::from("printf '%s\\n' \"$KOLO_S\" | env");
+                for (k, v) in w.env.iter().filter(|(k, _)| k != worker::env::SECRET) {
+                    line.push_str(&format!(" {k}={}", quote(v)));
+                }
+                line.push_str(&format!(" {}=1 {}", worker::env::SECRET_ON_STDIN, quote(&w.program.to_string_lossy())));
+                for a in &w.args {
+                    line.push(' ');
+                    line.push_str(&quote(&a.to_string_lossy()));
+                }
+                script.push_str(&line);
+                script.push_str(" & ");
+            }
+            // the session lasts as long as the host's workers
+            script.push_str("wait");
             let mut child = self
-                .ssh(&w.host.hostname)
-                .arg(remote)
+                .ssh(host)
+                .arg(format!("sh -c {}", quote(&script)))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
+                .stderr(Stdio::piped())
                 .spawn()
-                .map_err(|source| ExecError::Io { what: format!("ssh {}", w.host.hostname), source })?;
+                .map_err(|source| ExecError::Io { what: "running ssh (is an ssh client installed?)".into(), source })?;
             if let Some(mut stdin) = child.stdin.take() {
                 let _ = writeln!(stdin, "{secret}");
             }
-            self.children.push((w.index, child));
+            // pass the session's stderr on, keeping its last line for the report
+            let last = Arc::new(Mutex::new(String::new()));
+            if let Some(stderr) = child.stderr.take() {
+                let last = last.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                        eprintln!("{line}");
+                        *last.lock().unwrap_or_else(|p| p.into_inner()) = line;
+                    }
+                });
+            }
+            self.last_words.push(last);
+            self.children.push((mine.iter().map(|w| w.index).collect(), child));
         }
         Ok(())
     }
 
     fn exited(&mut self) -> Vec<(u32, String)> {
-        self.children
-            .iter_mut()
-            .filter_map(|(index, child)| match child.try_wait() {
-                Ok(Some(status)) => Some((*index, format!("ssh {}", crate::process::describe(status)))),
-                _ => None,
-            })
-            .collect()
+        let mut out = Vec::new();
+        for ((indices, child), last) in self.children.iter_mut().zip(&self.last_words) {
+            if let Ok(Some(status)) = child.try_wait() {
+                let said = last.lock().unwrap_or_else(|p| p.into_inner()).trim().to_string();
+                let how = if said.is_empty() {
+                    format!("its ssh session {}", crate::process::describe(status))
+                } else {
+                    format!("its ssh session {} ({said})", crate::process::describe(status))
+                };
+                out.extend(indices.iter().map(|&i| (i, how.clone())));
+            }
+        }
+        out
     }
 
     fn all_exited(&mut self) -> bool {
