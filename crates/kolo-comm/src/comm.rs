@@ -119,6 +119,29 @@ impl Op<'_> {
     }
 }
 
+/// Where a rank stands once the ranks beyond the largest power of two
+/// have folded into their partners.
+struct Fold {
+    /// The largest power of two not above the size.
+    p: usize,
+    extra: usize,
+    /// Rank among the `p` that go on.
+    new_rank: usize,
+    /// Whether this rank took in a partner's buffer (and owes it the result).
+    folded: bool,
+}
+
+impl Fold {
+    /// The communicator rank of rank `nr` among the `p`.
+    fn real(&self, nr: usize) -> usize {
+        if nr < self.extra {
+            nr * 2 + 1
+        } else {
+            nr + self.extra
+        }
+    }
+}
+
 /// A group of ranks that run collectives together. Every member must call
 /// the same collectives in the same order.
 pub struct Communicator {
@@ -428,21 +451,9 @@ impl Communicator {
     /// Latency-bound sizes: log2(n) exchanges of the whole buffer; ranks
     /// beyond the largest power of two fold into a partner first.
     fn recursive_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
+        let Some(fold) = self.fold_in(buf, dtype, op)? else { return Ok(()) };
+        let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
         let len = buf.len();
-        let new_rank = if r < 2 * extra {
-            if r % 2 == 0 {
-                self.send_recv(Some((r + 1, buf)), None)?;
-                return self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))));
-            }
-            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
-            r / 2
-        } else {
-            r - extra
-        };
-        let real = |nr: usize| if nr < extra { nr * 2 + 1 } else { nr + extra };
         let mut mask = 1;
         while mask < p {
             let partner = real(new_rank ^ mask);
@@ -454,8 +465,34 @@ impl Communicator {
             })?;
             mask <<= 1;
         }
-        if r < 2 * extra {
-            self.send_recv(Some((r - 1, buf)), None)?;
+        self.fold_out(buf, &fold)
+    }
+
+    /// Ranks beyond the largest power of two hand their buffer to a partner
+    /// (which reduces it in) and wait for the result; `None` for those.
+    fn fold_in(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<Fold>, CommError> {
+        let (n, r) = (self.size(), self.rank);
+        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
+        let extra = n - p;
+        let len = buf.len();
+        let new_rank = if r < 2 * extra {
+            if r % 2 == 0 {
+                self.send_recv(Some((r + 1, buf)), None)?;
+                self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))))?;
+                return Ok(None);
+            }
+            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
+            r / 2
+        } else {
+            r - extra
+        };
+        Ok(Some(Fold { p, extra, new_rank, folded: r < 2 * extra }))
+    }
+
+    /// Gives the folded-in partner its result.
+    fn fold_out(&self, buf: &[u8], fold: &Fold) -> Result<(), CommError> {
+        if fold.folded {
+            self.send_recv(Some((self.rank - 1, buf)), None)?;
         }
         Ok(())
     }
@@ -464,21 +501,9 @@ impl Communicator {
     /// allgather by recursive doubling: log2(n) steps moving n-1/n of the
     /// buffer. Ranks beyond the largest power of two fold in first.
     fn halving_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
+        let Some(fold) = self.fold_in(buf, dtype, op)? else { return Ok(()) };
+        let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
         let len = buf.len();
-        let new_rank = if r < 2 * extra {
-            if r % 2 == 0 {
-                self.send_recv(Some((r + 1, buf)), None)?;
-                return self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))));
-            }
-            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
-            r / 2
-        } else {
-            r - extra
-        };
-        let real = |nr: usize| if nr < extra { nr * 2 + 1 } else { nr + extra };
         let at = offsets(&split_counts(len / dtype.size(), p), dtype.size());
         // halving: keep the half of the chunks on this rank's side of each bit
         let (mut lo, mut hi) = (0, p);
@@ -505,10 +530,7 @@ impl Communicator {
             (lo, hi) = (lo.min(other.0), hi.max(other.1));
             mask <<= 1;
         }
-        if r < 2 * extra {
-            self.send_recv(Some((r - 1, buf)), None)?;
-        }
-        Ok(())
+        self.fold_out(buf, &fold)
     }
 
     /// Bandwidth-bound sizes: ring reduce-scatter then ring allgather, each

@@ -73,16 +73,7 @@ impl Engine for LocalEngine {
     }
 
     fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
-        Ok(self
-            .hosts
-            .iter()
-            .map(|h| HostResources {
-                hostname: h.name.clone(),
-                node_id: h.name.clone(),
-                cpus: h.slots,
-                gpus: (0..h.gpus.unwrap_or(0)).collect(),
-            })
-            .collect())
+        Ok(self.hosts.iter().map(HostSpec::resources).collect())
     }
 
     fn driver_addr(&self) -> IpAddr {

@@ -127,16 +127,7 @@ fn gpu_plan(spec: &LaunchSpec) -> Result<Vec<Option<String>>, ExecError> {
     if spec.gpus_per_worker == 0 {
         return Ok(vec![None; np]);
     }
-    let hosts: Vec<HostResources> = spec
-        .hosts
-        .iter()
-        .map(|h| HostResources {
-            hostname: h.name.clone(),
-            node_id: h.name.clone(),
-            cpus: h.slots,
-            gpus: (0..h.gpus.unwrap_or(0)).collect(),
-        })
-        .collect();
+    let hosts: Vec<HostResources> = spec.hosts.iter().map(HostSpec::resources).collect();
     let need = WorkerResources { cpus: 1, gpus: spec.gpus_per_worker };
     let placed = place(Placement::Pack { num_workers: spec.np as u32 }, need, &hosts)?;
     let nodes: Vec<&str> = placed.iter().map(|p| hosts[p.host].node_id.as_str()).collect();

@@ -97,16 +97,7 @@ impl Engine for SshEngine {
     fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
         std::fs::create_dir_all(&self.control_dir)
             .map_err(|source| ExecError::Io { what: format!("creating {}", self.control_dir.display()), source })?;
-        Ok(self
-            .hosts
-            .iter()
-            .map(|h| HostResources {
-                hostname: h.name.clone(),
-                node_id: h.name.clone(),
-                cpus: h.slots,
-                gpus: (0..h.gpus.unwrap_or(0)).collect(),
-            })
-            .collect())
+        Ok(self.hosts.iter().map(HostSpec::resources).collect())
     }
 
     fn driver_addr(&self) -> IpAddr {

@@ -16,6 +16,17 @@ impl HostSpec {
     pub fn new(name: impl Into<String>, slots: u32) -> Self {
         HostSpec { name: name.into(), slots, gpus: None }
     }
+
+    /// What the host offers as a node of its own name: a CPU per slot and
+    /// GPU ids `0..gpus`.
+    pub fn resources(&self) -> crate::HostResources {
+        crate::HostResources {
+            hostname: self.name.clone(),
+            node_id: self.name.clone(),
+            cpus: self.slots,
+            gpus: (0..self.gpus.unwrap_or(0)).collect(),
+        }
+    }
 }
 
 /// Total slots of a host list.

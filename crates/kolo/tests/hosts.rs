@@ -149,6 +149,19 @@ impl LinkDown {
 impl Drop for LinkDown {
     fn drop(&mut self) {
         let _ = Command::new("ip").args(["-n", &format!("kolo-{}", self.0), "link", "set", "eth0", "up"]).status();
+        // failed neighbour entries would keep the host unreachable for a while
+        for host in ["h1", "h2", "h3"] {
+            let _ = Command::new("ip").args(["-n", &format!("kolo-{host}"), "neigh", "flush", "all"]).status();
+        }
+        let cfg = ssh_config();
+        let t = testhosts();
+        wait_for("the host to be reachable again", Duration::from_secs(30), || {
+            Command::new(t.join("hx"))
+                .args(["h1", "ssh", "-F", &cfg, "-o", "ConnectTimeout=2", self.0, "true"])
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
     }
 }
 
