@@ -43,9 +43,9 @@ pub struct Settings {
     pub placement_timeout: Duration,
     /// Interfaces to use instead of detecting them.
     pub nics: Option<Vec<String>>,
-    /// For the ssh engine.
-    pub ssh_identity_file: Option<PathBuf>,
-    pub ssh_options: Vec<String>,
+    /// How [`Executor::on_hosts`] reaches other machines (identity file,
+    /// port, config file, options).
+    pub ssh: crate::SshOptions,
     pub verbose: bool,
     /// How often driver and workers send heartbeats.
     pub heartbeat_interval: Duration,
@@ -68,8 +68,7 @@ impl Default for Settings {
             start_timeout: Duration::from_secs(30),
             placement_timeout: Duration::from_secs(100),
             nics: None,
-            ssh_identity_file: None,
-            ssh_options: Vec::new(),
+            ssh: crate::SshOptions::default(),
             verbose: false,
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
@@ -314,6 +313,21 @@ impl Executor {
     /// An executor on this machine (the local engine).
     pub fn new(settings: Settings, request: WorkerRequest) -> Result<Self, ExecError> {
         Self::with_engine(settings, request, Box::new(LocalEngine::this_machine()))
+    }
+
+    /// An executor on a host list: local processes when every host is this
+    /// machine, ssh (with `settings.ssh`) otherwise, Slurm inside an allocation.
+    pub fn on_hosts(
+        settings: Settings,
+        request: WorkerRequest,
+        hosts: Vec<kolo_topology::HostSpec>,
+    ) -> Result<Self, ExecError> {
+        let engine: Box<dyn Engine> = match crate::EngineChoice::Auto.resolve(&hosts) {
+            crate::EngineChoice::Slurm => Box::new(crate::SlurmEngine::from_allocation()?),
+            crate::EngineChoice::Ssh => Box::new(crate::SshEngine::new(hosts, settings.ssh.clone())),
+            _ => Box::new(LocalEngine::with_hosts(hosts)),
+        };
+        Self::with_engine(settings, request, engine)
     }
 
     pub fn with_engine(settings: Settings, request: WorkerRequest, engine: Box<dyn Engine>) -> Result<Self, ExecError> {

@@ -223,14 +223,23 @@ pub async fn nics(args: NicsArgs) -> Result<i32> {
         options: Vec::new(),
         connect_timeout: Some(args.start_timeout.min(30)),
     };
-    let engine: Box<dyn kolo_exec::Engine> = match engine_choice(args.engine).resolve(&hosts) {
-        EngineChoice::Ssh => Box::new(kolo_exec::SshEngine::new(hosts.clone(), ssh)),
-        _ => Box::new(kolo_exec::LocalEngine::with_hosts(hosts.clone())),
-    };
     let mut settings = kolo_exec::Settings::default();
     settings.start_timeout = Duration::from_secs(args.start_timeout.max(1));
+    settings.ssh = ssh;
     let request = kolo_exec::WorkerRequest::colocated(hosts.len() as u32, 1);
-    let mut executor = kolo_exec::Executor::with_engine(settings, request, engine)?;
+    let mut executor = match engine_choice(args.engine) {
+        EngineChoice::Auto => kolo_exec::Executor::on_hosts(settings, request, hosts)?,
+        EngineChoice::Ssh => {
+            let engine = Box::new(kolo_exec::SshEngine::new(hosts, settings.ssh.clone()));
+            kolo_exec::Executor::with_engine(settings, request, engine)?
+        }
+        EngineChoice::Slurm => {
+            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_exec::SlurmEngine::from_allocation()?))?
+        }
+        EngineChoice::Local => {
+            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_exec::LocalEngine::with_hosts(hosts)))?
+        }
+    };
     let started = executor.start_workers(&[]).await;
     if let Err(e) = started {
         executor.shutdown().await;
