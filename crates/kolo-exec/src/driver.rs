@@ -651,6 +651,7 @@ impl Executor {
         let heartbeat =
             proto::encode(&ToWorker::Heartbeat).map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
         let mut next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+        let mut progress = Progress::new("waiting for workers to connect");
         let welcome = Welcome {
             tag: [0; 32],
             heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
@@ -685,6 +686,8 @@ impl Executor {
                     }
                 }
                 _ = poll.tick() => {
+                    let connected = registered.iter().filter(|r| r.is_some()).count();
+                    progress.show(&format!("{connected} of {n}"), self.settings.start_timeout);
                     if Instant::now() >= next_heartbeat {
                         next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
                         for (_, stream) in registered.iter_mut().flatten() {
@@ -725,6 +728,7 @@ impl Executor {
                 }
             }
         }
+        drop(progress);
         Ok(registered.into_iter().map(|r| r.expect("all registered")).collect())
     }
 
@@ -903,6 +907,49 @@ async fn detect_nics(
     }
     let common = crate::nics::common(&pairs).map_err(ExecError::Nics)?;
     Ok((common, pairs))
+}
+
+/// A one-line progress report on stderr for waits over a second, shown
+/// only when stderr is a terminal and erased when the wait ends.
+struct Progress {
+    what: &'static str,
+    since: Instant,
+    shown: bool,
+    tty: bool,
+    last: String,
+}
+
+impl Progress {
+    fn new(what: &'static str) -> Self {
+        use std::io::IsTerminal;
+        Progress {
+            what,
+            since: Instant::now(),
+            shown: false,
+            tty: std::io::stderr().is_terminal(),
+            last: String::new(),
+        }
+    }
+
+    fn show(&mut self, state: &str, limit: Duration) {
+        let waited = self.since.elapsed();
+        if self.tty && waited > Duration::from_secs(1) {
+            let line = format!("kolo: {}: {state} ({} s of {:.0} s)", self.what, waited.as_secs(), limit.as_secs_f64());
+            if line != self.last {
+                eprint!("\r{line}\x1b[K");
+                self.last = line;
+                self.shown = true;
+            }
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        if self.shown {
+            eprint!("\r\x1b[K");
+        }
+    }
 }
 
 /// A call running on one worker.
