@@ -445,7 +445,7 @@ impl Communicator {
             return Ok(());
         }
         let tuning = &self.shared.tuning;
-        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let reduce_op = op.combining();
         match (&self.hierarchy, recv.len()) {
             (_, len) if len <= tuning.small_for(n) => {
                 if let Some(s) = send {
@@ -660,7 +660,7 @@ impl Communicator {
             )));
         }
         let recv = as_bytes_mut(recv);
-        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let reduce_op = op.combining();
         self.reduce_scatter_bytes(as_bytes(send), recv, counts, T::DTYPE, reduce_op)?;
         if op == ReduceOp::Avg {
             divide(T::DTYPE, recv, self.size());
@@ -773,7 +773,7 @@ impl Communicator {
             return Err(self.bad(format!("reduce: send has {} elements, the root's recv {}", send.len(), recv.len())));
         }
         let dtype = T::DTYPE;
-        let reduce_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let reduce_op = op.combining();
         let send = as_bytes(send);
         let vr = (self.rank + n - root) % n;
         let real = |v: usize| (v + root) % n;

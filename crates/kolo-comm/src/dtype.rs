@@ -65,6 +65,16 @@ pub enum ReduceOp {
 impl ReduceOp {
     pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 
+    /// How two values combine on the way: an average sums, and divides once
+    /// at the end.
+    pub fn combining(self) -> ReduceOp {
+        if self == ReduceOp::Avg {
+            ReduceOp::Sum
+        } else {
+            self
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
