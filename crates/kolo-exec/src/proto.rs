@@ -169,7 +169,7 @@ fn tag(secret: &[u8], role: &[u8], a: &Nonce, b: &Nonce) -> Tag {
 
 /// Constant-time comparison of two tags.
 pub fn tags_match(a: &Tag, b: &Tag) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    subtle::ConstantTimeEq::ct_eq(&a[..], &b[..]).into()
 }
 
 pub fn random_nonce() -> Nonce {

@@ -242,7 +242,7 @@ fn authorized(req: &Request<Incoming>, config: &ServerConfig) -> bool {
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    subtle::ConstantTimeEq::ct_eq(a, b).into()
 }
 
 async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>> {
