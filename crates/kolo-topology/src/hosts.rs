@@ -122,6 +122,10 @@ fn parse_host_entry(entry: &str, original: &str) -> Result<(HostSpec, bool), Top
 fn parse_count(value: &str, what: &str, positive: bool) -> Result<u32, String> {
     match value.trim().parse::<u32>() {
         Ok(0) if positive => Err(format!("{what} must be a positive integer, got '0'")),
+        // refused before anything is sized by it
+        Ok(n) if n > crate::MAX_PROCESSES => {
+            Err(format!("{what} {n} is over kolo's limit of {} per host", crate::MAX_PROCESSES))
+        }
         Ok(n) => Ok(n),
         Err(_) => Err(format!(
             "{what} must be a {} integer, got '{value}'",
@@ -165,6 +169,7 @@ mod tests {
             ("a:", "got ''"),
             ("a:4,a:2", "'a' is listed twice"),
             ("[::1", "unclosed"),
+            ("localhost:10000000", "over kolo's limit of 65536"),
         ] {
             let err = parse_host_list(input).unwrap_err().to_string();
             assert!(err.contains(needle), "{input:?}: {err}");

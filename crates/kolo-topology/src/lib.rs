@@ -8,14 +8,21 @@
 mod env;
 mod hosts;
 mod placement;
+mod plan;
 mod ranks;
 mod slurm;
+
+/// The most processes one job (and one host) may have. Larger requests are
+/// refused before anything is allocated for them: a typo such as
+/// `-H host:10000000` must be an error, not an out-of-memory kill.
+pub const MAX_PROCESSES: u32 = 65536;
 
 pub use env::{forwards_caller_var, rank_env, JobEnv, ENV_SECRET};
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
 pub use placement::{
     cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement, WorkerResources,
 };
+pub use plan::{Plan, PlannedWorker};
 pub use ranks::{host_assignments, Coordinator, RankInfo, Slot};
 pub use slurm::{expand_nodelist, expand_tasks_per_node};
 
@@ -33,6 +40,8 @@ pub enum TopologyError {
     NotEnoughSlots { requested: u64, available: u64 },
     #[error("the number of processes must be at least 1, got {0}")]
     NoProcesses(u64),
+    #[error("{0} processes are over kolo's limit of {max} per job", max = MAX_PROCESSES)]
+    TooManyProcesses(u64),
     #[error("invalid placement request: {0}")]
     BadRequest(String),
     #[error("cannot place {asked}: {available}")]

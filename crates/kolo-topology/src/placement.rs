@@ -34,9 +34,13 @@ impl Placement {
         let bad = |m: &str| Err(TopologyError::BadRequest(m.to_string()));
         match (num_workers, num_hosts, workers_per_host) {
             (Some(0), None, None) => bad("num_workers must be at least 1"),
+            (Some(n), None, None) if n > crate::MAX_PROCESSES => Err(TopologyError::TooManyProcesses(n.into())),
             (Some(n), None, None) => Ok(Placement::Pack { num_workers: n }),
             (None, Some(h), Some(w)) if h == 0 || w == 0 => {
                 bad("num_hosts and num_workers_per_host must be at least 1")
+            }
+            (None, Some(h), Some(w)) if u64::from(h) * u64::from(w) > u64::from(crate::MAX_PROCESSES) => {
+                Err(TopologyError::TooManyProcesses(u64::from(h) * u64::from(w)))
             }
             (None, Some(h), Some(w)) => Ok(Placement::Colocated { num_hosts: h, workers_per_host: w }),
             (Some(_), _, _) => bad("give either num_workers, or num_hosts with num_workers_per_host, not both"),
@@ -49,7 +53,7 @@ impl Placement {
     pub fn num_workers(&self) -> u32 {
         match *self {
             Placement::Pack { num_workers } => num_workers,
-            Placement::Colocated { num_hosts, workers_per_host } => num_hosts * workers_per_host,
+            Placement::Colocated { num_hosts, workers_per_host } => num_hosts.saturating_mul(workers_per_host),
         }
     }
 }

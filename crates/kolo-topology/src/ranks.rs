@@ -118,6 +118,9 @@ pub fn host_assignments(hosts: &[HostSpec], min_np: u64, max_np: Option<u64>) ->
     if size == 0 {
         return Err(TopologyError::NoProcesses(size));
     }
+    if size > u64::from(crate::MAX_PROCESSES) {
+        return Err(TopologyError::TooManyProcesses(size));
+    }
     let mut coordinator = Coordinator::new();
     let mut host_of_rank = Vec::with_capacity(size as usize);
     'hosts: for host in hosts {
