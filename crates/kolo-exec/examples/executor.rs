@@ -12,6 +12,7 @@ struct Accumulator {
 }
 
 impl Executable for Accumulator {
+    const NAME: &'static str = "accumulator";
     type Args = f64;
     fn create(start: f64, _ctx: &WorkerContext) -> Result<Self, UserError> {
         Ok(Accumulator { total: start })
@@ -23,6 +24,7 @@ impl Executable for Accumulator {
 struct AddScaled(f64);
 
 impl Task<Accumulator> for AddScaled {
+    const NAME: &'static str = "add-scaled";
     type Output = f64;
     fn run(self, acc: &mut Accumulator, ctx: &WorkerContext) -> Result<f64, UserError> {
         acc.total += self.0 * f64::from(ctx.rank() + 1);
@@ -35,6 +37,7 @@ impl Task<Accumulator> for AddScaled {
 struct Where;
 
 impl Function for Where {
+    const NAME: &'static str = "where";
     type Output = String;
     fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
         Ok(format!(

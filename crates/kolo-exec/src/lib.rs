@@ -16,6 +16,7 @@
 //! struct Counter(u64);
 //! impl Executable for Counter {
 //!     type Args = u64;
+//!     const NAME: &'static str = "counter";
 //!     fn create(start: u64, _ctx: &WorkerContext) -> Result<Self, UserError> {
 //!         Ok(Counter(start))
 //!     }
@@ -24,6 +25,7 @@
 //! #[derive(Serialize, Deserialize)]
 //! struct Add(u64);
 //! impl Task<Counter> for Add {
+//!     const NAME: &'static str = "add";
 //!     type Output = (u32, u64);
 //!     fn run(self, counter: &mut Counter, ctx: &WorkerContext) -> Result<(u32, u64), UserError> {
 //!         counter.0 += self.0;
@@ -45,25 +47,27 @@
 
 mod driver;
 mod engine;
-mod launch;
+mod guard;
 mod nics;
 mod output;
+pub mod policy;
 mod process;
 mod proto;
 mod registry;
-mod slurm;
-mod ssh;
+mod settings;
 mod worker;
 
-pub use driver::{CallHandle, Cause, Executor, Failure, JobOutcome, Settings, WorkerInfo, WorkerRequest};
-pub use engine::{Engine, LocalEngine, WorkerLaunch};
-pub use launch::{is_this_machine, plan_job, run_job, EngineChoice, LaunchSpec, RankPlan};
+pub use driver::{CallHandle, Executor, Failure, JobOutcome, WorkerInfo};
+pub use engine::{
+    is_this_machine, Engine, EngineChoice, LocalEngine, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
+};
+pub use guard::{Guard, GuardOptions};
 pub use nics::PairReport;
-pub use output::{LineSplitter, OutputOptions, OutputSink, Stream};
+pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
+pub use policy::Cause;
 pub use proto::PROTOCOL_VERSION;
-pub use registry::{Executable, Function, Registry, Task, UserError, WorkerContext};
-pub use slurm::{SlurmEngine, SlurmOptions};
-pub use ssh::{SshEngine, SshOptions};
+pub use registry::{build_id, Executable, Function, Registry, Task, UserError, WorkerContext};
+pub use settings::{Settings, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
 
 use std::path::PathBuf;
@@ -75,11 +79,19 @@ pub enum ExecError {
     #[error(transparent)]
     Rendezvous(#[from] kolo_rendezvous::RendezvousError),
     #[error("cannot write output to {path}: {source}")]
-    OutputDir { path: PathBuf, source: std::io::Error },
+    OutputDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py")]
     NoCommand,
     #[error("{what}: {source}")]
-    Io { what: String, source: std::io::Error },
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("invalid settings: {0}")]
     BadSettings(String),
     #[error("the executor is not started; call start first")]
@@ -90,8 +102,18 @@ pub enum ExecError {
     WorkerStart { index: u32, host: String, reason: String },
     #[error("timed out after {seconds:.1} s waiting for workers to connect: {missing} did not (raise the start timeout if they are slow)")]
     StartTimeout { seconds: f64, missing: String },
-    #[error("worker {index} on host {host} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere", proto::PROTOCOL_VERSION)]
-    Version { index: u32, host: String, worker: u32 },
+    #[error("worker {index} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere", proto::PROTOCOL_VERSION)]
+    Version { index: u32, worker: u32 },
+    #[error("the worker program {} on host {host} is another build ({worker}) than the driver ({driver}); run the same program build everywhere (--worker-program)", program.display())]
+    Build { program: PathBuf, host: String, worker: String, driver: String },
+    #[error("{workers} workers need about {needed} file descriptors in the driver, but it may open only {limit} (ulimit -n); raise the limit, e.g. ulimit -n {needed}")]
+    DescriptorLimit { workers: usize, needed: u64, limit: u64 },
+    #[error("the driver ran out of file descriptors while {workers} workers connected (raise ulimit -n)")]
+    Descriptors {
+        workers: usize,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("worker rank {rank} on host {host} was lost: {reason}")]
     WorkerLost { rank: u32, host: String, reason: String },
     #[error("task failed on rank {rank} (host {host}): {message}")]
@@ -100,8 +122,14 @@ pub enum ExecError {
     Slurm(String),
     #[error("network interface detection: {0}")]
     Nics(String),
-    #[error("cannot encode or decode a value: {0}")]
-    Encode(String),
+    #[error("cannot encode a value: {0}")]
+    Encode(#[source] postcard::Error),
+    #[error("cannot decode the result of rank {rank}: {source}")]
+    Decode {
+        rank: u32,
+        #[source]
+        source: postcard::Error,
+    },
     #[error("the call was cancelled")]
     Cancelled,
 }

@@ -33,6 +33,17 @@ pub fn interfaces() -> Interfaces {
     out
 }
 
+/// Every interface name of this host (loopback included), sorted.
+pub fn interface_names() -> Vec<String> {
+    let mut names: Vec<String> = match nix::ifaddrs::getifaddrs() {
+        Ok(all) => all.map(|a| a.interface_name).collect(),
+        Err(_) => Vec::new(),
+    };
+    names.sort();
+    names.dedup();
+    names
+}
+
 fn interface_of(ip: IpAddr) -> Option<String> {
     let all = nix::ifaddrs::getifaddrs().ok()?;
     for a in all {

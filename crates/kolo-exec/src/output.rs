@@ -2,6 +2,11 @@
 //! `[rank]<stdout>:` as horovodrun does, written to the terminal and
 //! optionally to `DIR/rank.NN/stdout|stderr`, with the last stderr lines of
 //! every rank kept for the failure report.
+//!
+//! Writing may block (a slow or paused reader of kolo's output), so it
+//! happens on a thread of its own, fed through a bounded queue: a full
+//! queue holds up only the ranks that produce output (their pipes fill and
+//! they block), never heartbeats, calls or teardown.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -27,15 +32,21 @@ impl Stream {
     }
 }
 
+/// Lines longer than this are split: a line with no end must not make
+/// kolo buffer without bound.
+pub const MAX_LINE: usize = 64 * 1024;
+
 /// Splits a byte stream into lines, each ending with its `\n` or `\r`;
 /// what is left without an end comes out of [`LineSplitter::finish`].
+/// A line longer than [`MAX_LINE`] comes out in pieces of that size.
 #[derive(Default)]
 pub struct LineSplitter {
     pending: Vec<u8>,
 }
 
 impl LineSplitter {
-    /// Feeds bytes and calls `emit` for every complete line.
+    /// Feeds bytes and calls `emit` for every complete line (and every
+    /// [`MAX_LINE`] bytes of an over-long one).
     pub fn push(&mut self, mut bytes: &[u8], mut emit: impl FnMut(&[u8])) {
         while let Some(end) = bytes.iter().position(|&b| b == b'\n' || b == b'\r') {
             let (line, rest) = bytes.split_at(end + 1);
@@ -49,6 +60,14 @@ impl LineSplitter {
             bytes = rest;
         }
         self.pending.extend_from_slice(bytes);
+        if self.pending.len() >= MAX_LINE {
+            let mut at = 0;
+            while self.pending.len() - at >= MAX_LINE {
+                emit(&self.pending[at..at + MAX_LINE]);
+                at += MAX_LINE;
+            }
+            self.pending.drain(..at);
+        }
     }
 
     /// The last partial line, if any.
@@ -80,6 +99,9 @@ pub struct OutputSink {
     files: Vec<Mutex<Option<RankFiles>>>,
     tails: Vec<Mutex<VecDeque<String>>>,
     terminal: Mutex<()>,
+    /// Set once a terminal stream is closed (`kolo run ... | head`): the
+    /// job goes on, that stream's lines are dropped.
+    closed: [std::sync::atomic::AtomicBool; 2],
 }
 
 impl OutputSink {
@@ -98,6 +120,7 @@ impl OutputSink {
             files,
             tails: (0..ranks).map(|_| Mutex::new(VecDeque::new())).collect(),
             terminal: Mutex::new(()),
+            closed: Default::default(),
         })
     }
 
@@ -131,17 +154,107 @@ impl OutputSink {
         if !line.ends_with(b"\n") && !line.ends_with(b"\r") {
             text.push(b'\n');
         }
+        let closed = &self.closed[(stream == Stream::Stderr) as usize];
+        if closed.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         let _guard = self.terminal.lock().unwrap_or_else(|p| p.into_inner());
-        // a closed terminal (e.g. `kolo run ... | head`) must not stop the job
-        let _ = match stream {
+        let written = match stream {
             Stream::Stdout => write_flush(&mut io::stdout().lock(), &text),
             Stream::Stderr => write_flush(&mut io::stderr().lock(), &text),
         };
+        // a closed terminal (e.g. `kolo run ... | head`) must not stop the job
+        if written.is_err() {
+            closed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// The last stderr lines of a rank, oldest first.
     pub fn stderr_tail(&self, rank: usize) -> Vec<String> {
         self.tails[rank].lock().unwrap_or_else(|p| p.into_inner()).iter().cloned().collect()
+    }
+}
+
+/// What the output thread is asked to do, in order.
+pub(crate) enum Chunk {
+    /// Raw bytes of one rank's stream.
+    Data { rank: u32, stream: Stream, bytes: Vec<u8> },
+    /// The rank's command ended: its last partial lines go out.
+    End { rank: u32 },
+    /// Answered once everything queued before it is written.
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
+/// Chunks the queue holds at most (each at most one read of a worker's
+/// pipe, 64 KiB): the output memory bound, whatever the ranks print.
+const QUEUE_CHUNKS: usize = 64;
+
+/// The output thread and its queue.
+pub(crate) struct OutputWriter {
+    queue: tokio::sync::mpsc::Sender<Chunk>,
+    sink: std::sync::Arc<OutputSink>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl OutputWriter {
+    pub(crate) fn start(options: OutputOptions, ranks: usize) -> Result<OutputWriter, ExecError> {
+        let sink = std::sync::Arc::new(OutputSink::new(options, ranks)?);
+        let (queue, mut chunks) = tokio::sync::mpsc::channel::<Chunk>(QUEUE_CHUNKS);
+        let writer = sink.clone();
+        let thread = std::thread::Builder::new()
+            .name("kolo-output".into())
+            .spawn(move || {
+                let mut splitters: Vec<[LineSplitter; 2]> = (0..ranks).map(|_| Default::default()).collect();
+                while let Some(chunk) = chunks.blocking_recv() {
+                    match chunk {
+                        Chunk::Data { rank, stream, bytes } => {
+                            let r = rank as usize;
+                            splitters[r][(stream == Stream::Stderr) as usize]
+                                .push(&bytes, |line| writer.line(r, stream, line));
+                        }
+                        Chunk::End { rank } => {
+                            for (i, splitter) in splitters[rank as usize].iter_mut().enumerate() {
+                                if let Some(rest) = splitter.finish() {
+                                    let stream = if i == 1 { Stream::Stderr } else { Stream::Stdout };
+                                    writer.line(rank as usize, stream, &rest);
+                                }
+                            }
+                        }
+                        Chunk::Flush(done) => {
+                            let _ = done.send(());
+                        }
+                    }
+                }
+            })
+            .map_err(|source| ExecError::Io { what: "starting the output thread".into(), source })?;
+        Ok(OutputWriter { queue, sink, thread: Some(thread) })
+    }
+
+    pub(crate) fn queue(&self) -> tokio::sync::mpsc::Sender<Chunk> {
+        self.queue.clone()
+    }
+
+    /// Waits until everything queued so far is written.
+    pub(crate) async fn flush(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.queue.send(Chunk::Flush(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    pub(crate) fn stderr_tail(&self, rank: usize) -> Vec<String> {
+        self.sink.stderr_tail(rank)
+    }
+
+    /// Writes what is queued and ends the thread. Returns once the senders
+    /// still held elsewhere are gone too.
+    pub(crate) async fn finish(mut self) {
+        self.flush().await;
+        let thread = self.thread.take();
+        drop(self);
+        if let Some(thread) = thread {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
     }
 }
 
@@ -181,6 +294,19 @@ mod tests {
         assert_eq!(split(&[b"pa", b"rt", b"ial\n", b"\n"]), [b"partial\n".to_vec(), b"\n".to_vec()]);
         assert_eq!(split(&[b"x\r\n"]), [b"x\r".to_vec(), b"\n".to_vec()]);
         assert!(split(&[b""]).is_empty());
+    }
+
+    #[test]
+    fn over_long_lines_come_out_in_bounded_pieces() {
+        let long = vec![b'y'; MAX_LINE * 2 + 10];
+        let mut s = LineSplitter::default();
+        let mut pieces = Vec::new();
+        for chunk in long.chunks(1000) {
+            s.push(chunk, |l| pieces.push(l.len()));
+            assert!(s.pending.len() < MAX_LINE);
+        }
+        pieces.extend(s.finish().map(|rest| rest.len()));
+        assert_eq!(pieces, [MAX_LINE, MAX_LINE, 10]);
     }
 
     #[test]

@@ -5,45 +5,112 @@
 //! job's secret: the driver sends a nonce, the worker answers with
 //! HMAC-SHA256(secret, "worker" | driver nonce | worker nonce) and its own
 //! nonce, and the driver proves itself with HMAC(secret, "driver" | ...).
-//! The version travels in the first frame of each side, so a mismatch is
-//! named before anything else is decoded.
+//! The worker's first frame starts with a fixed binary header (magic,
+//! version, index, nonce, tag) so that the driver checks the tag before it
+//! trusts anything else in it, whatever version the peer speaks: an
+//! unauthenticated peer cannot make the driver fail the job. Before a peer
+//! has proved the secret its frames are at most [`MAX_PREAUTH_FRAME`].
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 
 use hmac::{Hmac, Mac};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use sha2::Sha256;
 
 /// Bumped whenever a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Frames larger than this are refused (a task's arguments or result).
 pub const MAX_FRAME: usize = 256 << 20;
+/// Frames before authentication are at most this: nobody can make the
+/// driver buffer more without the secret.
+pub const MAX_PREAUTH_FRAME: usize = 4096;
 /// Sent first on every connection so that a stray client is recognised.
 pub const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
 
 pub type Nonce = [u8; 32];
 pub type Tag = [u8; 32];
 
-/// Driver → worker, first frame.
-#[derive(Serialize, Deserialize, Debug, Clone)]
+/// Driver → worker, first frame: fixed layout, the same in every version.
+#[derive(Debug, Clone)]
 pub struct Challenge {
     pub magic: u32,
     pub version: u32,
     pub nonce: Nonce,
 }
 
-/// Worker → driver, first frame.
-#[derive(Serialize, Deserialize, Debug, Clone)]
-pub struct Hello {
+impl Challenge {
+    pub fn frame(&self) -> Vec<u8> {
+        let mut f = Vec::with_capacity(44);
+        f.extend_from_slice(&40u32.to_be_bytes());
+        f.extend_from_slice(&self.magic.to_be_bytes());
+        f.extend_from_slice(&self.version.to_be_bytes());
+        f.extend_from_slice(&self.nonce);
+        f
+    }
+
+    pub fn parse(body: &[u8]) -> Option<Challenge> {
+        let body: &[u8; 40] = body.try_into().ok()?;
+        Some(Challenge {
+            magic: u32::from_be_bytes(body[0..4].try_into().ok()?),
+            version: u32::from_be_bytes(body[4..8].try_into().ok()?),
+            nonce: body[8..40].try_into().ok()?,
+        })
+    }
+}
+
+/// Worker → driver, the fixed start of the first frame.
+#[derive(Debug, Clone)]
+pub struct HelloHeader {
     pub magic: u32,
     pub version: u32,
     pub index: u32,
     pub nonce: Nonce,
+    /// [`worker_tag`] over the nonces, version, index and body.
     pub tag: Tag,
+}
+
+const HELLO_HEADER: usize = 4 + 4 + 4 + 32 + 32;
+
+/// Worker → driver, the rest of the first frame (postcard; trusted only
+/// once the header's tag checked out).
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct HelloBody {
+    /// The host name the worker really runs on.
     pub hostname: String,
-    pub node_id: String,
-    pub gpus: Vec<u32>,
     pub pid: u32,
+    /// The program's build (version and what it registered).
+    pub build_id: String,
+    /// This host's interface names (for checking `--nics`).
+    pub interfaces: Vec<String>,
+}
+
+/// The worker's first frame: header then body.
+pub fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
+    let mut f = Vec::with_capacity(4 + HELLO_HEADER + body.len());
+    f.extend_from_slice(&((HELLO_HEADER + body.len()) as u32).to_be_bytes());
+    f.extend_from_slice(&header.magic.to_be_bytes());
+    f.extend_from_slice(&header.version.to_be_bytes());
+    f.extend_from_slice(&header.index.to_be_bytes());
+    f.extend_from_slice(&header.nonce);
+    f.extend_from_slice(&header.tag);
+    f.extend_from_slice(body);
+    f
+}
+
+/// Splits a first frame into its header and (unchecked) body.
+pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
+    if frame.len() < HELLO_HEADER {
+        return None;
+    }
+    let word = |at: usize| u32::from_be_bytes(frame[at..at + 4].try_into().expect("4 bytes"));
+    let header = HelloHeader {
+        magic: word(0),
+        version: word(4),
+        index: word(8),
+        nonce: frame[12..44].try_into().ok()?,
+        tag: frame[44..76].try_into().ok()?,
+    };
+    Some((header, &frame[HELLO_HEADER..]))
 }
 
 /// Driver → worker, answers a good Hello.
@@ -151,8 +218,24 @@ pub fn probe_tag(secret: &[u8], index: u32, nonce: &Nonce) -> Tag {
     mac.finalize().into_bytes().into()
 }
 
-pub fn worker_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {
-    tag(secret, b"worker", driver_nonce, worker_nonce)
+/// The worker's proof: binds both nonces, the version, its index and the
+/// rest of its first frame.
+pub fn worker_tag(
+    secret: &[u8],
+    driver_nonce: &Nonce,
+    worker_nonce: &Nonce,
+    version: u32,
+    index: u32,
+    body: &[u8],
+) -> Tag {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"kolo-control worker");
+    mac.update(driver_nonce);
+    mac.update(worker_nonce);
+    mac.update(&version.to_be_bytes());
+    mac.update(&index.to_be_bytes());
+    mac.update(body);
+    mac.finalize().into_bytes().into()
 }
 
 pub fn driver_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {
@@ -161,6 +244,7 @@ pub fn driver_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> 
 
 fn tag(secret: &[u8], role: &[u8], a: &Nonce, b: &Nonce) -> Tag {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    mac.update(b"kolo-control ");
     mac.update(role);
     mac.update(a);
     mac.update(b);
@@ -197,33 +281,31 @@ pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
     postcard::from_bytes(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
 
-fn check_length(len: usize) -> io::Result<usize> {
-    if len > MAX_FRAME {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes is over the limit")));
+fn check_length(len: usize, max: usize) -> io::Result<usize> {
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes is over the limit of {max} bytes"),
+        ));
     }
     Ok(len)
 }
 
-/// Blocking frame I/O, for the worker agent.
-pub fn read_frame(r: &mut impl Read) -> io::Result<Vec<u8>> {
+/// Blocking frame I/O, for the worker agent; frames over `max` are refused.
+pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
-    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize)?];
+    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize, max)?];
     r.read_exact(&mut body)?;
     Ok(body)
 }
 
-pub fn write_message<T: Serialize>(w: &mut impl Write, message: &T) -> io::Result<()> {
-    w.write_all(&encode(message)?)?;
-    w.flush()
-}
-
-/// Async frame reading, for the driver.
-pub async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin)) -> io::Result<Vec<u8>> {
+/// Async frame reading, for the driver; frames over `max` are refused.
+pub async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin), max: usize) -> io::Result<Vec<u8>> {
     use tokio::io::AsyncReadExt;
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;
-    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize)?];
+    let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize, max)?];
     r.read_exact(&mut body).await?;
     Ok(body)
 }
@@ -233,26 +315,46 @@ mod tests {
     use super::*;
 
     #[test]
+    fn hello_header_parses_whatever_follows() {
+        let header = HelloHeader { magic: MAGIC, version: 9, index: 3, nonce: [1; 32], tag: [2; 32] };
+        let frame = hello_frame(&header, b"anything at all");
+        let body = read_frame(&mut &frame[..], MAX_PREAUTH_FRAME).unwrap();
+        let (parsed, rest) = parse_hello(&body).unwrap();
+        assert_eq!((parsed.magic, parsed.version, parsed.index), (MAGIC, 9, 3));
+        assert_eq!((parsed.nonce, parsed.tag), ([1; 32], [2; 32]));
+        assert_eq!(rest, b"anything at all");
+        assert!(parse_hello(&body[..10]).is_none());
+        let c = Challenge { magic: MAGIC, version: 2, nonce: [7; 32] };
+        let parsed = Challenge::parse(&c.frame()[4..]).unwrap();
+        assert_eq!((parsed.magic, parsed.version, parsed.nonce), (MAGIC, 2, [7; 32]));
+    }
+
+    #[test]
     fn frames_round_trip_and_are_bounded() {
         let msg = ToWorker::Call { id: 7, kind: CallKind::Task, name: "t".into(), args: vec![1, 2, 3] };
         let frame = encode(&msg).unwrap();
-        let body = read_frame(&mut &frame[..]).unwrap();
+        let body = read_frame(&mut &frame[..], MAX_FRAME).unwrap();
         match decode::<ToWorker>(&body).unwrap() {
             ToWorker::Call { id, args, .. } => assert_eq!((id, args), (7, vec![1, 2, 3])),
             other => panic!("{other:?}"),
         }
         let huge = ((MAX_FRAME + 1) as u32).to_be_bytes();
-        assert!(read_frame(&mut &huge[..]).unwrap_err().to_string().contains("over the limit"));
+        assert!(read_frame(&mut &huge[..], MAX_FRAME).unwrap_err().to_string().contains("over the limit"));
+        let big = ((MAX_PREAUTH_FRAME + 1) as u32).to_be_bytes();
+        assert!(read_frame(&mut &big[..], MAX_PREAUTH_FRAME).is_err());
         assert!(decode::<ToWorker>(&[250, 1]).is_err());
     }
 
     #[test]
     fn tags_depend_on_secret_role_and_nonces() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
-        let t = worker_tag(b"s", &a, &b);
-        assert!(tags_match(&t, &worker_tag(b"s", &a, &b)));
-        assert!(!tags_match(&t, &worker_tag(b"x", &a, &b)));
+        let t = worker_tag(b"s", &a, &b, 2, 0, b"body");
+        assert!(tags_match(&t, &worker_tag(b"s", &a, &b, 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(b"x", &a, &b, 2, 0, b"body")));
         assert!(!tags_match(&t, &driver_tag(b"s", &a, &b)));
-        assert!(!tags_match(&t, &worker_tag(b"s", &b, &a)));
+        assert!(!tags_match(&t, &worker_tag(b"s", &b, &a, 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 3, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 2, 1, b"body")));
+        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 2, 0, b"bodz")));
     }
 }

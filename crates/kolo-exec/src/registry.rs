@@ -1,8 +1,9 @@
 //! User executables, tasks and functions: plain Rust types with serde
 //! arguments and results, registered once in the program so that the same
-//! binary can serve as a worker. Types are looked up by their type name,
-//! which is the same in the driver and the workers because they are one
-//! binary.
+//! binary can serve as a worker. Each has an explicit `NAME` (type names
+//! are not stable across builds); the registry's names go into the build
+//! id a worker reports, so a driver and a worker of different builds
+//! (`--worker-program`) fail with a clear error instead of a missing name.
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
@@ -56,6 +57,8 @@ impl WorkerContext {
 /// State that lives in every worker between calls (RayExecutor's
 /// `executable_cls`), created from serde arguments.
 pub trait Executable: Sized + Send + 'static {
+    /// The name the executable is registered and called by.
+    const NAME: &'static str;
     type Args: Serialize + DeserializeOwned + Send;
     fn create(args: Self::Args, ctx: &WorkerContext) -> Result<Self, UserError>;
 }
@@ -63,6 +66,7 @@ pub trait Executable: Sized + Send + 'static {
 /// A call on every worker's executable (`execute(fn)`); the value is the
 /// task's arguments.
 pub trait Task<E: Executable>: Serialize + DeserializeOwned + Send + 'static {
+    const NAME: &'static str;
     type Output: Serialize + DeserializeOwned + Send + 'static;
     fn run(self, executable: &mut E, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
 }
@@ -70,6 +74,7 @@ pub trait Task<E: Executable>: Serialize + DeserializeOwned + Send + 'static {
 /// A plain function run on every worker (`run(fn, args)`); the value is
 /// the function's arguments.
 pub trait Function: Serialize + DeserializeOwned + Send + 'static {
+    const NAME: &'static str;
     type Output: Serialize + DeserializeOwned + Send + 'static;
     fn call(self, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
 }
@@ -82,13 +87,30 @@ type FunctionRunner = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Vec<u8>, Strin
 /// `main` and hand it to [`crate::serve_if_worker`] before anything else.
 #[derive(Default)]
 pub struct Registry {
+    names: std::collections::HashSet<&'static str>,
     executables: HashMap<&'static str, Creator>,
     tasks: HashMap<&'static str, TaskRunner>,
     functions: HashMap<&'static str, FunctionRunner>,
 }
 
-pub(crate) fn name_of<T: ?Sized>() -> &'static str {
-    std::any::type_name::<T>()
+static BUILD_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Records this program's build id (from its registry); `serve_if_worker`
+/// does it, in the driver as in the workers.
+pub(crate) fn set_build_id(id: String) {
+    let _ = BUILD_ID.set(id);
+}
+
+/// This program's build: kolo's version, the protocol and the names it
+/// registered.
+pub fn build_id() -> String {
+    BUILD_ID.get().cloned().unwrap_or_else(|| Registry::new().build_id())
+}
+
+fn claim(names: &mut std::collections::HashSet<&'static str>, kind: &str, name: &'static str) {
+    // two types under one name would run the wrong code: a programming
+    // error that shows at the first start
+    assert!(names.insert(name), "two {kind}s are registered under the name '{name}'; give each its own NAME");
 }
 
 impl Registry {
@@ -96,9 +118,25 @@ impl Registry {
         Self::default()
     }
 
+    /// Kolo's version, the protocol and a hash of every registered name.
+    pub fn build_id(&self) -> String {
+        let mut names: Vec<String> = Vec::new();
+        names.extend(self.executables.keys().map(|n| format!("e:{n}")));
+        names.extend(self.tasks.keys().map(|n| format!("t:{n}")));
+        names.extend(self.functions.keys().map(|n| format!("f:{n}")));
+        names.sort();
+        // FNV-1a: stable across builds and platforms, unlike std's hasher
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in names.join(",").bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("kolo {} protocol {} registry {hash:016x}", env!("CARGO_PKG_VERSION"), crate::PROTOCOL_VERSION)
+    }
+
     pub fn executable<E: Executable>(mut self) -> Self {
+        claim(&mut self.names, "executable", E::NAME);
         self.executables.insert(
-            name_of::<E>(),
+            E::NAME,
             Box::new(|args, ctx| {
                 let args: E::Args = decode_args(args)?;
                 let made = guarded(|| E::create(args, ctx))?;
@@ -109,15 +147,16 @@ impl Registry {
     }
 
     pub fn task<E: Executable, T: Task<E>>(mut self) -> Self {
+        claim(&mut self.names, "task", T::NAME);
         self.tasks.insert(
-            name_of::<T>(),
+            T::NAME,
             Box::new(|args, executable, ctx| {
                 let task: T = decode_args(args)?;
                 let executable = executable.downcast_mut::<E>().ok_or_else(|| {
                     format!(
                         "task {} runs on {}, but the worker holds another executable",
-                        name_of::<T>(),
-                        name_of::<E>()
+                        T::NAME,
+                        E::NAME
                     )
                 })?;
                 let output = guarded(|| task.run(executable, ctx))?;
@@ -128,8 +167,9 @@ impl Registry {
     }
 
     pub fn function<F: Function>(mut self) -> Self {
+        claim(&mut self.names, "function", F::NAME);
         self.functions.insert(
-            name_of::<F>(),
+            F::NAME,
             Box::new(|args, ctx| {
                 let function: F = decode_args(args)?;
                 let output = guarded(|| function.call(ctx))?;
@@ -169,7 +209,7 @@ impl Registry {
 }
 
 fn decode_args<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(bytes).map_err(|e| format!("cannot decode the arguments of {}: {e}", name_of::<T>()))
+    postcard::from_bytes(bytes).map_err(|e| format!("cannot decode the arguments of {}: {e}", std::any::type_name::<T>()))
 }
 
 /// Runs user code, turning its error or panic into a message.

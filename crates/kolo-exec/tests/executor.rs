@@ -6,8 +6,8 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use kolo_exec::{
-    worker_env, Engine, ExecError, Executable, Executor, Function, LocalEngine, Registry, Settings, Task, UserError,
-    WorkerContext, WorkerLaunch, WorkerRequest,
+    worker_env, Engine, ExecError, Executable, Executor, Function, Guard, LocalEngine, Registry, Settings, Task,
+    UserError, WorkerContext, WorkerLaunch, WorkerRequest,
 };
 use kolo_topology::{HostResources, HostSpec};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -20,6 +20,7 @@ struct Counter {
 }
 
 impl Executable for Counter {
+    const NAME: &'static str = "counter";
     type Args = i64;
     fn create(start: i64, ctx: &WorkerContext) -> Result<Self, UserError> {
         if start < 0 {
@@ -33,6 +34,7 @@ impl Executable for Counter {
 struct Add(i64);
 
 impl Task<Counter> for Add {
+    const NAME: &'static str = "add";
     type Output = (u32, i64);
     fn run(self, c: &mut Counter, ctx: &WorkerContext) -> Result<(u32, i64), UserError> {
         c.value += self.0;
@@ -44,6 +46,7 @@ impl Task<Counter> for Add {
 struct Get;
 
 impl Task<Counter> for Get {
+    const NAME: &'static str = "get";
     type Output = i64;
     fn run(self, c: &mut Counter, _: &WorkerContext) -> Result<i64, UserError> {
         Ok(c.value)
@@ -58,6 +61,7 @@ struct FailOn {
 }
 
 impl Task<Counter> for FailOn {
+    const NAME: &'static str = "fail-on";
     type Output = u32;
     fn run(self, _: &mut Counter, ctx: &WorkerContext) -> Result<u32, UserError> {
         if ctx.rank() == self.rank {
@@ -77,6 +81,7 @@ struct SlowAdd {
 }
 
 impl Task<Counter> for SlowAdd {
+    const NAME: &'static str = "slow-add";
     type Output = i64;
     fn run(self, c: &mut Counter, _: &WorkerContext) -> Result<i64, UserError> {
         std::thread::sleep(Duration::from_millis(self.millis));
@@ -103,6 +108,7 @@ struct Place {
 }
 
 impl Function for Whoami {
+    const NAME: &'static str = "whoami";
     type Output = Place;
     fn call(self, ctx: &WorkerContext) -> Result<Place, UserError> {
         Ok(Place {
@@ -322,13 +328,9 @@ async fn placement_colocated_and_pack_with_gpus() -> Result<(), Failed> {
 }
 
 async fn infeasible_placement_names_what_was_asked_and_what_is_there() -> Result<(), Failed> {
-    let mut settings = quick_settings();
-    settings.placement_timeout = Duration::from_secs(2);
     let request = WorkerRequest::from_args(Some(3), None, None, 2, true, Some(1))?;
-    let mut ex = Executor::with_engine(settings, request, hosts(&[("a", 4, 1), ("b", 2, 0)]))?;
-    let started = Instant::now();
+    let mut ex = Executor::with_engine(quick_settings(), request, hosts(&[("a", 4, 1), ("b", 2, 0)]))?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
-    check(started.elapsed() < Duration::from_secs(10), "placement must fail within its timeout")?;
     check(
         err.contains("3 workers with 2 CPUs and 1 GPU each") && err.contains("a (4 CPUs, 1 GPU), b (2 CPUs, 0 GPUs)"),
         err,
@@ -346,19 +348,30 @@ async fn infeasible_placement_names_what_was_asked_and_what_is_there() -> Result
     Ok(())
 }
 
-/// Starts one worker (the last) with a wrong secret, or as a fake speaking
-/// another protocol version; the others normally.
+/// How the last worker misbehaves.
+#[derive(Clone, Copy, PartialEq)]
+enum Mischief {
+    /// It is started with a wrong secret.
+    WrongSecret,
+    /// A fake that knows the secret but speaks a future protocol version.
+    FutureVersion,
+    /// A fake that knows the secret but is another build of the program.
+    OtherBuild,
+    /// Every worker is real; strangers without the secret also connect.
+    Strangers,
+}
+
 struct Tampering {
     inner: LocalEngine,
-    wrong_version: bool,
+    mischief: Mischief,
 }
 
 impl Engine for Tampering {
     fn name(&self) -> &'static str {
         "tampering"
     }
-    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
-        self.inner.hosts()
+    fn hosts(&mut self, timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
+        self.inner.hosts(timeout)
     }
     fn driver_addr(&self) -> std::net::IpAddr {
         self.inner.driver_addr()
@@ -366,21 +379,35 @@ impl Engine for Tampering {
     fn default_nics(&self) -> Vec<String> {
         self.inner.default_nics()
     }
-    fn spawn(&mut self, mut workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+    fn spawn(&mut self, mut workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         let last = workers.last_mut().unwrap();
-        if self.wrong_version {
-            let driver = last.env.iter().find(|(k, _)| k == worker_env::DRIVER).unwrap().1.clone();
-            let index = last.index;
-            workers.pop();
-            std::thread::spawn(move || fake_worker(&driver, index));
-        } else {
-            for (k, v) in &mut last.env {
-                if k == worker_env::SECRET {
-                    *v = "not-the-secret".into();
-                }
+        let driver = last.env.iter().find(|(k, _)| k == worker_env::DRIVER).unwrap().1.clone();
+        let (index, secret) = (last.index, last.secret.clone());
+        match self.mischief {
+            Mischief::WrongSecret => last.secret = "not-the-secret".into(),
+            Mischief::FutureVersion => {
+                workers.pop();
+                std::thread::spawn(move || fake_worker(&driver, index, &secret, 999, "kolo test build"));
+            }
+            Mischief::OtherBuild => {
+                workers.pop();
+                std::thread::spawn(move || fake_worker(&driver, index, &secret, kolo_exec::PROTOCOL_VERSION, "other"));
+            }
+            Mischief::Strangers => {
+                // the last worker starts only after the strangers had their go
+                let last = workers.pop().unwrap();
+                let hosts = vec![HostSpec::new(last.host.hostname.clone(), 4)];
+                std::thread::spawn(move || {
+                    strangers(&driver, index);
+                    let mut late = LocalEngine::with_hosts(hosts);
+                    let guard = Guard::spawn(kolo_exec::GuardOptions { grace: Duration::ZERO, silence: None }).unwrap();
+                    late.spawn(vec![last], &guard).unwrap();
+                    // keep the late worker's engine until the test process ends
+                    std::mem::forget((late, guard));
+                });
             }
         }
-        self.inner.spawn(workers)
+        self.inner.spawn(workers, janitor)
     }
     fn exited(&mut self) -> Vec<(u32, String)> {
         // the refused worker exits; keep waiting so the driver's view is tested
@@ -394,53 +421,120 @@ impl Engine for Tampering {
     }
 }
 
-/// Speaks the handshake with a future protocol version.
-fn fake_worker(driver: &str, index: u32) {
-    use std::io::{Read, Write};
-    let mut s = TcpStream::connect(driver).unwrap();
+/// The worker's first frame as the protocol defines it: a fixed header
+/// (magic, version, index, nonce, HMAC tag) and a postcard body.
+fn hello(challenge: &[u8], index: u32, secret: &[u8], version: u32, build: &str) -> Vec<u8> {
+    use hmac::{Hmac, Mac};
+    let driver_nonce = &challenge[8..40];
+    let nonce = [7u8; 32];
+    let mut body = Vec::new();
+    let text = |t: &str, out: &mut Vec<u8>| {
+        out.push(t.len() as u8);
+        out.extend_from_slice(t.as_bytes());
+    };
+    text("fake-host", &mut body);
+    body.push(1); // pid 1 (a varint)
+    text(build, &mut body);
+    body.push(0); // no interfaces
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
+    mac.update(b"kolo-control worker");
+    mac.update(driver_nonce);
+    mac.update(&nonce);
+    mac.update(&version.to_be_bytes());
+    mac.update(&index.to_be_bytes());
+    mac.update(&body);
+    let tag = mac.finalize().into_bytes();
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&((76 + body.len()) as u32).to_be_bytes());
+    frame.extend_from_slice(&0x6b6f_6c6fu32.to_be_bytes());
+    frame.extend_from_slice(&version.to_be_bytes());
+    frame.extend_from_slice(&index.to_be_bytes());
+    frame.extend_from_slice(&nonce);
+    frame.extend_from_slice(&tag);
+    frame.extend_from_slice(&body);
+    frame
+}
+
+fn read_challenge(s: &mut TcpStream) -> Vec<u8> {
+    use std::io::Read;
     let mut len = [0u8; 4];
     s.read_exact(&mut len).unwrap();
     let mut challenge = vec![0u8; u32::from_be_bytes(len) as usize];
     s.read_exact(&mut challenge).unwrap();
-    // Hello: magic, version, index, nonce, tag, hostname, node id, gpus, pid (postcard varints)
-    let mut body = Vec::new();
-    let varint = |mut v: u64, out: &mut Vec<u8>| loop {
-        if v < 0x80 {
-            out.push(v as u8);
-            break;
-        }
-        out.push((v as u8 & 0x7f) | 0x80);
-        v >>= 7;
-    };
-    varint(0x6b6f_6c6f, &mut body);
-    varint(999, &mut body);
-    varint(index as u64, &mut body);
-    body.extend_from_slice(&[0u8; 64]);
-    for text in ["future", "future"] {
-        varint(text.len() as u64, &mut body);
-        body.extend_from_slice(text.as_bytes());
-    }
-    varint(0, &mut body);
-    varint(1, &mut body);
-    s.write_all(&(body.len() as u32).to_be_bytes()).unwrap();
-    s.write_all(&body).unwrap();
-    let _ = s.read(&mut len);
+    challenge
 }
+
+/// A worker that knows the secret but is of another version or build.
+fn fake_worker(driver: &str, index: u32, secret: &str, version: u32, build: &str) {
+    use std::io::{Read, Write};
+    let mut s = TcpStream::connect(driver).unwrap();
+    let challenge = read_challenge(&mut s);
+    s.write_all(&hello(&challenge, index, secret.as_bytes(), version, build)).unwrap();
+    let _ = s.read(&mut [0u8; 4]);
+}
+
+/// Peers without the secret: a hello of a future version with a made-up
+/// tag, garbage, a frame that announces 256 MiB, and silence. None may
+/// change the job.
+fn strangers(driver: &str, index: u32) {
+    use std::io::{Read, Write};
+    let mut future = TcpStream::connect(driver).unwrap();
+    let challenge = read_challenge(&mut future);
+    future.write_all(&hello(&challenge, index, b"a guess", 2 + 1000, "x")).unwrap();
+    let mut garbage = TcpStream::connect(driver).unwrap();
+    read_challenge(&mut garbage);
+    garbage.write_all(&[0, 0, 0, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9]).unwrap();
+    let mut huge = TcpStream::connect(driver).unwrap();
+    read_challenge(&mut huge);
+    huge.write_all(&(256u32 << 20).to_be_bytes()).unwrap();
+    // the driver hangs up on the huge frame at once, having buffered nothing
+    huge.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let closed = match huge.read(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Err(e) => !matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut),
+        Ok(_) => false,
+    };
+    HUGE_FRAME_REFUSED.store(closed, std::sync::atomic::Ordering::SeqCst);
+    // a silent one stays connected while the job starts
+    std::mem::forget(TcpStream::connect(driver).unwrap());
+}
+
+static HUGE_FRAME_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 async fn a_wrong_secret_is_refused() -> Result<(), Failed> {
     let mut settings = quick_settings();
     settings.start_timeout = Duration::from_secs(2);
-    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), wrong_version: false };
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::WrongSecret };
     let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), Box::new(engine))?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
-    check(err.contains("worker 1 on host node did not") || err.contains("worker 1 on host node"), err)
+    check(err.contains("worker 1 on host node"), err)
 }
 
 async fn a_protocol_version_mismatch_is_named() -> Result<(), Failed> {
-    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), wrong_version: true };
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::FutureVersion };
     let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
     check(err.contains("protocol version 999") && err.contains("same kolo version"), err)
+}
+
+async fn another_build_of_the_worker_program_is_named() -> Result<(), Failed> {
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::OtherBuild };
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
+    check(err.contains("another build (other)") && err.contains("--worker-program"), err)
+}
+
+async fn strangers_without_the_secret_change_nothing() -> Result<(), Failed> {
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::Strangers };
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    ex.start::<Counter>(&1, &[]).await?;
+    let got = ex.execute(&Add(1)).await?;
+    check(got == vec![(0, 2), (1, 2)], format!("{got:?}"))?;
+    ex.shutdown().await;
+    check(
+        HUGE_FRAME_REFUSED.load(std::sync::atomic::Ordering::SeqCst),
+        "the driver kept a connection that announced a 256 MiB frame",
+    )
 }
 
 /// Run as a child process: a driver that starts workers running a command
@@ -509,6 +603,8 @@ fn main() {
         infeasible_placement_names_what_was_asked_and_what_is_there,
         a_wrong_secret_is_refused,
         a_protocol_version_mismatch_is_named,
+        another_build_of_the_worker_program_is_named,
+        strangers_without_the_secret_change_nothing,
         workers_exit_when_the_driver_dies,
     ];
     libtest_mimic::run(&args, tests).exit();

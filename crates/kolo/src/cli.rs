@@ -17,7 +17,6 @@ impl Cli {
         match &self.command {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
-            Command::Bench(_) => false,
             Command::Nics(a) => a.verbose,
         }
     }
@@ -29,8 +28,6 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Serve the rendezvous key-value store on its own until stopped.
     Rendezvous(RendezvousArgs),
-    /// Measure kolo against its references.
-    Bench(crate::bench::BenchArgs),
     /// Find the network interfaces every host can use to reach the next.
     Nics(NicsArgs),
 }
@@ -70,6 +67,9 @@ pub struct RunArgs {
     /// Seconds to wait for every worker to start and rendezvous.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub start_timeout: u64,
+    /// Seconds an engine may wait for resources (Slurm's queue).
+    #[arg(long, default_value_t = 100, value_name = "SECONDS")]
+    pub placement_timeout: u64,
     /// Seconds between SIGTERM and SIGKILL when the job is torn down.
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
     pub kill_grace: f64,

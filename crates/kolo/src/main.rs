@@ -1,8 +1,9 @@
-//! The `kolo` command: a thin layer of argument parsing over kolo-exec,
-//! kolo-rendezvous and the benchmarks.
+//! The `kolo` command: a thin layer of argument parsing over kolo-exec and
+//! kolo-rendezvous, with `kolo run`'s launch policy.
 
-mod bench;
 mod cli;
+mod launch;
+mod out;
 mod run;
 
 use std::process::ExitCode;
@@ -11,22 +12,22 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     // started by an engine as a worker agent: serve the driver, never return
-    kolo_exec::serve_if_worker(bench::worker_registry());
+    // (kolo's workers run commands; Rust executables are for library users)
+    kolo_exec::serve_if_worker(kolo_exec::Registry::new());
     let cli = cli::Cli::parse_from(cli::normalize_args(std::env::args_os()));
     init_logging(cli.verbose());
     raise_fd_limit();
     // a driver is latency-bound: one thread that polls every socket itself
     // answers calls faster than a pool handing wake-ups across threads;
-    // the rendezvous server and its load generator want every core
+    // the rendezvous server wants every core
     let mut builder = match &cli.command {
         cli::Command::Rendezvous(_) => tokio::runtime::Builder::new_multi_thread(),
-        cli::Command::Bench(b) if b.wants_threads() => tokio::runtime::Builder::new_multi_thread(),
         _ => tokio::runtime::Builder::new_current_thread(),
     };
     let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("kolo: cannot start the async runtime: {e}");
+            out::tell(&format!("kolo: cannot start the async runtime: {e}"));
             return ExitCode::from(1);
         }
     };
@@ -34,14 +35,13 @@ fn main() -> ExitCode {
         match cli.command {
             cli::Command::Run(args) => run::run(*args).await,
             cli::Command::Rendezvous(args) => run::rendezvous(args).await,
-            cli::Command::Bench(args) => bench::bench(args).await,
             cli::Command::Nics(args) => run::nics(args).await,
         }
     });
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("kolo: error: {e:#}");
+            out::tell(&format!("kolo: error: {e:#}"));
             ExitCode::from(2)
         }
     }

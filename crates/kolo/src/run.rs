@@ -3,30 +3,32 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kolo_exec::{plan_job, run_job, EngineChoice, LaunchSpec, OutputOptions, SshOptions};
+use kolo_exec::{EngineChoice, OutputOptions, SshOptions};
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
 use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET};
 use nix::sys::signal::Signal;
 
 use crate::cli::{EngineArg, NicsArgs, RendezvousArgs, RunArgs};
+use crate::launch::{run_job, LaunchSpec};
+use crate::out::{say, tell, Said};
 
 pub async fn run(args: RunArgs) -> Result<i32> {
     let spec = launch_spec(&args)?;
     if args.dry_run {
-        return dry_run(&spec);
+        return dry_run(&spec).await;
     }
     let outcome = run_job(spec, stop_signal()).await?;
     if let Some(f) = &outcome.failure {
-        eprintln!("kolo: rank {} on host {} {}; it failed first, so the job was stopped", f.rank, f.host, f.cause);
+        tell(&format!("kolo: rank {} on host {} {}; it failed first, so the job was stopped", f.rank, f.host, f.cause));
         if !f.stderr_tail.is_empty() {
-            eprintln!("kolo: last lines of rank {}'s stderr:", f.rank);
+            tell(&format!("kolo: last lines of rank {}'s stderr:", f.rank));
             for line in &f.stderr_tail {
-                eprintln!("kolo:   {line}");
+                tell(&format!("kolo:   {line}"));
             }
         }
     }
     if let Some(signal) = outcome.interrupted_by {
-        eprintln!("kolo: stopped by {}; every rank was terminated", signal.as_str());
+        tell(&format!("kolo: stopped by {}; every rank was terminated", signal.as_str()));
     }
     Ok(outcome.exit_code)
 }
@@ -42,7 +44,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             && kolo_exec::SlurmEngine::in_allocation() =>
         {
             let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
-            kolo_exec::Engine::hosts(&mut slurm)?.iter().map(|h| u64::from(h.cpus)).sum()
+            kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?.iter().map(|h| u64::from(h.cpus)).sum()
         }
         None => {
             bail!("give the number of processes with -np N (and hosts with -H host1:4,host2:4)")
@@ -57,11 +59,15 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
     if args.start_timeout == 0 {
         bail!("--start-timeout must be at least 1 second");
     }
+    if args.placement_timeout == 0 {
+        bail!("--placement-timeout must be at least 1 second");
+    }
     Ok(LaunchSpec {
         command: args.command.clone(),
         hosts,
         np,
         start_timeout: Duration::from_secs(args.start_timeout),
+        placement_timeout: Duration::from_secs(args.placement_timeout),
         grace: Duration::from_secs_f64(args.kill_grace),
         extra_env: extra_env(&args.export, &args.env)?,
         output: OutputOptions {
@@ -143,16 +149,54 @@ fn checked_name(name: &str, flag: &str) -> Result<String> {
     if !valid {
         bail!("{flag} '{name}': not a valid variable name (letters, digits and '_', not starting with a digit)");
     }
+    if name == ENV_SECRET || name.starts_with("KOLO_WORKER_") {
+        bail!("{flag} {name}: kolo sets {name} itself for every job (a fresh secret each time); it cannot be given");
+    }
     Ok(name.to_string())
 }
 
-fn dry_run(spec: &LaunchSpec) -> Result<i32> {
-    // ports and the secret are chosen when the job starts
-    let job = JobEnv { timeout_s: spec.start_timeout.as_secs(), ..JobEnv::placeholder() };
-    for rank in plan_job(spec, &job)? {
-        let i = &rank.slot.info;
-        let mut env = rank.env.clone();
-        env.insert(ENV_SECRET.into(), "<secret>".into());
+/// Values chosen when the job starts, shown as such by `--dry-run`.
+const CHOSEN_AT_START: [&str; 8] = [
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "KOLO_RENDEZVOUS_ADDR",
+    "KOLO_RENDEZVOUS_PORT",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "KOLO_JOB_ID",
+    "KOLO_SECRET",
+];
+const IFACE_VARS: [&str; 3] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "KOLO_IFACES"];
+
+/// The plan the job would run, one JSON object per rank: exactly what
+/// `kolo run` starts, with the values chosen at start marked `<...>`.
+async fn dry_run(spec: &LaunchSpec) -> Result<i32> {
+    if matches!(spec.engine, EngineChoice::Slurm) && !kolo_exec::SlurmEngine::in_allocation() {
+        bail!("--dry-run cannot show where Slurm places ranks before it grants the nodes; run it inside salloc");
+    }
+    let mut executor = crate::launch::executor(spec).await?;
+    let plan = executor.plan().await?.clone();
+    let multi_node = plan.node_representatives().len() > 1;
+    let ifaces = match (&spec.nics, multi_node) {
+        (Some(nics), _) => nics.clone(),
+        (None, true) => vec!["<detected at start>".to_string()],
+        (None, false) => vec!["lo".to_string()],
+    };
+    let job = JobEnv { timeout_s: spec.start_timeout.as_secs(), ifaces, ..JobEnv::placeholder() };
+    for (rank, worker) in plan.workers.iter().enumerate() {
+        let i = &worker.ranks;
+        let mut env = plan.env(rank, &job, &spec.extra_env);
+        env.insert(ENV_SECRET.into(), String::new());
+        for key in CHOSEN_AT_START {
+            if let Some(value) = env.get_mut(key) {
+                *value = format!("<{} chosen at start>", key.to_lowercase());
+            }
+        }
+        if multi_node && spec.nics.is_none() {
+            for key in IFACE_VARS {
+                env.insert(key.into(), "<detected at start>".into());
+            }
+        }
         let line = serde_json::json!({
             "rank": i.rank,
             "size": i.size,
@@ -160,11 +204,14 @@ fn dry_run(spec: &LaunchSpec) -> Result<i32> {
             "local_size": i.local_size,
             "cross_rank": i.cross_rank,
             "cross_size": i.cross_size,
-            "host": rank.slot.host,
-            "node_id": rank.node_id,
+            "host": worker.host.hostname,
+            "node_id": worker.host.node_id,
+            "gpus": worker.gpus,
             "env": env,
         });
-        println!("{line}");
+        if say(&line.to_string())? == Said::Closed {
+            break;
+        }
     }
     Ok(0)
 }
@@ -206,7 +253,7 @@ pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
     config.require_secret = args.require_secret;
     let stop = stop_signal();
     let server = RendezvousServer::start(config, &plan).await?;
-    println!("{}", server.addr());
+    say(&server.addr().to_string())?;
     let signal = stop.await;
     tracing::debug!("rendezvous server stopping on {}", signal.as_str());
     server.stop().await;
@@ -228,7 +275,10 @@ pub async fn nics(args: NicsArgs) -> Result<i32> {
     settings.ssh = ssh;
     let request = kolo_exec::WorkerRequest::colocated(hosts.len() as u32, 1);
     let mut executor = match engine_choice(args.engine) {
-        EngineChoice::Auto => kolo_exec::Executor::on_hosts(settings, request, hosts)?,
+        // host names are looked up off the async runtime
+        EngineChoice::Auto => {
+            tokio::task::spawn_blocking(move || kolo_exec::Executor::on_hosts(settings, request, hosts)).await??
+        }
         EngineChoice::Ssh => {
             let engine = Box::new(kolo_exec::SshEngine::new(hosts, settings.ssh.clone()));
             kolo_exec::Executor::with_engine(settings, request, engine)?
@@ -253,7 +303,10 @@ pub async fn nics(args: NicsArgs) -> Result<i32> {
                 .iter()
                 .map(|(iface, addr, err)| serde_json::json!({"iface": iface, "addr": addr, "ok": err.is_none(), "error": err}))
                 .collect();
-            println!("{}", serde_json::json!({"from": pair.from, "to": pair.to, "results": results}));
+            let line = serde_json::json!({"from": pair.from, "to": pair.to, "results": results});
+            if say(&line.to_string())? == Said::Closed {
+                break;
+            }
         } else {
             let parts: Vec<String> = pair
                 .results
@@ -263,13 +316,15 @@ pub async fn nics(args: NicsArgs) -> Result<i32> {
                     Some(e) => format!("{iface} ({addr}) failed: {e}"),
                 })
                 .collect();
-            println!("{} -> {}: {}", pair.from, pair.to, parts.join(", "));
+            if say(&format!("{} -> {}: {}", pair.from, pair.to, parts.join(", ")))? == Said::Closed {
+                break;
+            }
         }
     }
     if args.json {
-        println!("{}", serde_json::json!({"common": common.split(',').collect::<Vec<_>>()}));
+        say(&serde_json::json!({"common": common.split(',').collect::<Vec<_>>()}).to_string())?;
     } else {
-        println!("common: {common}");
+        say(&format!("common: {common}"))?;
     }
     executor.shutdown().await;
     Ok(0)

@@ -2,17 +2,21 @@
 //! allocation, each task placed exactly where kolo's plan says (an
 //! arbitrary distribution from a host file). Inside an allocation (`salloc`,
 //! `sbatch`) it uses that one; outside, it asks Slurm for one and gives it
-//! back at the end. Worker death, `scancel` and time limits end the tasks,
-//! whose connections close, and the driver reports them.
+//! back at the end (the driver's janitor gives it back even if the driver
+//! is killed). Worker death, `scancel` and time limits end the tasks,
+//! whose connections close, and the driver reports them. The secret goes
+//! to the tasks in srun's environment (Slurm has no per-task stdin).
 
 use std::io::Write;
 use std::net::IpAddr;
-use std::path::PathBuf;
+use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use kolo_topology::{expand_nodelist, expand_tasks_per_node, HostResources};
 
-use crate::engine::{Engine, WorkerLaunch};
+use super::{Engine, WorkerLaunch};
+use crate::guard::Guard;
 use crate::{worker, ExecError};
 
 /// What to ask Slurm for when kolo makes the allocation itself.
@@ -27,12 +31,16 @@ pub struct SlurmOptions {
 }
 
 pub struct SlurmEngine {
-    job_id: String,
+    /// The allocation, once there is one.
+    job_id: Option<String>,
     nodes: Vec<(String, u32)>,
+    /// What to ask for when there is no allocation yet.
+    request: Option<(u32, SlurmOptions)>,
     /// Whether kolo made the allocation (and so gives it back).
     owned: bool,
     srun: Option<Child>,
-    hostfile: PathBuf,
+    /// Private directory of the task layout file.
+    dir: Option<tempfile::TempDir>,
     workers: Vec<u32>,
 }
 
@@ -60,15 +68,23 @@ impl SlurmEngine {
         if tasks.len() != nodes.len() {
             return Err(slurm_err("SLURM_TASKS_PER_NODE", format!("{} counts for {} nodes", tasks.len(), nodes.len())));
         }
-        Ok(Self::new(job_id, nodes.into_iter().zip(tasks).collect(), false))
+        Ok(Self::new(Some(job_id), nodes.into_iter().zip(tasks).collect(), None))
     }
 
-    /// Asks Slurm for `np` tasks (on `options.nodes` nodes, evenly).
-    pub fn allocate(np: u32, options: &SlurmOptions) -> Result<Self, ExecError> {
+    /// An engine that asks Slurm for `np` tasks (on `options.nodes` nodes,
+    /// evenly) when the driver first needs hosts, and gives them back.
+    pub fn allocate(np: u32, options: SlurmOptions) -> Self {
+        Self::new(None, Vec::new(), Some((np, options)))
+    }
+
+    /// Runs `salloc`, waiting in the queue up to `timeout`.
+    fn request_allocation(&mut self, np: u32, options: &SlurmOptions, timeout: Duration) -> Result<(), ExecError> {
         let nodes = options.nodes.unwrap_or(1).max(1);
         let per_node = np.div_ceil(nodes);
         let mut salloc = Command::new("salloc");
         salloc.args(["--no-shell", "--job-name", "kolo", "-N", &nodes.to_string()]);
+        // the placement timeout: Slurm itself gives up waiting in the queue
+        salloc.arg(format!("--immediate={}", timeout.as_secs().max(1)));
         salloc.args(["--ntasks-per-node", &per_node.to_string()]);
         if let Some(p) = &options.partition {
             salloc.args(["-p", p]);
@@ -83,7 +99,11 @@ impl SlurmEngine {
             .map_err(|e| slurm_err("cannot run salloc (is Slurm installed?)", e))?;
         let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
-            return Err(slurm_err("salloc failed", text.trim()));
+            let what = format!(
+                "salloc got no allocation of {nodes} node(s) x {per_node} task(s) within the placement timeout ({} s)",
+                timeout.as_secs().max(1)
+            );
+            return Err(slurm_err(&what, text.trim()));
         }
         let job_id = text
             .split_whitespace()
@@ -100,16 +120,19 @@ impl SlurmEngine {
             }
         };
         let names = expand_nodelist(&list)?;
-        Ok(Self::new(job_id, names.into_iter().map(|n| (n, per_node)).collect(), true))
+        self.nodes = names.into_iter().map(|n| (n, per_node)).collect();
+        self.job_id = Some(job_id);
+        self.owned = true;
+        Ok(())
     }
 
-    fn new(job_id: String, nodes: Vec<(String, u32)>, owned: bool) -> Self {
-        let hostfile = std::env::temp_dir().join(format!("kolo-slurm-{}-{job_id}", std::process::id()));
-        SlurmEngine { job_id, nodes, owned, srun: None, hostfile, workers: Vec::new() }
+    fn new(job_id: Option<String>, nodes: Vec<(String, u32)>, request: Option<(u32, SlurmOptions)>) -> Self {
+        SlurmEngine { job_id, nodes, request, owned: false, srun: None, dir: None, workers: Vec::new() }
     }
 
-    pub fn job_id(&self) -> &str {
-        &self.job_id
+    /// The allocation's id, once there is one.
+    pub fn job_id(&self) -> Option<&str> {
+        self.job_id.as_deref()
     }
 }
 
@@ -118,7 +141,11 @@ impl Engine for SlurmEngine {
         "slurm"
     }
 
-    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
+    fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
+        if self.job_id.is_none() {
+            let (np, options) = self.request.clone().ok_or_else(|| slurm_err("no allocation", "none was asked for"))?;
+            self.request_allocation(np, &options, placement_timeout)?;
+        }
         Ok(self
             .nodes
             .iter()
@@ -133,36 +160,49 @@ impl Engine for SlurmEngine {
 
     fn driver_addr(&self) -> IpAddr {
         // the address this machine uses toward the first node
-        crate::ssh::route_to(self.nodes.first().map(|n| n.0.as_str()).unwrap_or("localhost"), 6818)
+        super::ssh::route_to(self.nodes.first().map(|n| n.0.as_str()).unwrap_or("localhost"), 6818)
     }
 
     fn default_nics(&self) -> Vec<String> {
         Vec::new()
     }
 
-    fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         let Some(first) = workers.first() else { return Ok(()) };
-        // task i runs where the plan put worker i
-        let mut file = std::fs::File::create(&self.hostfile)
-            .map_err(|source| ExecError::Io { what: format!("writing {}", self.hostfile.display()), source })?;
-        for w in &workers {
-            let _ = writeln!(file, "{}", w.host.hostname);
+        let job_id = self.job_id.clone().ok_or_else(|| slurm_err("no allocation", "hosts were never asked for"))?;
+        if self.owned {
+            let _ = janitor.run_on_exit(&["scancel", &job_id]);
         }
+        // task i runs where the plan put worker i; the layout file lives in
+        // a private directory that the janitor removes if the driver dies
+        let io = |what: String| move |source| ExecError::Io { what, source };
+        let dir = tempfile::Builder::new().prefix("kolo-slurm-").tempdir().map_err(io("making a temporary directory".into()))?;
+        let hostfile = dir.path().join("hosts");
+        let _ = janitor.remove_path(dir.path());
+        let _ = janitor.remove_path(&hostfile);
+        let mut file = std::fs::File::create(&hostfile).map_err(io(format!("writing {}", hostfile.display())))?;
+        for w in &workers {
+            writeln!(file, "{}", w.host.hostname).map_err(io(format!("writing {}", hostfile.display())))?;
+        }
+        drop(file);
         let mut srun = Command::new("srun");
-        srun.args(["--jobid", &self.job_id, "-n", &workers.len().to_string(), "--distribution=arbitrary"]);
+        srun.args(["--jobid", &job_id, "-n", &workers.len().to_string(), "--distribution=arbitrary"]);
         srun.args(["--kill-on-bad-exit=0", "--export=ALL", "--quiet"]);
         srun.arg(&first.program).args(&first.args);
-        srun.env("SLURM_HOSTFILE", &self.hostfile);
+        srun.env("SLURM_HOSTFILE", &hostfile);
         for (k, v) in &first.env {
             // per-task values come from Slurm: the index is the task id
             match k.as_str() {
                 worker::env::INDEX => srun.env(k, worker::env::INDEX_FROM_SLURM),
-                worker::env::HOSTNAME | worker::env::NODE_ID | worker::env::GPUS => &mut srun,
                 _ => srun.env(k, v),
             };
         }
-        srun.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit());
-        self.srun = Some(srun.spawn().map_err(|e| slurm_err("cannot run srun", e))?);
+        srun.env(worker::env::SECRET, &first.secret);
+        srun.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).process_group(0);
+        let child = srun.spawn().map_err(|e| slurm_err("cannot run srun", e))?;
+        let _ = janitor.watch_group(child.id());
+        self.srun = Some(child);
+        self.dir = Some(dir);
         self.workers = workers.iter().map(|w| w.index).collect();
         Ok(())
     }
@@ -182,22 +222,23 @@ impl Engine for SlurmEngine {
     }
 
     fn kill_all(&mut self) {
-        if let Some(mut srun) = self.srun.take() {
+        if let Some(srun) = self.srun.as_mut() {
             if matches!(srun.try_wait(), Ok(None)) {
                 // srun ends the step's tasks when it is killed
                 let _ = srun.kill();
-                let _ = srun.wait();
             }
         }
-        let _ = std::fs::remove_file(&self.hostfile);
     }
 }
 
 impl Drop for SlurmEngine {
     fn drop(&mut self) {
         self.kill_all();
-        if self.owned {
-            let _ = Command::new("scancel").arg(&self.job_id).status();
+        if let Some(mut srun) = self.srun.take() {
+            let _ = srun.wait();
+        }
+        if let (true, Some(job_id)) = (self.owned, &self.job_id) {
+            let _ = Command::new("scancel").arg(job_id).status();
         }
     }
 }

@@ -10,7 +10,7 @@ use kolo_topology::HostSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::{median, Table};
+use crate::{median, Table};
 
 #[derive(Args, Debug)]
 pub struct ExecutorArgs {
@@ -28,6 +28,7 @@ pub struct ExecutorArgs {
 pub struct Idle;
 
 impl Executable for Idle {
+    const NAME: &'static str = "bench-idle";
     type Args = ();
     fn create(_: (), _: &WorkerContext) -> Result<Self, UserError> {
         Ok(Idle)
@@ -39,6 +40,7 @@ impl Executable for Idle {
 pub struct Ping;
 
 impl Task<Idle> for Ping {
+    const NAME: &'static str = "bench-ping";
     type Output = u32;
     fn run(self, _: &mut Idle, ctx: &WorkerContext) -> Result<u32, UserError> {
         Ok(ctx.rank())

@@ -1,48 +1,18 @@
-//! Engines place worker processes and report where they landed; everything
-//! else (registration, ranks, rendezvous, env) is the driver's, the same on
-//! every engine.
+//! The local engine: worker processes on this machine.
 
-use std::ffi::OsString;
+use std::io::Write;
 use std::net::IpAddr;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use kolo_topology::{HostResources, HostSpec};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use crate::ExecError;
-
-/// One worker process to start.
-#[derive(Clone, Debug)]
-pub struct WorkerLaunch {
-    pub index: u32,
-    pub host: HostResources,
-    pub gpus: Vec<u32>,
-    pub program: PathBuf,
-    pub args: Vec<OsString>,
-    /// Variables that put the process in worker mode (`worker::env`).
-    pub env: Vec<(String, String)>,
-}
-
-pub trait Engine: Send {
-    fn name(&self) -> &'static str;
-    /// What the engine can place workers on.
-    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError>;
-    /// Where the driver listens so that every worker can reach it.
-    fn driver_addr(&self) -> IpAddr;
-    /// Interfaces the workers share when nothing better is known.
-    fn default_nics(&self) -> Vec<String>;
-    /// Starts the worker processes.
-    fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError>;
-    /// Workers whose process ended, with how (without blocking).
-    fn exited(&mut self) -> Vec<(u32, String)>;
-    /// Whether every worker process has ended.
-    fn all_exited(&mut self) -> bool;
-    /// Kills whatever is left of the worker processes.
-    fn kill_all(&mut self);
-}
+use super::{Engine, WorkerLaunch};
+use crate::guard::Guard;
+use crate::{worker, ExecError};
 
 /// Processes on this machine. Every host of its list is a node here: hosts
 /// other than this machine are simulated nodes with their own node id, so
@@ -72,7 +42,7 @@ impl Engine for LocalEngine {
         "local"
     }
 
-    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
+    fn hosts(&mut self, _: Duration) -> Result<Vec<HostResources>, ExecError> {
         Ok(self.hosts.iter().map(HostSpec::resources).collect())
     }
 
@@ -84,7 +54,7 @@ impl Engine for LocalEngine {
         vec!["lo".into()]
     }
 
-    fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         for w in workers {
             let mut command = Command::new(&w.program);
             command.args(&w.args);
@@ -94,14 +64,21 @@ impl Engine for LocalEngine {
                 }
             }
             command.envs(w.env.iter().map(|(k, v)| (k, v)));
+            command.env(worker::env::SECRET_ON_STDIN, "1");
             // the worker's own output goes to the driver over the protocol;
             // what it prints before that (a crash at start) reaches our stderr
-            command.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
+            command.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::inherit());
             command.process_group(0);
-            let child = command.spawn().map_err(|source| ExecError::Io {
+            let mut child = command.spawn().map_err(|source| ExecError::Io {
                 what: format!("starting worker {} ({})", w.index, w.program.display()),
                 source,
             })?;
+            // the secret on stdin, out of sight of the environment; a line
+            // fits the pipe, so this never blocks
+            if let Some(mut stdin) = child.stdin.take() {
+                let _ = writeln!(stdin, "{}", w.secret);
+            }
+            let _ = janitor.watch_group(child.id());
             self.children.push((w.index, child));
         }
         Ok(())
@@ -125,7 +102,6 @@ impl Engine for LocalEngine {
         for (_, child) in &mut self.children {
             if matches!(child.try_wait(), Ok(None)) {
                 let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
-                let _ = child.wait();
             }
         }
     }
@@ -134,5 +110,9 @@ impl Engine for LocalEngine {
 impl Drop for LocalEngine {
     fn drop(&mut self) {
         self.kill_all();
+        // SIGKILLed processes go at once; reaping them is quick
+        for (_, child) in &mut self.children {
+            let _ = child.wait();
+        }
     }
 }

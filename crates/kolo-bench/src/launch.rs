@@ -4,11 +4,11 @@
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
 
-use super::{median, Table};
+use crate::{median, Table};
 
 #[derive(Args, Debug)]
 pub struct LaunchArgs {
@@ -40,7 +40,7 @@ pub async fn run(args: LaunchArgs) -> Result<i32> {
     if args.runs == 0 {
         bail!("--runs must be at least 1");
     }
-    let kolo = std::env::current_exe().context("cannot find the kolo binary")?;
+    let kolo = crate::kolo_binary()?;
     let mpirun = !args.no_mpirun;
     if mpirun && Command::new("mpirun").arg("--version").stdout(Stdio::null()).status().is_err() {
         bail!("mpirun not found: install Open MPI (../shared/bench/anchors does) or pass --no-mpirun");

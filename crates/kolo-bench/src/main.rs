@@ -1,15 +1,20 @@
-//! `kolo bench ...`: figures side by side with their references, printed
-//! as a table, or with `--json` one JSON object per row.
+//! `kolo-bench ...`: kolo's figures side by side with their references,
+//! printed as a table, or with `--json` one JSON object per row. The
+//! collectives and executor benchmarks run through kolo's own Executor,
+//! with this binary as their worker program.
 
 mod collective;
 mod executor;
 mod launch;
 mod rendezvous;
 
-use anyhow::Result;
-use clap::{Args, Subcommand};
+use std::process::ExitCode;
 
-#[derive(Args, Debug)]
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(name = "kolo-bench", version, about = "Measure kolo against its references")]
 pub struct BenchArgs {
     #[command(subcommand)]
     pub what: BenchCommand,
@@ -42,7 +47,44 @@ impl BenchArgs {
     }
 }
 
-/// What `kolo` workers can run for the benchmarks.
+fn main() -> ExitCode {
+    // started by the Executor as a worker: serve it, never return
+    kolo_exec::serve_if_worker(worker_registry());
+    let args = BenchArgs::parse();
+    tracing_subscriber::fmt().with_max_level(tracing::Level::WARN).with_writer(std::io::stderr).init();
+    // the executor benchmarks measure kolo's driver as `kolo` runs it: on
+    // one thread; the rendezvous load generator wants every core
+    let mut builder = if args.wants_threads() {
+        tokio::runtime::Builder::new_multi_thread()
+    } else {
+        tokio::runtime::Builder::new_current_thread()
+    };
+    let runtime = match builder.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kolo-bench: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(bench(args)) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("kolo-bench: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// The `kolo` binary beside this one (both are built into the same folder).
+pub fn kolo_binary() -> Result<std::path::PathBuf> {
+    use anyhow::Context;
+    let me = std::env::current_exe().context("cannot find this program")?;
+    let kolo = me.with_file_name("kolo");
+    anyhow::ensure!(kolo.exists(), "{} is missing: build it (cargo build --release -p kolo)", kolo.display());
+    Ok(kolo)
+}
+
+/// What this program's workers can run for the benchmarks.
 pub fn worker_registry() -> kolo_exec::Registry {
     collective::register(executor::register(kolo_exec::Registry::new()))
 }

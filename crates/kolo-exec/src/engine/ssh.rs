@@ -3,17 +3,22 @@
 //! of its workers, every host at once; a host that cannot be reached is
 //! named with ssh's own reason. The secret travels on stdin. ssh does not
 //! stop remote processes when it ends, but kolo's workers stop by
-//! themselves as soon as their driver connection goes.
+//! themselves as soon as their driver connection goes. No connection
+//! sharing (ControlMaster): one session per host needs none, and it would
+//! leave control sockets behind a killed driver.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, ToSocketAddrs, UdpSocket};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kolo_topology::{HostResources, HostSpec};
 
-use crate::engine::{Engine, WorkerLaunch};
+use super::{Engine, WorkerLaunch};
+use crate::guard::Guard;
 use crate::worker;
 use crate::ExecError;
 
@@ -33,7 +38,6 @@ pub struct SshOptions {
 pub struct SshEngine {
     hosts: Vec<HostSpec>,
     options: SshOptions,
-    control_dir: PathBuf,
     /// One ssh session per host, with the indices of its workers.
     children: Vec<(Vec<u32>, Child)>,
     driver_ip: Option<IpAddr>,
@@ -60,8 +64,7 @@ fn quote(word: &str) -> String {
 
 impl SshEngine {
     pub fn new(hosts: Vec<HostSpec>, options: SshOptions) -> Self {
-        let control_dir = std::env::temp_dir().join(format!("kolo-ssh-{}", std::process::id()));
-        SshEngine { hosts, options, control_dir, children: Vec::new(), driver_ip: None, last_words: Vec::new() }
+        SshEngine { hosts, options, children: Vec::new(), driver_ip: None, last_words: Vec::new() }
     }
 
     fn ssh(&self, host: &str) -> Command {
@@ -75,9 +78,7 @@ impl SshEngine {
         if let Some(id) = &self.options.identity_file {
             c.arg("-i").arg(id);
         }
-        // one connection per host, shared by its workers
-        c.args(["-o", "BatchMode=yes", "-o", "ControlMaster=auto", "-o", "ControlPersist=60"]);
-        c.arg("-o").arg(format!("ControlPath={}/%C", self.control_dir.display()));
+        c.args(["-o", "BatchMode=yes"]);
         if let Some(t) = self.options.connect_timeout {
             c.arg("-o").arg(format!("ConnectTimeout={t}"));
         }
@@ -94,9 +95,7 @@ impl Engine for SshEngine {
         "ssh"
     }
 
-    fn hosts(&mut self) -> Result<Vec<HostResources>, ExecError> {
-        std::fs::create_dir_all(&self.control_dir)
-            .map_err(|source| ExecError::Io { what: format!("creating {}", self.control_dir.display()), source })?;
+    fn hosts(&mut self, _: Duration) -> Result<Vec<HostResources>, ExecError> {
         Ok(self.hosts.iter().map(HostSpec::resources).collect())
     }
 
@@ -113,14 +112,10 @@ impl Engine for SshEngine {
 
     /// One ssh session per host starts all of that host's workers: the
     /// remote shell reads the secret once from stdin and hands it to each.
-    fn spawn(&mut self, workers: Vec<WorkerLaunch>) -> Result<(), ExecError> {
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         self.driver_ip = Some(self.driver_addr());
         let cwd = std::env::current_dir().ok();
-        let secret = workers
-            .first()
-            .and_then(|w| w.env.iter().find(|(k, _)| k == worker::env::SECRET))
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default();
+        let secret = workers.first().map(|w| w.secret.clone()).unwrap_or_default();
         let mut hosts: Vec<&str> = Vec::new();
         for w in &workers {
             if !hosts.contains(&w.host.hostname.as_str()) {
@@ -135,7 +130,7 @@ impl Engine for SshEngine {
             }
             for w in &mine {
                 let mut line = String::from("printf '%s\\n' \"$KOLO_S\" | env");
-                for (k, v) in w.env.iter().filter(|(k, _)| k != worker::env::SECRET) {
+                for (k, v) in &w.env {
                     line.push_str(&format!(" {k}={}", quote(v)));
                 }
                 line.push_str(&format!(" {}=1 {}", worker::env::SECRET_ON_STDIN, quote(&w.program.to_string_lossy())));
@@ -154,8 +149,12 @@ impl Engine for SshEngine {
                 .stdin(Stdio::piped())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
+                // its own group: a Ctrl-C meant for kolo reaches kolo, which
+                // tears the job down in order
+                .process_group(0)
                 .spawn()
                 .map_err(|source| ExecError::Io { what: "running ssh (is an ssh client installed?)".into(), source })?;
+            let _ = janitor.watch_group(child.id());
             if let Some(mut stdin) = child.stdin.take() {
                 let _ = writeln!(stdin, "{secret}");
             }
@@ -201,28 +200,16 @@ impl Engine for SshEngine {
         for (_, child) in &mut self.children {
             if matches!(child.try_wait(), Ok(None)) {
                 let _ = child.kill();
-                let _ = child.wait();
             }
         }
-        self.children.clear();
     }
 }
 
 impl Drop for SshEngine {
     fn drop(&mut self) {
         self.kill_all();
-        // close the shared connections
-        if self.control_dir.exists() {
-            for h in &self.hosts {
-                let _ = self
-                    .ssh(&h.name)
-                    .args(["-O", "exit"])
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status();
-            }
-            let _ = std::fs::remove_dir_all(&self.control_dir);
+        for (_, child) in &mut self.children {
+            let _ = child.wait();
         }
     }
 }

@@ -15,7 +15,7 @@ use kolo_rendezvous::{Client, ClientConfig};
 use serde_json::json;
 use tokio::sync::Barrier;
 
-use super::Table;
+use crate::Table;
 
 #[derive(Args, Debug)]
 pub struct RendezvousBenchArgs {
@@ -45,7 +45,7 @@ impl Drop for ServerProcess {
 }
 
 fn start_kolo_server(ranks: u32) -> Result<(ServerProcess, String)> {
-    let exe = std::env::current_exe().context("cannot find the kolo binary")?;
+    let exe = crate::kolo_binary()?;
     let mut child = Command::new(exe)
         .args(["rendezvous", "--port", "0", "--plan", &format!("localhost:{ranks}")])
         .stdout(Stdio::piped())

@@ -4,14 +4,15 @@
 //! or a Rust executable, calls, stop. If the driver goes away, the worker
 //! stops what it started and exits.
 
+mod command;
+mod reader;
+
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -19,10 +20,11 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
+use crate::guard::Guard;
 use crate::process::{group_alive, signal_group};
-
-use crate::proto::{self, CallKind, Challenge, Hello, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
+use crate::proto::{self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
 use crate::registry::{Registry, WorkerContext};
+use reader::FrameReader;
 
 /// Variables an engine sets to start a process in worker mode.
 pub mod env {
@@ -30,12 +32,7 @@ pub mod env {
     pub const DRIVER: &str = "KOLO_WORKER_DRIVER";
     /// The worker's index in creation order (its world rank).
     pub const INDEX: &str = "KOLO_WORKER_INDEX";
-    /// Host name to report (engines that simulate hosts); default: gethostname.
-    pub const HOSTNAME: &str = "KOLO_WORKER_HOSTNAME";
-    /// Node id to report; default: the host name.
-    pub const NODE_ID: &str = "KOLO_WORKER_NODE_ID";
-    /// GPU ids the engine gave this worker, comma-separated.
-    pub const GPUS: &str = "KOLO_WORKER_GPUS";
+    /// The job secret, for engines that cannot pass it on stdin (Slurm).
     pub use kolo_topology::ENV_SECRET as SECRET;
     /// `INDEX` set to this means: the index is Slurm's task id (`SLURM_PROCID`).
     pub const INDEX_FROM_SLURM: &str = "SLURM_PROCID";
@@ -46,6 +43,8 @@ pub mod env {
 /// Serves as a worker and exits if this process was started as one;
 /// returns at once otherwise. Call it first thing in `main`.
 pub fn serve_if_worker(registry: Registry) {
+    // the driver is this program too: it names its build the same way
+    crate::registry::set_build_id(registry.build_id());
     let Ok(driver) = std::env::var(env::DRIVER) else {
         return;
     };
@@ -63,14 +62,22 @@ struct Agent {
     index: u32,
     secret: Vec<u8>,
     writer: Mutex<TcpStream>,
-    /// Process group of the OS command, once started.
-    command_group: Mutex<Option<u32>>,
+    /// The OS command, once started.
+    command: Mutex<Option<Running>>,
     started: Instant,
     last_heard_ms: AtomicU64,
     kill_grace: Duration,
+    heartbeat_interval: Duration,
+    heartbeat_timeout: Duration,
     diagnostics: Mutex<File>,
     exiting: Mutex<()>,
     own_output: Mutex<Option<OwnOutput>>,
+}
+
+/// A started command: its process group and the guard watching over it.
+struct Running {
+    group: u32,
+    guard: Arc<Guard>,
 }
 
 /// The agent's own stdout/stderr, redirected into pipes that are forwarded.
@@ -98,8 +105,12 @@ impl Agent {
     /// `grace`), forwards the last output and exits.
     fn exit(&self, code: i32, grace: Duration) -> ! {
         let _once = self.exiting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(group) = *self.command_group.lock().unwrap_or_else(|p| p.into_inner()) {
-            stop_group(group, grace);
+        if let Some(running) = self.command.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            stop_group(running.group, grace);
+            // the group is gone: the guard has nothing left to do
+            if let Ok(guard) = Arc::try_unwrap(running.guard) {
+                guard.release();
+            }
         }
         let _ = io::stdout().flush();
         let _ = io::stderr().flush();
@@ -154,7 +165,13 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
             std::io::stdin().read_line(&mut line).map_err(|e| format!("cannot read the job secret from stdin: {e}"))?;
             line.trim_end().to_string()
         }
-        Err(_) => std::env::var(env::SECRET).map_err(|_| format!("{} is not set", env::SECRET))?,
+        Err(_) => {
+            let secret = std::env::var(env::SECRET).map_err(|_| format!("{} is not set", env::SECRET))?;
+            // still one thread: the commands and calls of this worker get
+            // the secret from the driver's SetEnv, not from here
+            std::env::remove_var(env::SECRET);
+            secret
+        }
     };
     if secret.is_empty() {
         return Err("the job secret is empty".into());
@@ -179,10 +196,12 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         index,
         secret: secret.as_bytes().to_vec(),
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
-        command_group: Mutex::new(None),
+        command: Mutex::new(None),
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
+        heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
+        heartbeat_timeout: Duration::from_millis(welcome.heartbeat_timeout_ms.max(1)),
         diagnostics: Mutex::new(File::from(original_stderr)),
         exiting: Mutex::new(()),
         own_output: Mutex::new(None),
@@ -208,39 +227,35 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
 }
 
 fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcome, String> {
-    let challenge: Challenge = proto::decode(&proto::read_frame(stream).map_err(|e| e.to_string())?)
-        .map_err(|e| format!("not a kolo driver ({e})"))?;
+    let challenge = Challenge::parse(&proto::read_frame(stream, proto::MAX_PREAUTH_FRAME).map_err(|e| e.to_string())?)
+        .ok_or("not a kolo driver")?;
     if challenge.magic != MAGIC {
         return Err("not a kolo driver".into());
     }
     let nonce = proto::random_nonce();
-    let hostname = std::env::var(env::HOSTNAME).ok().unwrap_or_else(real_hostname);
-    let node_id = std::env::var(env::NODE_ID).unwrap_or_else(|_| hostname.clone());
-    let gpus = std::env::var(env::GPUS)
-        .unwrap_or_default()
-        .split(',')
-        .filter(|s| !s.is_empty())
-        .map(|s| s.trim().parse::<u32>().map_err(|_| format!("{}: '{s}' is not a GPU id", env::GPUS)))
-        .collect::<Result<Vec<u32>, String>>()?;
-    let hello = Hello {
+    let body = HelloBody {
+        hostname: real_hostname(),
+        pid: std::process::id(),
+        build_id: crate::registry::build_id(),
+        interfaces: crate::nics::interface_names(),
+    };
+    let body = postcard::to_stdvec(&body).map_err(|e| e.to_string())?;
+    let header = HelloHeader {
         magic: MAGIC,
         version: PROTOCOL_VERSION,
         index,
         nonce,
-        tag: proto::worker_tag(secret, &challenge.nonce, &nonce),
-        hostname,
-        node_id,
-        gpus,
-        pid: std::process::id(),
+        tag: proto::worker_tag(secret, &challenge.nonce, &nonce, PROTOCOL_VERSION, index, &body),
     };
-    proto::write_message(stream, &hello).map_err(|e| e.to_string())?;
+    stream.write_all(&proto::hello_frame(&header, &body)).map_err(|e| e.to_string())?;
     if challenge.version != PROTOCOL_VERSION {
         return Err(format!(
             "the driver speaks protocol version {}, this worker {PROTOCOL_VERSION}; use the same kolo version everywhere",
             challenge.version
         ));
     }
-    let frame = proto::read_frame(stream).map_err(|e| format!("the driver refused this worker ({e})"))?;
+    let frame = proto::read_frame(stream, proto::MAX_PREAUTH_FRAME)
+        .map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
     if !proto::tags_match(&welcome.tag, &proto::driver_tag(secret, &challenge.nonce, &nonce)) {
         return Err("the driver could not prove it knows the job secret".into());
@@ -310,67 +325,6 @@ struct State {
     executable: Option<Box<dyn Any + Send>>,
 }
 
-/// Frames from the driver, read ahead in one buffer.
-struct FrameReader {
-    stream: TcpStream,
-    buf: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl FrameReader {
-    fn new(stream: TcpStream) -> Self {
-        FrameReader { stream, buf: vec![0; 256 * 1024], start: 0, end: 0 }
-    }
-
-    /// Reads what the socket has; blocks for it only if `block`.
-    fn fill(&mut self, block: bool) -> io::Result<()> {
-        use std::os::fd::AsRawFd;
-        if self.start == self.end {
-            (self.start, self.end) = (0, 0);
-        } else if self.end == self.buf.len() {
-            self.buf.copy_within(self.start..self.end, 0);
-            (self.start, self.end) = (0, self.end - self.start);
-        }
-        if self.end == self.buf.len() {
-            // one frame larger than the buffer
-            let grown = self.buf.len() * 2;
-            self.buf.resize(grown, 0);
-        }
-        let flags = if block { nix::sys::socket::MsgFlags::empty() } else { nix::sys::socket::MsgFlags::MSG_DONTWAIT };
-        match nix::sys::socket::recv(self.stream.as_raw_fd(), &mut self.buf[self.end..], flags) {
-            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed")),
-            Ok(n) => {
-                self.end += n;
-                Ok(())
-            }
-            Err(nix::errno::Errno::EAGAIN) | Err(nix::errno::Errno::EINTR) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// The next whole frame already read, if any.
-    fn frame(&mut self) -> io::Result<Option<ToWorker>> {
-        let buffered = &self.buf[self.start..self.end];
-        if buffered.len() < 4 {
-            return Ok(None);
-        }
-        let len = u32::from_be_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize;
-        if len > proto::MAX_FRAME {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("frame of {len} bytes is over the limit")));
-        }
-        if buffered.len() < 4 + len {
-            if 4 + len > self.buf.len() {
-                self.buf.resize(4 + len, 0);
-            }
-            return Ok(None);
-        }
-        let message = proto::decode(&buffered[4..4 + len])?;
-        self.start += 4 + len;
-        Ok(Some(message))
-    }
-}
-
 /// Reads the driver's messages and acts on them in order. Calls run right
 /// here: a call is one wake-up of one thread. Before each call, whatever
 /// else has arrived is read first, so a `Cancel` sent while earlier calls
@@ -414,19 +368,20 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
     let reply = match message {
         ToWorker::Heartbeat | ToWorker::Cancel { .. } => return,
         ToWorker::SetEnv(vars) => {
+            // user code in this process reads its rank from the environment;
+            // SetEnv comes once, right after the handshake, while this
+            // thread is the only one that touches the environment
             for (k, v) in &vars {
-                // user code in this process reads its rank from the environment
                 std::env::set_var(k, v);
             }
             state.env.extend(vars);
             state.ctx = WorkerContext::new(state.env.iter().cloned().collect::<BTreeMap<_, _>>());
             return;
         }
-        ToWorker::StartCommand { argv } => return start_command(agent, &argv, &state.env),
+        ToWorker::StartCommand { argv } => return command::start_command(agent, &argv, &state.env),
         ToWorker::SignalCommand { signal } => {
-            if let (Some(group), Ok(signal)) =
-                (*agent.command_group.lock().unwrap_or_else(|p| p.into_inner()), Signal::try_from(signal))
-            {
+            let group = agent.command.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|r| r.group);
+            if let (Some(group), Ok(signal)) = (group, Signal::try_from(signal)) {
                 signal_group(group, signal);
             }
             return;
@@ -460,56 +415,6 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
         agent.say(&format!("lost the driver ({e}); stopping"));
         agent.exit(1, Duration::ZERO);
     }
-}
-
-fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String, String)]) {
-    use std::os::unix::ffi::OsStrExt;
-    let args: Vec<&std::ffi::OsStr> = argv.iter().map(|a| std::ffi::OsStr::from_bytes(a)).collect();
-    let Some((program, rest)) = args.split_first() else {
-        let _ = agent.send(&ToDriver::CommandStartFailed { message: "empty command".into(), code: 127 });
-        return;
-    };
-    let mut command = Command::new(program);
-    command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
-    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    let mut child = match command.spawn() {
-        Ok(child) => child,
-        Err(e) => {
-            let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
-            let message = format!("could not start '{}': {e}", program.to_string_lossy());
-            let _ = agent.send(&ToDriver::CommandStartFailed { message, code });
-            return;
-        }
-    };
-    *agent.command_group.lock().unwrap_or_else(|p| p.into_inner()) = Some(child.id());
-    let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
-    let (done_tx, done_rx) = mpsc::channel();
-    let outputs: [(Option<OwnedFd>, bool); 2] =
-        [(child.stdout.take().map(OwnedFd::from), false), (child.stderr.take().map(OwnedFd::from), true)];
-    for (fd, stderr) in outputs {
-        let Some(fd) = fd else { continue };
-        let (agent, done) = (agent.clone(), done_tx.clone());
-        std::thread::spawn(move || {
-            pump(&agent, File::from(fd), stderr);
-            let _ = done.send(());
-        });
-    }
-    let agent = agent.clone();
-    std::thread::spawn(move || {
-        let status = child.wait();
-        // the last lines must reach the driver before the exit does; a
-        // background child still holding the pipes must not delay it long
-        let deadline = Instant::now() + Duration::from_millis(300);
-        for _ in 0..2 {
-            let _ = done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
-        }
-        use std::os::unix::process::ExitStatusExt;
-        let (code, signal) = match status {
-            Ok(s) => (s.code(), s.signal()),
-            Err(_) => (None, None),
-        };
-        let _ = agent.send(&ToDriver::CommandExited { code, signal });
-    });
 }
 
 fn libc_signal(signal: Signal) -> i32 {

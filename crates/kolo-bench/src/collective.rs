@@ -14,7 +14,7 @@ use kolo_topology::HostSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::Table;
+use crate::Table;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 pub enum Collective {
@@ -76,6 +76,7 @@ pub struct CommBench {
 }
 
 impl Executable for CommBench {
+    const NAME: &'static str = "bench-comm";
     type Args = bool;
     fn create(bind: bool, ctx: &WorkerContext) -> Result<Self, UserError> {
         if bind {
@@ -95,6 +96,7 @@ pub struct Sweep {
 }
 
 impl Task<CommBench> for Sweep {
+    const NAME: &'static str = "bench-sweep";
     type Output = Vec<(usize, u64, f64)>;
     fn run(self, bench: &mut CommBench, _: &WorkerContext) -> Result<Self::Output, UserError> {
         let op: ReduceOp = self.op.parse()?;

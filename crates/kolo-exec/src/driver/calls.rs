@@ -1,0 +1,142 @@
+//! Calls on the workers: `execute`, `run`, `run_remote` and their handles.
+
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use tokio::sync::oneshot;
+
+use super::link::{CallError, CallResult, Link};
+use super::Executor;
+use crate::proto::{self, CallKind, ToWorker};
+use crate::registry::{Executable, Function, Task};
+use crate::ExecError;
+
+impl Executor {
+    /// Runs `task` on every worker's executable; results in rank order.
+    pub async fn execute<E: Executable, T: Task<E>>(&self, task: &T) -> Result<Vec<T::Output>, ExecError> {
+        let handles = self.call_all(CallKind::Task, T::NAME, task, None).await?;
+        join_all(handles).await
+    }
+
+    /// Runs `task` on rank 0 only.
+    pub async fn execute_single<E: Executable, T: Task<E>>(&self, task: &T) -> Result<T::Output, ExecError> {
+        let mut handles = self.call_all(CallKind::Task, T::NAME, task, Some(0)).await?;
+        handles.remove(0).join().await
+    }
+
+    /// Runs the plain function `function` on every worker; results in rank order.
+    pub async fn run<F: Function>(&self, function: &F) -> Result<Vec<F::Output>, ExecError> {
+        let handles = self.call_all(CallKind::Function, F::NAME, function, None).await?;
+        join_all(handles).await
+    }
+
+    /// Starts `task` on every worker and returns a handle per rank at once.
+    pub async fn run_remote<E: Executable, T: Task<E>>(
+        &self,
+        task: &T,
+    ) -> Result<Vec<CallHandle<T::Output>>, ExecError> {
+        self.call_all(CallKind::Task, T::NAME, task, None).await
+    }
+
+    /// Starts the plain function on every worker and returns a handle per rank.
+    pub async fn run_remote_function<F: Function>(
+        &self,
+        function: &F,
+    ) -> Result<Vec<CallHandle<F::Output>>, ExecError> {
+        self.call_all(CallKind::Function, F::NAME, function, None).await
+    }
+
+    async fn call_all<A: serde::Serialize, O: DeserializeOwned>(
+        &self,
+        kind: CallKind,
+        name: &str,
+        args: &A,
+        only: Option<u32>,
+    ) -> Result<Vec<CallHandle<O>>, ExecError> {
+        let running = self.running()?;
+        let args = postcard::to_stdvec(args).map_err(ExecError::Encode)?;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let message = ToWorker::Call { id, kind, name: name.to_string(), args };
+        let frame =
+            proto::encode(&message).map_err(|source| ExecError::Io { what: "encoding a call".into(), source })?;
+        let mut handles = Vec::new();
+        for link in running.links.iter().filter(|l| only.is_none_or(|r| r == l.info.rank)) {
+            let (tx, rx) = oneshot::channel();
+            link.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+            if let Err(e) = link.send_frame(&frame).await {
+                link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                return Err(e);
+            }
+            handles.push(CallHandle { link: link.clone(), id, rx: Some(rx), _output: PhantomData });
+        }
+        Ok(handles)
+    }
+}
+
+/// A call running on one worker.
+pub struct CallHandle<T> {
+    link: Arc<Link>,
+    id: u64,
+    rx: Option<oneshot::Receiver<CallResult>>,
+    _output: PhantomData<fn() -> T>,
+}
+
+impl<T: DeserializeOwned> CallHandle<T> {
+    /// The rank the call runs on.
+    pub fn rank(&self) -> u32 {
+        self.link.info.rank
+    }
+
+    /// Waits for the result.
+    pub async fn join(mut self) -> Result<T, ExecError> {
+        let rx = self.rx.take().ok_or(ExecError::Cancelled)?;
+        let result = rx.await.map_err(|_| self.link.lost_error("its connection ended".into()))?;
+        self.decode(result)
+    }
+
+    /// The result if it is there, without waiting; `None` while running.
+    pub fn try_result(&mut self) -> Option<Result<T, ExecError>> {
+        let rx = self.rx.as_mut()?;
+        match rx.try_recv() {
+            Ok(result) => {
+                self.rx = None;
+                Some(self.decode(result))
+            }
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => {
+                self.rx = None;
+                Some(Err(self.link.lost_error("its connection ended".into())))
+            }
+        }
+    }
+
+    /// Gives the call up: it is skipped if it has not started, and its
+    /// result is dropped otherwise.
+    pub async fn cancel(mut self) -> Result<(), ExecError> {
+        self.rx = None;
+        self.link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.link.send(&ToWorker::Cancel { id: self.id }).await
+    }
+
+    fn decode(&self, result: CallResult) -> Result<T, ExecError> {
+        let bytes = result.map_err(|e| match e {
+            CallError::Task(message) => {
+                ExecError::Task { rank: self.link.info.rank, host: self.link.info.hostname.clone(), message }
+            }
+            CallError::Lost(reason) => self.link.lost_error(reason),
+        })?;
+        postcard::from_bytes(&bytes).map_err(|source| ExecError::Decode { rank: self.link.info.rank, source })
+    }
+}
+
+async fn join_all<T: DeserializeOwned>(handles: Vec<CallHandle<T>>) -> Result<Vec<T>, ExecError> {
+    // wait for every rank so the executor is idle again, then report the
+    // first failure in rank order
+    let mut results = Vec::with_capacity(handles.len());
+    for handle in handles {
+        results.push(handle.join().await);
+    }
+    results.into_iter().collect()
+}

@@ -1,0 +1,94 @@
+//! Supervising an OS command job (`kolo run`): events from the ranks go
+//! through the teardown policy, whose actions are signals to every rank.
+
+use std::future::Future;
+
+
+use nix::sys::signal::Signal;
+
+use super::link::Ended;
+use super::Executor;
+use crate::policy::{Cause, JobAction, JobEvent, Teardown};
+use crate::proto::ToWorker;
+use crate::ExecError;
+
+/// The rank that failed first in a command job.
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub rank: u32,
+    pub host: String,
+    pub cause: Cause,
+    pub stderr_tail: Vec<String>,
+}
+
+/// How a command job ended.
+#[derive(Clone, Debug)]
+pub struct JobOutcome {
+    /// 0, the first failure's code, or 128 + the signal that interrupted the job.
+    pub exit_code: i32,
+    pub failure: Option<Failure>,
+    pub interrupted_by: Option<Signal>,
+}
+
+impl Executor {
+    /// Waits for the OS command of every worker to end. The first failure
+    /// (or `interrupt`) stops the others: SIGTERM, then SIGKILL after the
+    /// grace period.
+    pub async fn wait_command(&mut self, interrupt: impl Future<Output = Signal>) -> Result<JobOutcome, ExecError> {
+        let grace = self.settings.kill_grace;
+        let running = self.running.as_mut().ok_or(ExecError::NotStarted)?;
+        tokio::pin!(interrupt);
+        let mut teardown = Teardown::new(running.links.len(), grace);
+        let mut interrupted = false;
+        while !teardown.done() {
+            let deadline = teardown.deadline().map(tokio::time::Instant::from_std);
+            let event = tokio::select! {
+                ended = running.events.recv() => match ended {
+                    Some(Ended { rank, cause }) => JobEvent::Ended { rank, cause },
+                    None => break,
+                },
+                signal = &mut interrupt, if !interrupted => {
+                    interrupted = true;
+                    tracing::warn!("received {}; stopping the job", signal.as_str());
+                    JobEvent::Interrupted(signal as i32)
+                }
+                _ = sleep_until_opt(deadline) => JobEvent::Tick,
+            };
+            for action in teardown.on_event(event, std::time::Instant::now()) {
+                let signal = match action {
+                    JobAction::Terminate => Signal::SIGTERM,
+                    JobAction::Kill => {
+                        tracing::warn!("ranks still running {grace:?} after SIGTERM; sending SIGKILL");
+                        Signal::SIGKILL
+                    }
+                };
+                for link in &running.links {
+                    let _ = link.send(&ToWorker::SignalCommand { signal: signal as i32 }).await;
+                }
+            }
+        }
+        let failure = match teardown.failure() {
+            Some((rank, cause)) => {
+                // the report shows the rank's last lines: write what came first
+                running.output.flush().await;
+                Some(Failure {
+                    rank: *rank,
+                    host: running.links[*rank as usize].info.hostname.clone(),
+                    cause: cause.clone(),
+                    stderr_tail: running.output.stderr_tail(*rank as usize),
+                })
+            }
+            None => None,
+        };
+        let interrupted_by = teardown.interrupted_by().and_then(|s| Signal::try_from(s).ok());
+        Ok(JobOutcome { exit_code: teardown.exit_code(), failure, interrupted_by })
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+

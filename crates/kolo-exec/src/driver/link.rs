@@ -1,0 +1,248 @@
+//! The driver's side of each worker's connection: sending, one reader task
+//! per worker (output to the output thread, results to waiting calls,
+//! command events to the job), heartbeats, and the watchdog that marks
+//! silent workers lost.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{mpsc, oneshot};
+
+use super::WorkerInfo;
+use crate::output::{Chunk, Stream};
+use crate::policy::{Cause, Liveness};
+use crate::proto::{self, ToDriver, ToWorker};
+use crate::ExecError;
+
+/// A call's bytes, or why there are none.
+pub(crate) enum CallError {
+    /// The user's code failed (its message).
+    Task(String),
+    /// The worker was lost (why).
+    Lost(String),
+}
+
+pub(crate) type CallResult = Result<Vec<u8>, CallError>;
+
+/// A rank's command ended (or could not start, or its worker was lost).
+pub(crate) struct Ended {
+    pub rank: u32,
+    pub cause: Cause,
+}
+
+/// Largest output chunk a worker may send (its pipe reads are 64 KiB).
+const MAX_OUTPUT_CHUNK: usize = 1 << 20;
+
+pub(crate) struct Link {
+    pub info: WorkerInfo,
+    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    pub pending: Mutex<HashMap<u64, oneshot::Sender<CallResult>>>,
+    pub created: Mutex<Option<oneshot::Sender<Result<(), String>>>>,
+    lost: Mutex<Option<String>>,
+    /// When the worker was last heard from, in ms since `epoch`; checked by
+    /// the watchdog (a timer per frame would cost more than the frame).
+    last_heard_ms: AtomicU64,
+    epoch: std::time::Instant,
+    /// The reader waits for room in the output queue: the driver is not
+    /// listening to this worker, so its silence means nothing.
+    held_back: AtomicBool,
+}
+
+impl Link {
+    pub fn new(info: WorkerInfo, writer: OwnedWriteHalf) -> Link {
+        Link {
+            info,
+            writer: tokio::sync::Mutex::new(writer),
+            pending: Mutex::new(HashMap::new()),
+            created: Mutex::new(None),
+            lost: Mutex::new(None),
+            last_heard_ms: AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
+            held_back: AtomicBool::new(false),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!("rank {} on host {}", self.info.rank, self.info.hostname)
+    }
+
+    pub fn lost_reason(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub async fn send(&self, message: &ToWorker) -> Result<(), ExecError> {
+        let frame =
+            proto::encode(message).map_err(|source| ExecError::Io { what: "encoding a message".into(), source })?;
+        self.send_frame(&frame).await
+    }
+
+    pub async fn send_frame(&self, frame: &[u8]) -> Result<(), ExecError> {
+        if let Some(reason) = self.lost_reason() {
+            return Err(self.lost_error(reason));
+        }
+        let mut writer = self.writer.lock().await;
+        if let Err(e) = writer.write_all(frame).await {
+            let reason = format!("cannot send to it: {e}");
+            self.mark_lost(&reason);
+            return Err(self.lost_error(reason));
+        }
+        Ok(())
+    }
+
+    pub fn lost_error(&self, reason: String) -> ExecError {
+        ExecError::WorkerLost { rank: self.info.rank, host: self.info.hostname.clone(), reason }
+    }
+
+    fn heard(&self) {
+        self.last_heard_ms.store(self.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Marks the worker lost and fails everything waiting on it; false if
+    /// it was lost already.
+    pub fn mark_lost(&self, reason: &str) -> bool {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if lost.is_some() {
+            return false;
+        }
+        *lost = Some(reason.to_string());
+        drop(lost);
+        let message = format!("worker {} was lost: {reason}", self.describe());
+        for (_, tx) in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = tx.send(Err(CallError::Lost(reason.to_string())));
+        }
+        if let Some(tx) = self.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = tx.send(Err(message));
+        }
+        true
+    }
+}
+
+/// Reads one worker's frames until its connection ends.
+pub(crate) async fn read_worker(
+    link: Arc<Link>,
+    reader: OwnedReadHalf,
+    output: mpsc::Sender<Chunk>,
+    events: mpsc::UnboundedSender<Ended>,
+    stopping: Arc<AtomicBool>,
+) {
+    let rank = link.info.rank;
+    // one read takes in whatever the worker sent, not a frame header at a time
+    let mut reader = tokio::io::BufReader::with_capacity(256 * 1024, reader);
+    let reason = loop {
+        let frame = match proto::read_frame_async(&mut reader, proto::MAX_FRAME).await {
+            Ok(frame) => frame,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset) => {
+                break "its connection closed (the worker process died?)".to_string()
+            }
+            Err(e) => break format!("its connection failed: {e}"),
+        };
+        link.heard();
+        let message: ToDriver = match proto::decode(&frame) {
+            Ok(m) => m,
+            Err(e) => break format!("it sent an unreadable message: {e}"),
+        };
+        match message {
+            ToDriver::Heartbeat
+            | ToDriver::CommandStarted { .. }
+            | ToDriver::ProbeReady { .. }
+            | ToDriver::ProbeResult { .. } => {}
+            ToDriver::Output { stderr, data } => {
+                if data.len() > MAX_OUTPUT_CHUNK {
+                    break format!("it sent {} bytes of output at once, over the limit", data.len());
+                }
+                let stream = if stderr { Stream::Stderr } else { Stream::Stdout };
+                let chunk = Chunk::Data { rank, stream, bytes: data };
+                // a full queue holds this worker back (its pipes fill), not
+                // the driver: heartbeats and calls of others go on
+                let sent = match output.try_send(chunk) {
+                    Ok(()) => Ok(()),
+                    Err(mpsc::error::TrySendError::Full(chunk)) => {
+                        link.held_back.store(true, Ordering::Relaxed);
+                        let sent = output.send(chunk).await.map_err(drop);
+                        link.heard();
+                        link.held_back.store(false, Ordering::Relaxed);
+                        sent
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+                };
+                if sent.is_err() {
+                    break "the driver stopped taking output".into();
+                }
+            }
+            ToDriver::CommandStartFailed { message, code } => {
+                let _ = events.send(Ended { rank, cause: Cause::StartFailed { message, code } });
+            }
+            ToDriver::CommandExited { code, signal } => {
+                let _ = output.send(Chunk::End { rank }).await;
+                let _ = events.send(Ended { rank, cause: Cause::Exited { code, signal } });
+            }
+            ToDriver::Created { result } => {
+                if let Some(tx) = link.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                    let _ = tx.send(result);
+                }
+            }
+            ToDriver::Done { id, result } => {
+                if let Some(tx) = link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+                    let _ = tx.send(result.map_err(CallError::Task));
+                }
+            }
+        }
+    };
+    let _ = output.send(Chunk::End { rank }).await;
+    let expected = stopping.load(Ordering::Relaxed);
+    if link.mark_lost(if expected { "the executor was shut down" } else { &reason }) && !expected {
+        tracing::warn!("worker {} was lost: {reason}", link.describe());
+        let _ = events.send(Ended { rank, cause: Cause::Lost(reason) });
+    }
+}
+
+/// Reports a worker lost once it has been silent for the timeout (hung,
+/// stopped, or cut off without its connection closing).
+pub(crate) async fn watch_heartbeats(
+    links: Vec<(Arc<Link>, tokio::task::AbortHandle)>,
+    liveness: Liveness,
+    events: mpsc::UnboundedSender<Ended>,
+    stopping: Arc<AtomicBool>,
+) {
+    let mut ticks = tokio::time::interval((liveness.timeout / 10).max(Duration::from_millis(10)));
+    loop {
+        ticks.tick().await;
+        if stopping.load(Ordering::Relaxed) {
+            return;
+        }
+        for (link, reading) in &links {
+            let heard = link.epoch + Duration::from_millis(link.last_heard_ms.load(Ordering::Relaxed));
+            let held_back = link.held_back.load(Ordering::Relaxed);
+            if let Some(silent) = liveness.lost(heard, std::time::Instant::now(), held_back) {
+                let reason = format!("no heartbeat for {:.1} s (hung or stopped?)", silent.as_secs_f64());
+                reading.abort();
+                if link.mark_lost(&reason) {
+                    tracing::warn!("worker {} was lost: {reason}", link.describe());
+                    let _ = events.send(Ended { rank: link.info.rank, cause: Cause::Lost(reason) });
+                }
+            }
+        }
+        if links.iter().all(|(l, _)| l.lost_reason().is_some()) {
+            return;
+        }
+    }
+}
+
+pub(crate) async fn send_heartbeats(link: Arc<Link>, interval: Duration) {
+    let frame = match proto::encode(&ToWorker::Heartbeat) {
+        Ok(frame) => frame,
+        Err(_) => return,
+    };
+    let mut ticks = tokio::time::interval(interval);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        if link.send_frame(&frame).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,294 @@
+//! The Executor: RayExecutor's API in Rust. It plans the job once, places
+//! worker agents through an engine, registers them, gives each its ranks
+//! and environment, runs the rendezvous server, starts an executable (a
+//! Rust type or an OS command) in every worker, runs calls on all of them
+//! and tears everything down.
+//!
+//! - `start`: plan, spawn, accept and authenticate, register, env
+//! - `link`: each worker's connection: reader, heartbeats, watchdog
+//! - `calls`: execute / run / run_remote and their handles
+//! - `command`: supervising an OS command job (teardown policy in `policy`)
+
+mod calls;
+mod command;
+mod link;
+mod progress;
+mod start;
+
+pub use calls::CallHandle;
+pub use command::{Failure, JobOutcome};
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kolo_rendezvous::RendezvousServer;
+use kolo_topology::{HostSpec, Plan, RankInfo, TopologyError};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::engine::{Engine, EngineChoice, LocalEngine, SlurmEngine, SshEngine};
+use crate::guard::Guard;
+use crate::output::OutputWriter;
+use crate::proto::ToWorker;
+use crate::registry::Executable;
+use crate::settings::{Settings, WorkerRequest};
+use crate::ExecError;
+use link::{Ended, Link};
+
+/// A registered worker and its place in the job.
+#[derive(Clone, Debug)]
+pub struct WorkerInfo {
+    pub rank: u32,
+    /// The host the plan put it on (its engine's name for the host).
+    pub hostname: String,
+    pub node_id: String,
+    pub pid: u32,
+    pub gpus: Vec<u32>,
+    pub ranks: RankInfo,
+    /// Every variable kolo set for this worker.
+    pub env: BTreeMap<String, String>,
+}
+
+struct Running {
+    links: Vec<Arc<Link>>,
+    server: RendezvousServer,
+    output: OutputWriter,
+    events: mpsc::UnboundedReceiver<Ended>,
+    /// One reader per worker; they end when the workers' connections do.
+    readers: JoinSet<()>,
+    /// Heartbeats and the watchdog; they run until shutdown.
+    background: JoinSet<()>,
+    stopping: Arc<AtomicBool>,
+}
+
+/// Runs user code on a set of worker processes; see the crate docs.
+pub struct Executor {
+    settings: Settings,
+    request: WorkerRequest,
+    /// `None` only while a blocking engine call runs off the runtime.
+    engine: Option<Box<dyn Engine>>,
+    plan: Option<Plan>,
+    /// Cleans up after the engine if this process is killed.
+    janitor: Option<Arc<Guard>>,
+    running: Option<Running>,
+    next_id: AtomicU64,
+    nic_report: Vec<crate::nics::PairReport>,
+}
+
+impl Executor {
+    /// An executor on this machine (the local engine).
+    pub fn new(settings: Settings, request: WorkerRequest) -> Result<Self, ExecError> {
+        Self::with_engine(settings, request, Box::new(LocalEngine::this_machine()))
+    }
+
+    /// An executor on a host list: local processes when every host is this
+    /// machine, ssh (with `settings.ssh`) otherwise, Slurm inside an
+    /// allocation. Looks host names up: call it before the async work.
+    pub fn on_hosts(settings: Settings, request: WorkerRequest, hosts: Vec<HostSpec>) -> Result<Self, ExecError> {
+        let engine: Box<dyn Engine> = match EngineChoice::Auto.resolve(&hosts) {
+            EngineChoice::Slurm => Box::new(SlurmEngine::from_allocation()?),
+            EngineChoice::Ssh => Box::new(SshEngine::new(hosts, settings.ssh.clone())),
+            _ => Box::new(LocalEngine::with_hosts(hosts)),
+        };
+        Self::with_engine(settings, request, engine)
+    }
+
+    pub fn with_engine(settings: Settings, request: WorkerRequest, engine: Box<dyn Engine>) -> Result<Self, ExecError> {
+        if request.num_workers() == 0 {
+            return Err(TopologyError::BadRequest("at least one worker is needed".into()).into());
+        }
+        if request.resources.cpus == 0 {
+            return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into());
+        }
+        if settings.heartbeat_timeout <= settings.heartbeat_interval {
+            return Err(ExecError::BadSettings(format!(
+                "heartbeat_timeout ({:?}) must be longer than heartbeat_interval ({:?})",
+                settings.heartbeat_timeout, settings.heartbeat_interval
+            )));
+        }
+        if settings.secret().is_empty() {
+            return Err(ExecError::BadSettings("the job secret is empty".into()));
+        }
+        Ok(Executor {
+            settings,
+            request,
+            engine: Some(engine),
+            plan: None,
+            janitor: None,
+            running: None,
+            next_id: AtomicU64::new(1),
+            nic_report: Vec::new(),
+        })
+    }
+
+    /// The job's plan: where each worker goes, its ranks, GPUs and
+    /// environment. Asks the engine for its hosts the first time (which
+    /// may wait for an allocation); `start` runs exactly this plan.
+    pub async fn plan(&mut self) -> Result<&Plan, ExecError> {
+        if self.plan.is_none() {
+            let timeout = self.settings.placement_timeout;
+            let hosts = self.with_engine_blocking(move |engine| engine.hosts(timeout)).await?;
+            let plan = Plan::new(self.request.placement, self.request.resources, &hosts)?;
+            self.plan = Some(plan);
+        }
+        Ok(self.plan.as_ref().expect("planned above"))
+    }
+
+    /// Runs an engine call that may block on a blocking thread.
+    async fn with_engine_blocking<T: Send + 'static>(
+        &mut self,
+        call: impl FnOnce(&mut Box<dyn Engine>) -> Result<T, ExecError> + Send + 'static,
+    ) -> Result<T, ExecError> {
+        let mut engine = self.engine.take().ok_or_else(|| ExecError::BadSettings("the engine is busy".into()))?;
+        let joined = tokio::task::spawn_blocking(move || {
+            let result = call(&mut engine);
+            (engine, result)
+        })
+        .await;
+        match joined {
+            Ok((engine, result)) => {
+                self.engine = Some(engine);
+                result
+            }
+            Err(e) => Err(ExecError::Io { what: "an engine call".into(), source: std::io::Error::other(e) }),
+        }
+    }
+
+    fn engine(&mut self) -> Option<&mut Box<dyn Engine>> {
+        self.engine.as_mut()
+    }
+
+    /// The workers in rank order (after `start`).
+    pub fn workers(&self) -> Vec<WorkerInfo> {
+        self.running.as_ref().map(|r| r.links.iter().map(|l| l.info.clone()).collect()).unwrap_or_default()
+    }
+
+    /// What interface detection found, host by host around the ring (after
+    /// `start`; empty when the interfaces were given or all workers share a host).
+    pub fn nic_report(&self) -> &[crate::nics::PairReport] {
+        &self.nic_report
+    }
+
+    /// The rendezvous server's address (after `start`).
+    pub fn rendezvous_addr(&self) -> Option<SocketAddr> {
+        self.running.as_ref().map(|r| r.server.addr())
+    }
+
+    /// Starts the workers and creates the executable `E` in each from `args`.
+    pub async fn start<E: Executable>(
+        &mut self,
+        args: &E::Args,
+        extra_env: &[(String, String)],
+    ) -> Result<(), ExecError> {
+        let encoded = postcard::to_stdvec(args).map_err(ExecError::Encode)?;
+        self.start_workers(extra_env).await?;
+        let result = self.create(E::NAME, encoded).await;
+        if result.is_err() {
+            self.shutdown().await;
+        }
+        result
+    }
+
+    /// Starts the workers and an OS command in each (what `kolo run` does).
+    pub async fn start_command(&mut self, argv: &[OsString], extra_env: &[(String, String)]) -> Result<(), ExecError> {
+        use std::os::unix::ffi::OsStrExt;
+        if argv.is_empty() {
+            return Err(ExecError::NoCommand);
+        }
+        self.start_workers(extra_env).await?;
+        let argv: Vec<Vec<u8>> = argv.iter().map(|a| a.as_bytes().to_vec()).collect();
+        let message = ToWorker::StartCommand { argv };
+        for link in &self.running()?.links {
+            link.send(&message).await?;
+        }
+        Ok(())
+    }
+
+    fn running(&self) -> Result<&Running, ExecError> {
+        self.running.as_ref().ok_or(ExecError::NotStarted)
+    }
+
+    async fn create(&mut self, name: &str, args: Vec<u8>) -> Result<(), ExecError> {
+        let running = self.running()?;
+        let mut waits = Vec::new();
+        let message = ToWorker::Create { name: name.to_string(), args };
+        for link in &running.links {
+            let (tx, rx) = oneshot::channel();
+            *link.created.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+            link.send(&message).await?;
+            waits.push((link.clone(), rx));
+        }
+        for (link, rx) in waits {
+            match rx.await {
+                Ok(Ok(())) => {}
+                Ok(Err(message)) => {
+                    return Err(ExecError::Task { rank: link.info.rank, host: link.info.hostname.clone(), message })
+                }
+                Err(_) => return Err(link.lost_error("its connection ended".into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops executables and workers and the rendezvous server; waits up to
+    /// the grace period (plus a little) before killing what is left, and
+    /// writes out the workers' last output.
+    pub async fn shutdown(&mut self) {
+        let Some(mut running) = self.running.take() else {
+            self.stop_engine().await;
+            return;
+        };
+        running.stopping.store(true, Ordering::Relaxed);
+        running.background.abort_all();
+        for link in &running.links {
+            let _ = link.send(&ToWorker::Stop).await;
+        }
+        let deadline = Instant::now() + self.settings.kill_grace + Duration::from_secs(2);
+        while !self.engine().is_none_or(|e| e.all_exited()) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.stop_engine().await;
+        // the readers forward the workers' last output, then end
+        let drain = async { while running.readers.join_next().await.is_some() {} };
+        if tokio::time::timeout(Duration::from_millis(500), drain).await.is_err() {
+            running.readers.abort_all();
+        }
+        drop(running.links);
+        running.server.stop().await;
+        running.output.finish().await;
+    }
+
+    /// Kills what is left of the workers, waits for them briefly, and lets
+    /// the janitor go (nothing is left for it).
+    async fn stop_engine(&mut self) {
+        if let Some(engine) = self.engine() {
+            engine.kill_all();
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !self.engine().is_none_or(|e| e.all_exited()) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if let Some(janitor) = self.janitor.take() {
+            // the engine's resources go with the engine (scancel, files):
+            // drop it first, then the janitor has nothing to do
+            if let (true, Ok(janitor)) = (self.engine().is_none_or(|e| e.all_exited()), Arc::try_unwrap(janitor)) {
+                janitor.release();
+            }
+        }
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        // no await here: kill outright; the janitor (dropped after) cleans
+        // up whatever the engine leaves; the rendezvous server stops on drop
+        if let Some(engine) = self.engine.as_mut() {
+            engine.kill_all();
+        }
+    }
+}

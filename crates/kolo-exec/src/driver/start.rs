@@ -1,0 +1,478 @@
+//! Starting a job: the plan's workers are spawned by the engine, dial
+//! back, prove the secret, and get their environment.
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kolo_rendezvous::{RendezvousServer, ServerConfig};
+use kolo_topology::{JobEnv, Plan};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use super::link::{read_worker, send_heartbeats, watch_heartbeats, Link};
+use super::progress::Progress;
+use super::{Executor, Running, WorkerInfo};
+use crate::engine::WorkerLaunch;
+use crate::guard::{Guard, GuardOptions};
+use crate::output::OutputWriter;
+use crate::policy::Liveness;
+use crate::proto::{self, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
+use crate::settings::random_hex;
+use crate::{worker, ExecError};
+
+/// A worker that connected and proved the secret.
+pub(super) struct Hello {
+    pub header: HelloHeader,
+    pub body: HelloBody,
+    pub stream: TcpStream,
+}
+
+/// Handshakes in flight at once: unauthenticated peers cannot make the
+/// driver hold more than this many connections, each with a 4 KiB frame.
+const MAX_HANDSHAKES: usize = 256;
+/// Refused connections logged one by one; past this, only counted.
+const LOGGED_REFUSALS: u32 = 5;
+
+impl Executor {
+    /// Starts the workers without an executable (RayExecutor's
+    /// `executable_cls=None`): `run` and `run_remote_function` work.
+    pub async fn start_workers(&mut self, extra_env: &[(String, String)]) -> Result<(), ExecError> {
+        if self.running.is_some() {
+            return Err(ExecError::AlreadyStarted);
+        }
+        match self.start_inner(extra_env).await {
+            Ok(running) => {
+                self.running = Some(running);
+                Ok(())
+            }
+            Err(e) => {
+                self.stop_engine().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_inner(&mut self, extra_env: &[(String, String)]) -> Result<Running, ExecError> {
+        let settings = self.settings.clone();
+        // 1. the plan (asks the engine for hosts the first time)
+        let plan = self.plan().await?.clone();
+        let n = plan.len();
+        check_descriptors(n)?;
+        // 2. workers, told where to dial back
+        let driver_ip = self.with_engine_blocking(|engine| Ok(engine.driver_addr())).await?;
+        let listener = TcpListener::bind(SocketAddr::new(driver_ip, 0))
+            .await
+            .map_err(|source| ExecError::Io { what: "listening for workers".into(), source })?;
+        let control =
+            listener.local_addr().map_err(|source| ExecError::Io { what: "listening for workers".into(), source })?;
+        let program = match &settings.worker_program {
+            Some(p) => p.clone(),
+            None => std::env::current_exe()
+                .map_err(|source| ExecError::Io { what: "finding this program".into(), source })?,
+        };
+        let launches: Vec<WorkerLaunch> = plan
+            .workers
+            .iter()
+            .enumerate()
+            .map(|(index, w)| WorkerLaunch {
+                index: index as u32,
+                env: vec![
+                    (worker::env::DRIVER.into(), control.to_string()),
+                    (worker::env::INDEX.into(), index.to_string()),
+                ],
+                host: w.host.clone(),
+                program: program.clone(),
+                args: Vec::new(),
+                secret: settings.secret().to_string(),
+            })
+            .collect();
+        let janitor = Guard::spawn(GuardOptions { grace: settings.kill_grace + Duration::from_secs(1), silence: None })
+            .map_err(|source| ExecError::Io { what: "starting the janitor process".into(), source })?;
+        let janitor = self.janitor.insert(Arc::new(janitor)).clone();
+        self.with_engine_blocking(move |engine| engine.spawn(launches, &janitor)).await?;
+        tracing::debug!(workers = n, %control, "workers spawned");
+
+        // 3. every worker connects and proves the secret
+        let mut hellos = self.accept_workers(&listener, &plan, &program).await?;
+        check_nics(&settings.nics, &plan, &hellos)?;
+
+        // 4. rendezvous server sized by the plan
+        let mut server_config = ServerConfig::new(SocketAddr::new(driver_ip, 0));
+        server_config.secret = Some(settings.secret().to_string());
+        server_config.require_secret = settings.rendezvous_require_secret;
+        let server = RendezvousServer::start(server_config, &plan.slots()).await?;
+
+        // 5. interfaces, then each rank's env from the plan
+        let default_nics = self.engine.as_ref().map(|e| e.default_nics()).unwrap_or_default();
+        let (nics, report) = match &settings.nics {
+            Some(nics) => (nics.clone(), Vec::new()),
+            None => {
+                let deadline = Instant::now() + settings.start_timeout;
+                detect_nics(&plan, &mut hellos, deadline, default_nics).await?
+            }
+        };
+        self.nic_report = report;
+        let job = JobEnv {
+            rendezvous_addr: server.addr().ip().to_string(),
+            rendezvous_port: server.addr().port(),
+            ifaces: nics,
+            timeout_s: settings.start_timeout.as_secs().max(1),
+            master_addr: driver_ip.to_string(),
+            master_port: free_port(driver_ip)?,
+            elastic: false,
+            job_id: random_hex(8),
+        };
+        let output = OutputWriter::start(settings.output.clone(), n)?;
+        let (event_tx, events) = mpsc::unbounded_channel();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let (mut readers, mut background) = (JoinSet::new(), JoinSet::new());
+        let mut links = Vec::with_capacity(n);
+        let mut watched = Vec::with_capacity(n);
+        for (rank, hello) in hellos.into_iter().enumerate() {
+            let planned = &plan.workers[rank];
+            let info = WorkerInfo {
+                rank: rank as u32,
+                hostname: planned.host.hostname.clone(),
+                node_id: planned.host.node_id.clone(),
+                pid: hello.body.pid,
+                gpus: planned.gpus.clone(),
+                ranks: planned.ranks.clone(),
+                env: plan.env(rank, &job, extra_env),
+            };
+            let (reader, writer) = hello.stream.into_split();
+            let link = Arc::new(Link::new(info, writer));
+            let reading =
+                readers.spawn(read_worker(link.clone(), reader, output.queue(), event_tx.clone(), stopping.clone()));
+            background.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));
+            watched.push((link.clone(), reading));
+            links.push(link);
+        }
+        let liveness = Liveness { timeout: settings.heartbeat_timeout };
+        background.spawn(watch_heartbeats(watched, liveness, event_tx, stopping.clone()));
+        // 6. env pushed to every worker (the job secret goes to kolo's own clients)
+        let forwarded: Vec<(String, String)> = std::env::vars()
+            .filter(|(name, _)| kolo_topology::forwards_caller_var(name) && !name.starts_with("KOLO_WORKER_"))
+            .collect();
+        for link in &links {
+            let mut vars = forwarded.clone();
+            vars.extend(link.info.env.clone());
+            vars.push((kolo_topology::ENV_SECRET.into(), settings.secret().to_string()));
+            link.send(&ToWorker::SetEnv(vars)).await?;
+        }
+        Ok(Running { links, server, output, events, readers, background, stopping })
+    }
+
+    async fn accept_workers(
+        &mut self,
+        listener: &TcpListener,
+        plan: &Plan,
+        program: &std::path::Path,
+    ) -> Result<Vec<Hello>, ExecError> {
+        let n = plan.len();
+        let host = |i: usize| plan.workers[i].host.hostname.clone();
+        let deadline = Instant::now() + self.settings.start_timeout;
+        let mut registered: Vec<Option<Hello>> = (0..n).map(|_| None).collect();
+        let mut handshakes = JoinSet::new();
+        let slots = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let mut poll = tokio::time::interval(Duration::from_millis(50));
+        let mut failed_since: Option<Instant> = None;
+        // workers that are in wait for the rest; they must hear from us meanwhile
+        let heartbeat =
+            proto::encode(&ToWorker::Heartbeat).map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
+        let mut next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+        let mut progress = Progress::new("waiting for workers to connect");
+        let welcome = Welcome {
+            tag: [0; 32],
+            heartbeat_interval_ms: self.settings.heartbeat_interval.as_millis() as u64,
+            heartbeat_timeout_ms: self.settings.heartbeat_timeout.as_millis() as u64,
+            kill_grace_ms: self.settings.kill_grace.as_millis() as u64,
+        };
+        let handshake_limit = self.settings.start_timeout.min(Duration::from_secs(10));
+        let build_id = crate::registry::build_id();
+        let mut refused: u32 = 0;
+        let mut out_of_descriptors: Option<std::io::Error> = None;
+        let mut accept_pause = Duration::ZERO;
+        while registered.iter().any(Option::is_none) {
+            tokio::select! {
+                accepted = listener.accept(), if accept_pause.is_zero() => match accepted {
+                    Ok((stream, peer)) => {
+                        // past the bound, a connection is closed unread
+                        let Ok(permit) = slots.clone().try_acquire_owned() else { continue };
+                        let (secret, welcome) = (self.settings.secret().to_string(), welcome.clone());
+                        handshakes.spawn(async move {
+                            let result = tokio::time::timeout(handshake_limit, handshake(stream, secret.as_bytes(), welcome, n)).await;
+                            drop(permit);
+                            (peer, result.unwrap_or_else(|_| Err(Refusal::Quiet("no hello in time".into()))))
+                        });
+                    }
+                    Err(e) => {
+                        // out of descriptors: back off (no busy loop) and
+                        // remember it for the error
+                        if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
+                            if out_of_descriptors.is_none() {
+                                tracing::warn!("cannot accept worker connections: {e}");
+                            }
+                            out_of_descriptors = Some(e);
+                        }
+                        accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), Duration::from_millis(200));
+                    }
+                },
+                _ = tokio::time::sleep(accept_pause), if !accept_pause.is_zero() => accept_pause = Duration::ZERO,
+                Some(done) = handshakes.join_next(), if !handshakes.is_empty() => {
+                    let Ok((peer, result)) = done else { continue };
+                    match result {
+                        Ok(hello) => {
+                            if hello.body.build_id != build_id {
+                                return Err(ExecError::Build {
+                                    program: program.to_path_buf(),
+                                    host: host(hello.header.index as usize),
+                                    worker: hello.body.build_id,
+                                    driver: build_id,
+                                });
+                            }
+                            let slot = &mut registered[hello.header.index as usize];
+                            if slot.is_some() {
+                                tracing::warn!(%peer, index = hello.header.index, "refused a second worker with the same index");
+                                continue;
+                            }
+                            tracing::debug!(index = hello.header.index, host = %hello.body.hostname, pid = hello.body.pid, "worker registered");
+                            *slot = Some(hello);
+                        }
+                        Err(Refusal::Logged(why)) | Err(Refusal::Quiet(why)) => {
+                            refused += 1;
+                            if refused <= LOGGED_REFUSALS {
+                                tracing::warn!(%peer, "refused a control connection: {why}");
+                            }
+                        }
+                        Err(Refusal::Fatal(e)) => return Err(e),
+                    }
+                }
+                _ = poll.tick() => {
+                    let connected = registered.iter().filter(|r| r.is_some()).count();
+                    progress.show(&format!("{connected} of {n}"), self.settings.start_timeout);
+                    if Instant::now() >= next_heartbeat {
+                        next_heartbeat = Instant::now() + self.settings.heartbeat_interval;
+                        for hello in registered.iter_mut().flatten() {
+                            let _ = hello.stream.write_all(&heartbeat).await;
+                        }
+                    }
+                    let exited = self.engine().map(|e| e.exited()).unwrap_or_default();
+                    let failed: Vec<(u32, String)> =
+                        exited.into_iter().filter(|(i, _)| registered[*i as usize].is_none()).collect();
+                    if !failed.is_empty() {
+                        // hosts fail together (unreachable ones time out alike):
+                        // a moment more names them all
+                        let first_seen = *failed_since.get_or_insert_with(Instant::now);
+                        if first_seen.elapsed() >= Duration::from_secs(1) || Instant::now() >= deadline {
+                            let mut reasons: Vec<String> = Vec::new();
+                            for (index, how) in &failed {
+                                let line = format!("host {}: {how}", host(*index as usize));
+                                if !reasons.contains(&line) {
+                                    reasons.push(line);
+                                }
+                            }
+                            let (index, _) = failed[0];
+                            return Err(ExecError::WorkerStart {
+                                index,
+                                host: host(index as usize),
+                                reason: format!("workers exited before connecting: {}", reasons.join("; ")),
+                            });
+                        }
+                    }
+                    if Instant::now() >= deadline {
+                        let missing: Vec<String> = registered
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, r)| r.is_none())
+                            .map(|(i, _)| format!("worker {i} on host {}", host(i)))
+                            .collect();
+                        if let Some(source) = out_of_descriptors {
+                            return Err(ExecError::Descriptors { workers: n, source });
+                        }
+                        return Err(ExecError::StartTimeout { seconds: self.settings.start_timeout.as_secs_f64(), missing: missing.join(", ") });
+                    }
+                }
+            }
+        }
+        drop(progress);
+        if refused > LOGGED_REFUSALS {
+            tracing::warn!("refused {refused} control connections in all (wrong secret or not kolo workers)");
+        }
+        Ok(registered.into_iter().map(|r| r.expect("all registered")).collect())
+    }
+}
+
+/// Why a connection was refused.
+enum Refusal {
+    /// Worth a warning (it spoke, but not with the secret).
+    Logged(String),
+    /// Not even a hello.
+    Quiet(String),
+    /// A real worker of this job that cannot work with this driver.
+    Fatal(ExecError),
+}
+
+/// The driver's side of the handshake: challenge, then the worker's
+/// header is checked (magic, tag) before anything else in its frame is
+/// believed; only an authenticated worker can fail the job (a version or
+/// build mismatch).
+async fn handshake(
+    mut stream: TcpStream,
+    secret: &[u8],
+    mut welcome: Welcome,
+    workers: usize,
+) -> Result<Hello, Refusal> {
+    let quiet = |why: String| Refusal::Quiet(why);
+    stream.set_nodelay(true).map_err(|e| quiet(e.to_string()))?;
+    let nonce = proto::random_nonce();
+    let challenge = Challenge { magic: MAGIC, version: PROTOCOL_VERSION, nonce };
+    stream.write_all(&challenge.frame()).await.map_err(|e| quiet(e.to_string()))?;
+    let frame = proto::read_frame_async(&mut stream, proto::MAX_PREAUTH_FRAME)
+        .await
+        .map_err(|e| quiet(format!("no hello: {e}")))?;
+    let (header, body) = proto::parse_hello(&frame).ok_or_else(|| Refusal::Logged("not a kolo worker".into()))?;
+    if header.magic != MAGIC {
+        return Err(Refusal::Logged("not a kolo worker".into()));
+    }
+    let expected = proto::worker_tag(secret, &nonce, &header.nonce, header.version, header.index, body);
+    if !proto::tags_match(&header.tag, &expected) {
+        return Err(Refusal::Logged(format!("a peer claiming to be worker {} does not know the job secret", header.index)));
+    }
+    // authenticated from here on
+    if header.version != PROTOCOL_VERSION {
+        return Err(Refusal::Fatal(ExecError::Version { index: header.index, worker: header.version }));
+    }
+    let body: HelloBody = proto::decode(body).map_err(|e| Refusal::Logged(format!("unreadable hello: {e}")))?;
+    if header.index as usize >= workers {
+        return Err(Refusal::Logged(format!("worker index {} is out of range", header.index)));
+    }
+    welcome.tag = proto::driver_tag(secret, &nonce, &header.nonce);
+    let frame = proto::encode(&welcome).map_err(|e| quiet(e.to_string()))?;
+    stream.write_all(&frame).await.map_err(|e| quiet(e.to_string()))?;
+    Ok(Hello { header, body, stream })
+}
+
+/// Descriptors the driver needs per worker: its control connection and
+/// its rendezvous traffic, with room for the rest of the process.
+fn descriptors_needed(workers: usize) -> u64 {
+    3 * workers as u64 + 64
+}
+
+/// Raises the descriptor limit toward its hard limit, as servers do, and
+/// refuses a job that cannot fit, naming the limit.
+fn check_descriptors(workers: usize) -> Result<(), ExecError> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let needed = descriptors_needed(workers);
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else { return Ok(()) };
+    let mut soft = soft;
+    if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        soft = hard;
+    }
+    if soft < needed {
+        return Err(ExecError::DescriptorLimit { workers, needed, limit: soft });
+    }
+    Ok(())
+}
+
+/// `--nics` names must exist on every host of the job.
+fn check_nics(nics: &Option<Vec<String>>, plan: &Plan, hellos: &[Hello]) -> Result<(), ExecError> {
+    let Some(nics) = nics else { return Ok(()) };
+    for rep in plan.node_representatives() {
+        let have = &hellos[rep].body.interfaces;
+        if let Some(missing) = nics.iter().find(|n| !have.contains(n)) {
+            return Err(ExecError::Nics(format!(
+                "interface '{missing}' (--nics) does not exist on host {}; it has: {}",
+                plan.workers[rep].host.hostname,
+                have.join(", ")
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Reads frames until `pick` accepts one (heartbeats and early output are
+/// skipped), within `deadline`.
+async fn await_reply<T>(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    what: &str,
+    host: &str,
+    mut pick: impl FnMut(ToDriver) -> Option<T>,
+) -> Result<T, ExecError> {
+    loop {
+        let frame = tokio::time::timeout_at(deadline, proto::read_frame_async(stream, proto::MAX_FRAME))
+            .await
+            .map_err(|_| ExecError::Nics(format!("host {host} did not answer the {what} before the start timeout")))?
+            .map_err(|e| ExecError::Nics(format!("host {host} was lost during the {what}: {e}")))?;
+        let message: ToDriver = proto::decode(&frame)
+            .map_err(|e| ExecError::Nics(format!("host {host}: unreadable {what} answer: {e}")))?;
+        if let Some(reply) = pick(message) {
+            return Ok(reply);
+        }
+    }
+}
+
+/// One agent per node lists and probes interfaces in a ring; see `nics`.
+/// All workers on one node use `single_host` (loopback by default).
+async fn detect_nics(
+    plan: &Plan,
+    hellos: &mut [Hello],
+    deadline: Instant,
+    single_host: Vec<String>,
+) -> Result<(Vec<String>, Vec<crate::nics::PairReport>), ExecError> {
+    let reps = plan.node_representatives();
+    if reps.len() < 2 {
+        let nics = if single_host.is_empty() { vec!["lo".to_string()] } else { single_host };
+        return Ok((nics, Vec::new()));
+    }
+    let host = |i: usize| plan.workers[i].host.hostname.clone();
+    let frame = |m: &ToWorker| proto::encode(m).map_err(|source| ExecError::Io { what: "encoding".into(), source });
+    let listen = frame(&ToWorker::ProbeListen)?;
+    for &r in &reps {
+        hellos[r].stream.write_all(&listen).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
+    }
+    let mut listeners = Vec::new();
+    for &r in &reps {
+        let ready = await_reply(&mut hellos[r].stream, deadline, "interface listing", &host(r), |m| match m {
+            ToDriver::ProbeReady { port, interfaces } => Some((port, interfaces)),
+            _ => None,
+        })
+        .await?;
+        listeners.push(ready);
+    }
+    // every probe gets what is left of the start timeout
+    let timeout_ms = deadline.saturating_duration_since(Instant::now()).as_millis().max(100) as u64;
+    for (k, &r) in reps.iter().enumerate() {
+        let next = (k + 1) % reps.len();
+        let (port, interfaces) = &listeners[next];
+        let targets: Vec<(String, String, u16)> = interfaces
+            .iter()
+            .flat_map(|(name, addrs)| addrs.iter().map(move |a| (name.clone(), a.clone(), *port)))
+            .collect();
+        let probe = frame(&ToWorker::Probe { index: reps[next] as u32, targets, timeout_ms })?;
+        hellos[r].stream.write_all(&probe).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
+    }
+    let mut pairs = Vec::new();
+    for (k, &r) in reps.iter().enumerate() {
+        let later = deadline + Duration::from_secs(1);
+        let results = await_reply(&mut hellos[r].stream, later, "interface probe", &host(r), |m| match m {
+            ToDriver::ProbeResult { results } => Some(results),
+            _ => None,
+        })
+        .await?;
+        pairs.push(crate::nics::PairReport { from: host(r), to: host(reps[(k + 1) % reps.len()]), results });
+    }
+    let common = crate::nics::common(&pairs).map_err(ExecError::Nics)?;
+    Ok((common, pairs))
+}
+
+fn free_port(ip: std::net::IpAddr) -> Result<u16, ExecError> {
+    let io = |source| ExecError::Io { what: "finding a free port".into(), source };
+    let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(io)?;
+    Ok(listener.local_addr().map_err(io)?.port())
+}

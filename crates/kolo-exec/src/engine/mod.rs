@@ -1,0 +1,111 @@
+//! Engines place worker processes and report where they landed; everything
+//! else (registration, ranks, rendezvous, env) is the driver's, the same on
+//! every engine.
+
+mod local;
+mod slurm;
+mod ssh;
+
+pub use local::LocalEngine;
+pub use slurm::{SlurmEngine, SlurmOptions};
+pub use ssh::{SshEngine, SshOptions};
+
+use std::ffi::OsString;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kolo_topology::{HostResources, HostSpec};
+
+use crate::guard::Guard;
+use crate::ExecError;
+
+/// One worker process to start, as the plan placed it.
+#[derive(Clone, Debug)]
+pub struct WorkerLaunch {
+    pub index: u32,
+    pub host: HostResources,
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// Variables that put the process in worker mode (`worker::env`).
+    pub env: Vec<(String, String)>,
+    /// The job secret: each engine passes it out of sight of `ps` and of
+    /// the environment where it can (stdin), and says so where it cannot.
+    pub secret: String,
+}
+
+/// What an engine does. The driver calls these off its async runtime
+/// where they may block (`hosts`, `driver_addr`, `spawn`); `exited`,
+/// `all_exited` and `kill_all` never block.
+pub trait Engine: Send {
+    fn name(&self) -> &'static str;
+    /// What the engine can place workers on; an engine that waits for
+    /// resources (a Slurm queue) gives up after `placement_timeout`.
+    fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError>;
+    /// Where the driver listens so that every worker can reach it.
+    fn driver_addr(&self) -> IpAddr;
+    /// Interfaces the workers share when nothing better is known.
+    fn default_nics(&self) -> Vec<String>;
+    /// Starts the worker processes; whatever must not outlive the driver
+    /// (process groups, files, an allocation) is registered with `janitor`,
+    /// which cleans it up even if the driver is killed.
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError>;
+    /// Workers whose process ended, with how.
+    fn exited(&mut self) -> Vec<(u32, String)>;
+    /// Whether every worker process has ended.
+    fn all_exited(&mut self) -> bool;
+    /// Sends SIGKILL to whatever is left of the worker processes (reaped
+    /// by later `exited`/`all_exited` calls).
+    fn kill_all(&mut self);
+}
+
+/// Which engine places the workers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// Slurm inside an allocation, ssh when the host list names other
+    /// machines, local processes otherwise.
+    Auto,
+    Local,
+    Ssh,
+    Slurm,
+}
+
+impl EngineChoice {
+    /// The engine `Auto` stands for with these hosts (may look host names
+    /// up: call it off the async runtime).
+    pub fn resolve(self, hosts: &[HostSpec]) -> EngineChoice {
+        match self {
+            EngineChoice::Auto if SlurmEngine::in_allocation() => EngineChoice::Slurm,
+            EngineChoice::Auto if hosts.iter().all(|h| is_this_machine(&h.name)) => EngineChoice::Local,
+            EngineChoice::Auto => EngineChoice::Ssh,
+            other => other,
+        }
+    }
+}
+
+/// Whether `host` names this machine: `localhost`, its host name, or one
+/// of its addresses (looks the name up).
+pub fn is_this_machine(host: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    if host == "localhost" {
+        return true;
+    }
+    let own = nix::unistd::gethostname().ok().and_then(|h| h.into_string().ok());
+    if own.as_deref() == Some(host) {
+        return true;
+    }
+    let Ok(addrs) = (host, 0).to_socket_addrs() else { return false };
+    let local: Vec<IpAddr> = nix::ifaddrs::getifaddrs()
+        .map(|all| {
+            all.filter_map(|a| {
+                let a = a.address?;
+                a.as_sockaddr_in()
+                    .map(|v4| IpAddr::V4(v4.ip()))
+                    .or_else(|| a.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip())))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    addrs.into_iter().any(|a| a.ip().is_loopback() || local.contains(&a.ip()))
+}
+

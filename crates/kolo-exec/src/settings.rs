@@ -1,0 +1,129 @@
+//! How a job runs ([`Settings`]) and what it asks for ([`WorkerRequest`]).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kolo_topology::{resolve_gpus_per_worker, Placement, TopologyError, WorkerResources};
+
+use crate::output::OutputOptions;
+use crate::ExecError;
+
+/// How a job runs. `Settings::default()` gives upstream's defaults and a
+/// fresh secret.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Workers must connect and register within this (upstream `timeout_s`).
+    pub start_timeout: Duration,
+    /// Engines that can wait for resources (a Slurm queue) give up after
+    /// this (upstream `placement_group_timeout_s`).
+    pub placement_timeout: Duration,
+    /// Interfaces to use instead of detecting them.
+    pub nics: Option<Vec<String>>,
+    /// How [`Executor::on_hosts`] reaches other machines (identity file,
+    /// port, config file, options).
+    pub ssh: crate::SshOptions,
+    /// How often driver and workers send heartbeats.
+    pub heartbeat_interval: Duration,
+    /// A worker silent this long is reported lost (and a worker whose
+    /// driver is silent this long exits).
+    pub heartbeat_timeout: Duration,
+    /// Between SIGTERM and SIGKILL when stopping executables.
+    pub kill_grace: Duration,
+    pub output: OutputOptions,
+    /// The program started in worker mode (default: this binary).
+    pub worker_program: Option<PathBuf>,
+    /// The rendezvous server refuses requests without the job secret.
+    pub rendezvous_require_secret: bool,
+    secret: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            start_timeout: Duration::from_secs(30),
+            placement_timeout: Duration::from_secs(100),
+            nics: None,
+            ssh: crate::SshOptions::default(),
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(5),
+            kill_grace: Duration::from_secs(5),
+            output: OutputOptions::default(),
+            worker_program: None,
+            rendezvous_require_secret: false,
+            secret: random_hex(32),
+        }
+    }
+}
+
+impl Settings {
+    /// Replaces the job secret (a fresh one is made by default).
+    pub fn with_secret(mut self, secret: impl Into<String>) -> Self {
+        self.secret = secret.into();
+        self
+    }
+
+    pub(crate) fn secret(&self) -> &str {
+        &self.secret
+    }
+}
+
+/// How many workers and what each needs (RayExecutor's arguments).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerRequest {
+    pub placement: Placement,
+    pub resources: WorkerResources,
+}
+
+impl WorkerRequest {
+    /// `num_workers` packed onto as few hosts as fit.
+    pub fn pack(num_workers: u32) -> Self {
+        WorkerRequest { placement: Placement::Pack { num_workers }, resources: WorkerResources::default() }
+    }
+
+    /// `num_hosts` distinct hosts with `workers_per_host` workers each.
+    pub fn colocated(num_hosts: u32, workers_per_host: u32) -> Self {
+        WorkerRequest {
+            placement: Placement::Colocated { num_hosts, workers_per_host },
+            resources: WorkerResources::default(),
+        }
+    }
+
+    /// Upstream's argument set, validated the same way.
+    pub fn from_args(
+        num_workers: Option<u32>,
+        num_hosts: Option<u32>,
+        num_workers_per_host: Option<u32>,
+        cpus_per_worker: u32,
+        use_gpu: bool,
+        gpus_per_worker: Option<u32>,
+    ) -> Result<Self, ExecError> {
+        let placement = Placement::from_counts(num_workers, num_hosts, num_workers_per_host)?;
+        let gpus = resolve_gpus_per_worker(use_gpu, gpus_per_worker)?;
+        if cpus_per_worker == 0 {
+            return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into());
+        }
+        Ok(WorkerRequest { placement, resources: WorkerResources { cpus: cpus_per_worker, gpus } })
+    }
+
+    pub fn cpus_per_worker(mut self, cpus: u32) -> Self {
+        self.resources.cpus = cpus;
+        self
+    }
+
+    pub fn gpus_per_worker(mut self, gpus: u32) -> Self {
+        self.resources.gpus = gpus;
+        self
+    }
+
+    pub fn num_workers(&self) -> u32 {
+        self.placement.num_workers()
+    }
+}
+
+
+pub(crate) fn random_hex(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut buf = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut buf);
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}

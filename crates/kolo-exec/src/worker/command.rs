@@ -1,0 +1,109 @@
+//! The OS command a worker runs (what `kolo run` starts in every rank): its
+//! own process group, output pumped to the driver, exit reported. A guard
+//! process ends the group if the agent dies or stops, so no rank outlives
+//! its agent.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use crate::guard::{Guard, GuardOptions};
+use crate::proto::ToDriver;
+
+use super::{pump, Agent};
+
+pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String, String)]) {
+    use std::os::unix::ffi::OsStrExt;
+    let args: Vec<&std::ffi::OsStr> = argv.iter().map(|a| std::ffi::OsStr::from_bytes(a)).collect();
+    let Some((program, rest)) = args.split_first() else {
+        let _ = agent.send(&ToDriver::CommandStartFailed { message: "empty command".into(), code: 127 });
+        return;
+    };
+    // the guard first: from the moment the command exists, something
+    // outside this process knows to end it
+    let guard = match Guard::spawn(GuardOptions { grace: agent.kill_grace, silence: Some(agent.heartbeat_timeout) }) {
+        Ok(guard) => guard,
+        Err(e) => {
+            let message = format!("cannot start the guard process: {e}");
+            let _ = agent.send(&ToDriver::CommandStartFailed { message, code: 126 });
+            return;
+        }
+    };
+    let mut command = Command::new(program);
+    command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
+    command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+    let guard_pipe = guard.pipe_fd();
+    // SAFETY: the hook runs between fork and exec and only calls getpid and
+    // write (async-signal-safe): the child registers its own group with
+    // the guard before the program starts, so there is no moment when a
+    // killed agent leaves an unguarded command
+    unsafe {
+        command.pre_exec(move || {
+            let pid = libc::getpid() as u32;
+            let mut record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
+            record[3..].copy_from_slice(&pid.to_be_bytes());
+            libc::write(guard_pipe, record.as_ptr().cast(), record.len());
+            Ok(())
+        });
+    }
+    let mut child = match command.spawn() {
+        Ok(child) => child,
+        Err(e) => {
+            guard.release();
+            let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
+            let message = format!("could not start '{}': {e}", program.to_string_lossy());
+            let _ = agent.send(&ToDriver::CommandStartFailed { message, code });
+            return;
+        }
+    };
+    let guard = Arc::new(guard);
+    {
+        // beats from a thread of their own: they stop only when this whole
+        // process is stopped or hung, never when the driver is slow
+        let (guard, interval) = (guard.clone(), agent.heartbeat_interval);
+        let _ = std::thread::Builder::new().name("kolo-guard-beat".into()).spawn(move || {
+            while guard.beat().is_ok() {
+                std::thread::sleep(interval);
+            }
+        });
+    }
+    *agent.command.lock().unwrap_or_else(|p| p.into_inner()) = Some(super::Running { group: child.id(), guard });
+    let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
+    let (done_tx, done_rx) = mpsc::channel();
+    let outputs: [(Option<OwnedFd>, bool); 2] =
+        [(child.stdout.take().map(OwnedFd::from), false), (child.stderr.take().map(OwnedFd::from), true)];
+    for (fd, stderr) in outputs {
+        let Some(fd) = fd else { continue };
+        let (agent, done) = (agent.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            pump(&agent, File::from(fd), stderr);
+            let _ = done.send(());
+        });
+    }
+    let agent = agent.clone();
+    std::thread::spawn(move || {
+        let status = child.wait();
+        // the last lines must reach the driver before the exit does; a
+        // background child still holding the pipes must not delay it long
+        let deadline = Instant::now() + Duration::from_millis(300);
+        for _ in 0..2 {
+            let _ = done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
+        }
+        use std::os::unix::process::ExitStatusExt;
+        let (code, signal) = match status {
+            Ok(s) => (s.code(), s.signal()),
+            Err(_) => (None, None),
+        };
+        let _ = agent.send(&ToDriver::CommandExited { code, signal });
+    });
+}
+
+impl Guard {
+    fn pipe_fd(&self) -> std::os::fd::RawFd {
+        self.pipe.as_raw_fd()
+    }
+}

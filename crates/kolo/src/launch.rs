@@ -1,0 +1,104 @@
+//! `kolo run`'s policy: which engine places the ranks, how many, and the
+//! Executor running the command in every worker. The plan the Executor
+//! makes is the one `--dry-run` prints.
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::time::Duration;
+
+use kolo_exec::{
+    EngineChoice, Executor, JobOutcome, LocalEngine, OutputOptions, Settings, SlurmEngine, SlurmOptions, SshEngine,
+    SshOptions, WorkerRequest,
+};
+use kolo_topology::{total_slots, HostSpec, TopologyError};
+use nix::sys::signal::Signal;
+
+/// Everything `kolo run` was asked for.
+#[derive(Clone, Debug)]
+pub struct LaunchSpec {
+    pub command: Vec<OsString>,
+    pub hosts: Vec<HostSpec>,
+    pub np: u64,
+    /// Bounds start-up; also Gloo's rendezvous timeout in the workers.
+    pub start_timeout: Duration,
+    /// How long an engine may wait for resources (a Slurm queue).
+    pub placement_timeout: Duration,
+    /// Between SIGTERM and SIGKILL at teardown.
+    pub grace: Duration,
+    /// Variables set on top of kolo's own (`-x`, `--env`).
+    pub extra_env: Vec<(String, String)>,
+    pub output: OutputOptions,
+    /// Rendezvous refuses requests without the job secret (kolo-only workers).
+    pub require_secret: bool,
+    /// GPUs each rank holds, out of those its host declares (`gpus=N`).
+    pub gpus_per_worker: u32,
+    pub engine: EngineChoice,
+    pub ssh: SshOptions,
+    pub slurm: SlurmOptions,
+    /// Interfaces to use instead of detecting them.
+    pub nics: Option<Vec<String>>,
+    /// The program started as the worker agent (default: this binary).
+    pub worker_program: Option<std::path::PathBuf>,
+}
+
+/// The Executor for a launch: its engine chosen (host names are looked up
+/// off the async runtime), its request checked with Horovod's messages.
+pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
+    let available = total_slots(&spec.hosts);
+    if spec.np > available && !matches!(spec.engine, EngineChoice::Slurm) {
+        return Err(TopologyError::NotEnoughSlots { requested: spec.np, available }.into());
+    }
+    let np = u32::try_from(spec.np)
+        .ok()
+        .filter(|&n| n <= kolo_topology::MAX_PROCESSES)
+        .ok_or(TopologyError::TooManyProcesses(spec.np))?;
+    let (choice, hosts) = {
+        let (choice, hosts) = (spec.engine, spec.hosts.clone());
+        tokio::task::spawn_blocking(move || (choice.resolve(&hosts), hosts)).await?
+    };
+    let engine: Box<dyn kolo_exec::Engine> = match choice {
+        EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
+        EngineChoice::Slurm => Box::new(SlurmEngine::allocate(np, spec.slurm.clone())),
+        EngineChoice::Ssh => Box::new(SshEngine::new(hosts, spec.ssh.clone())),
+        _ => Box::new(LocalEngine::with_hosts(hosts)),
+    };
+    let mut settings = Settings::default();
+    settings.start_timeout = spec.start_timeout;
+    settings.placement_timeout = spec.placement_timeout;
+    settings.kill_grace = spec.grace;
+    settings.output = spec.output.clone();
+    settings.rendezvous_require_secret = spec.require_secret;
+    settings.nics = spec.nics.clone();
+    settings.worker_program = spec.worker_program.clone();
+    // one slot = one CPU: packing fills the hosts in order, as horovodrun does
+    let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
+    Ok(Executor::with_engine(settings, request, engine)?)
+}
+
+/// Runs the job to its end. `interrupt` resolves when kolo is asked to stop
+/// (SIGINT/SIGTERM); the job is then torn down like on a failure.
+pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) -> anyhow::Result<JobOutcome> {
+    tokio::pin!(interrupt);
+    let mut executor = tokio::select! {
+        made = executor(&spec) => made?,
+        signal = &mut interrupt => return Ok(interrupted(signal)),
+    };
+    let started = tokio::select! {
+        started = executor.start_command(&spec.command, &spec.extra_env) => started,
+        signal = &mut interrupt => {
+            executor.shutdown().await;
+            return Ok(interrupted(signal));
+        }
+    };
+    if let Err(e) = started {
+        executor.shutdown().await;
+        return Err(e.into());
+    }
+    let outcome = executor.wait_command(interrupt).await;
+    executor.shutdown().await;
+    Ok(outcome?)
+}
+
+fn interrupted(signal: Signal) -> JobOutcome {
+    JobOutcome { exit_code: 128 + signal as i32, failure: None, interrupted_by: Some(signal) }
+}
