@@ -193,6 +193,7 @@ struct CheckAll {
 }
 
 impl Function for CheckAll {
+    const NAME: &'static str = "check-all";
     type Output = ();
     fn call(self, _: &WorkerContext) -> Result<(), UserError> {
         let comm = Communicator::from_env()?;
@@ -215,6 +216,7 @@ struct DieMidway {
 }
 
 impl Function for DieMidway {
+    const NAME: &'static str = "die-midway";
     type Output = String;
     fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
         let comm = Communicator::from_env()?;
@@ -237,6 +239,7 @@ struct Absent {
 }
 
 impl Function for Absent {
+    const NAME: &'static str = "absent";
     type Output = String;
     fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
         if ctx.rank() == self.missing {

@@ -371,7 +371,9 @@ mod tests {
 
     fn alive(pid: i32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X")),
+            Ok(stat) => {
+                !matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X"))
+            }
             Err(_) => false,
         }
     }
@@ -391,7 +393,8 @@ mod tests {
     fn a_dropped_guard_ends_its_groups_and_removes_its_paths() {
         use std::os::unix::process::CommandExt;
         let guard = Guard::spawn(GuardOptions { grace: Duration::from_millis(200), silence: None }).unwrap();
-        let mut child = Command::new("sh").args(["-c", "trap '' TERM; sleep 100 & wait"]).process_group(0).spawn().unwrap();
+        let mut child =
+            Command::new("sh").args(["-c", "trap '' TERM; sleep 100 & wait"]).process_group(0).spawn().unwrap();
         let dir = std::env::temp_dir().join(format!("kolo-guard-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("file"), b"x").unwrap();

@@ -102,7 +102,10 @@ pub enum ExecError {
     WorkerStart { index: u32, host: String, reason: String },
     #[error("timed out after {seconds:.1} s waiting for workers to connect: {missing} did not (raise the start timeout if they are slow)")]
     StartTimeout { seconds: f64, missing: String },
-    #[error("worker {index} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere", proto::PROTOCOL_VERSION)]
+    #[error(
+        "worker {index} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere",
+        proto::PROTOCOL_VERSION
+    )]
     Version { index: u32, worker: u32 },
     #[error("the worker program {} on host {host} is another build ({worker}) than the driver ({driver}); run the same program build everywhere (--worker-program)", program.display())]
     Build { program: PathBuf, host: String, worker: String, driver: String },

@@ -83,7 +83,14 @@ pub struct Teardown {
 
 impl Teardown {
     pub fn new(ranks: usize, grace: Duration) -> Teardown {
-        Teardown { running: vec![true; ranks], grace, failure: None, interrupted_by: None, kill_at: None, killed: false }
+        Teardown {
+            running: vec![true; ranks],
+            grace,
+            failure: None,
+            interrupted_by: None,
+            kill_at: None,
+            killed: false,
+        }
     }
 
     pub fn on_event(&mut self, event: JobEvent, now: Instant) -> Vec<JobAction> {

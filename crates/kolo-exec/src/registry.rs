@@ -153,11 +153,7 @@ impl Registry {
             Box::new(|args, executable, ctx| {
                 let task: T = decode_args(args)?;
                 let executable = executable.downcast_mut::<E>().ok_or_else(|| {
-                    format!(
-                        "task {} runs on {}, but the worker holds another executable",
-                        T::NAME,
-                        E::NAME
-                    )
+                    format!("task {} runs on {}, but the worker holds another executable", T::NAME, E::NAME)
                 })?;
                 let output = guarded(|| task.run(executable, ctx))?;
                 postcard::to_stdvec(&output).map_err(|e| format!("cannot encode the result: {e}"))
@@ -209,7 +205,8 @@ impl Registry {
 }
 
 fn decode_args<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
-    postcard::from_bytes(bytes).map_err(|e| format!("cannot decode the arguments of {}: {e}", std::any::type_name::<T>()))
+    postcard::from_bytes(bytes)
+        .map_err(|e| format!("cannot decode the arguments of {}: {e}", std::any::type_name::<T>()))
 }
 
 /// Runs user code, turning its error or panic into a message.

@@ -120,7 +120,6 @@ impl WorkerRequest {
     }
 }
 
-
 pub(crate) fn random_hex(bytes: usize) -> String {
     use rand::RngCore;
     let mut buf = vec![0u8; bytes];

@@ -108,8 +108,10 @@ mod tests {
     #[test]
     fn a_packed_plan_is_horovods_host_assignment() {
         for (list, np) in [("a:2,b:2", 4), ("a:2,b:2", 3), ("a:1,b:2", 3), ("a:3,b:1,c:2", 5)] {
-            let plan = Plan::new(Placement::Pack { num_workers: np }, WorkerResources::default(), &hosts(list)).unwrap();
-            let horovod = host_assignments(&parse_host_list(list).unwrap(), u64::from(np), Some(u64::from(np))).unwrap();
+            let plan =
+                Plan::new(Placement::Pack { num_workers: np }, WorkerResources::default(), &hosts(list)).unwrap();
+            let horovod =
+                host_assignments(&parse_host_list(list).unwrap(), u64::from(np), Some(u64::from(np))).unwrap();
             assert_eq!(plan.slots(), horovod, "{list} -np {np}");
         }
     }

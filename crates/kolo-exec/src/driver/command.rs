@@ -3,7 +3,6 @@
 
 use std::future::Future;
 
-
 use nix::sys::signal::Signal;
 
 use super::link::Ended;
@@ -91,4 +90,3 @@ async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
         None => std::future::pending().await,
     }
 }
-

@@ -248,16 +248,14 @@ impl Executor {
         for link in &running.links {
             let _ = link.send(&ToWorker::Stop).await;
         }
-        let deadline = Instant::now() + self.settings.kill_grace + Duration::from_secs(2);
-        while !self.engine().is_none_or(|e| e.all_exited()) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        self.stop_engine().await;
-        // the readers forward the workers' last output, then end
+        // a worker that stops closes its connection after its last output;
+        // the readers of lost workers have ended already
         let drain = async { while running.readers.join_next().await.is_some() {} };
-        if tokio::time::timeout(Duration::from_millis(500), drain).await.is_err() {
+        let limit = self.settings.kill_grace + Duration::from_secs(2);
+        if tokio::time::timeout(limit, drain).await.is_err() {
             running.readers.abort_all();
         }
+        self.stop_engine().await;
         drop(running.links);
         running.server.stop().await;
         running.output.finish().await;

@@ -341,7 +341,10 @@ async fn handshake(
     }
     let expected = proto::worker_tag(secret, &nonce, &header.nonce, header.version, header.index, body);
     if !proto::tags_match(&header.tag, &expected) {
-        return Err(Refusal::Logged(format!("a peer claiming to be worker {} does not know the job secret", header.index)));
+        return Err(Refusal::Logged(format!(
+            "a peer claiming to be worker {} does not know the job secret",
+            header.index
+        )));
     }
     // authenticated from here on
     if header.version != PROTOCOL_VERSION {

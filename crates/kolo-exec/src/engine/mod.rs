@@ -108,4 +108,3 @@ pub fn is_this_machine(host: &str) -> bool {
         .unwrap_or_default();
     addrs.into_iter().any(|a| a.ip().is_loopback() || local.contains(&a.ip()))
 }
-

@@ -176,7 +176,10 @@ impl Engine for SlurmEngine {
         // task i runs where the plan put worker i; the layout file lives in
         // a private directory that the janitor removes if the driver dies
         let io = |what: String| move |source| ExecError::Io { what, source };
-        let dir = tempfile::Builder::new().prefix("kolo-slurm-").tempdir().map_err(io("making a temporary directory".into()))?;
+        let dir = tempfile::Builder::new()
+            .prefix("kolo-slurm-")
+            .tempdir()
+            .map_err(io("making a temporary directory".into()))?;
         let hostfile = dir.path().join("hosts");
         let _ = janitor.remove_path(dir.path());
         let _ = janitor.remove_path(&hostfile);

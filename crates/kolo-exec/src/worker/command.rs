@@ -24,8 +24,11 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         return;
     };
     // the guard first: from the moment the command exists, something
-    // outside this process knows to end it
-    let guard = match Guard::spawn(GuardOptions { grace: agent.kill_grace, silence: Some(agent.heartbeat_timeout) }) {
+    // outside this process knows to end it. It waits out twice the
+    // heartbeat timeout: the driver notices a stopped agent first and says
+    // so; the guard is for when nobody else is left to act
+    let silence = Some(agent.heartbeat_timeout * 2);
+    let guard = match Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }) {
         Ok(guard) => guard,
         Err(e) => {
             let message = format!("cannot start the guard process: {e}");

@@ -22,7 +22,9 @@ use nix::sys::signal::Signal;
 
 use crate::guard::Guard;
 use crate::process::{group_alive, signal_group};
-use crate::proto::{self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
+use crate::proto::{
+    self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
+};
 use crate::registry::{Registry, WorkerContext};
 use reader::FrameReader;
 

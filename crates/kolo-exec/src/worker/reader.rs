@@ -66,4 +66,3 @@ impl FrameReader {
         Ok(Some(message))
     }
 }
-

@@ -1,0 +1,206 @@
+//! `kolo run` under the conditions real terminals, faults and careless
+//! users create: slow readers, killed and stopped agents, endless lines,
+//! closed pipes, too few descriptors, a killed driver.
+
+mod common;
+
+use std::io::Read;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// Pid of each rank's command and of its agent (the command's parent),
+/// written by the ranks as "$$ $PPID".
+fn commands_and_agents(dir: &std::path::Path, ranks: usize) -> Vec<(i32, i32)> {
+    wait_for("every rank to write its pids", Duration::from_secs(20), || pids_in(dir).len() == 2 * ranks);
+    pids_in(dir).chunks(2).map(|p| (p[0], p[1])).collect()
+}
+
+#[test]
+fn a_paused_reader_of_kolos_output_holds_back_only_the_rank_that_prints() {
+    // 2 MB of output, then silence longer than the heartbeat timeout (5 s)
+    // while nobody reads kolo's stdout: the job must live and lose nothing
+    let mut child = kolo()
+        .args(["run", "-np", "2", "--", "sh", "-c", "[ $RANK = 0 ] && yes | head -c 2000000; sleep 7; echo finished"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // the pause is the scenario itself (a reader that is busy elsewhere)
+    std::thread::sleep(Duration::from_secs(6));
+    let mut out = String::new();
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(status.success(), "{err}");
+    assert_eq!(out.lines().filter(|l| *l == "[0]<stdout>:y").count(), 1_000_000);
+    assert_eq!(out.lines().filter(|l| l.ends_with(":finished")).count(), 2, "{err}");
+}
+
+#[test]
+fn a_killed_agent_takes_its_rank_with_it() {
+    let dir = TempDir::new("agent-killed");
+    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
+    let child = kolo()
+        .args(["run", "-np", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = commands_and_agents(dir.path(), 2);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[1].1), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 1 on host localhost was lost"), "{}", stderr(&out));
+    wait_for("every rank's command to end", Duration::from_secs(10), || ranks.iter().all(|&(cmd, _)| !alive(cmd)));
+}
+
+#[test]
+fn a_stopped_agent_is_reported_and_leaves_nothing_running() {
+    let dir = TempDir::new("agent-stopped");
+    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
+    let child = kolo()
+        .args(["run", "-np", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ranks = commands_and_agents(dir.path(), 2);
+    let start = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[0].1), nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 0 on host localhost was lost: no heartbeat"), "{}", stderr(&out));
+    wait_for("the ranks and the stopped agent to end", Duration::from_secs(15), || {
+        ranks.iter().all(|&(cmd, agent)| !alive(cmd) && !alive(agent))
+    });
+}
+
+#[test]
+fn a_killed_driver_leaves_no_process_and_no_file() {
+    let dir = TempDir::new("driver-killed");
+    let tmp_before = kolo_tmp_entries();
+    let script = format!("sleep 1000 & echo $$ $! > {}/$RANK.pid; wait", dir.path().display());
+    let mut child = kolo()
+        .args(["run", "-np", "3", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let ranks = commands_and_agents(dir.path(), 3);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_for("every rank and its children to end", Duration::from_secs(15), || {
+        ranks.iter().all(|&(sh, sleeper)| !alive(sh) && !alive(sleeper))
+    });
+    assert_eq!(kolo_tmp_entries(), tmp_before);
+}
+
+fn kolo_tmp_entries() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("kolo-") && !n.starts_with("kolo-test-"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn an_endless_line_is_split_instead_of_buffered() {
+    let out = run(&["run", "-np", "1", "--", "sh", "-c", "head -c 3000000 /dev/zero | tr '\\0' y"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.iter().all(|l| l.len() <= 64 * 1024 + "[0]<stdout>:".len()), "a line over the bound");
+    let ys: usize = lines.iter().map(|l| l.trim_start_matches("[0]<stdout>:").len()).sum();
+    assert_eq!(ys, 3_000_000);
+}
+
+#[test]
+fn a_closed_pipe_ends_kolo_quietly() {
+    let mut child = kolo()
+        .args(["run", "--dry-run", "-H", "localhost:4000", "-np", "4000", "--", "true"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 100];
+    child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).is_empty(), "{}", stderr(&out));
+}
+
+#[test]
+fn absurd_sizes_are_refused_at_once() {
+    let start = Instant::now();
+    let out = run(&["run", "--dry-run", "-H", "localhost:10000000", "--", "true"]);
+    assert!(start.elapsed() < Duration::from_secs(2));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("slot count 10000000 is over kolo's limit of 65536"), "{}", stderr(&out));
+    let out = run(&["run", "--dry-run", "-np", "70000", "--", "true"]);
+    assert!(stderr(&out).contains("over kolo's limit"), "{}", stderr(&out));
+}
+
+#[test]
+fn too_few_descriptors_is_named_as_the_problem() {
+    use std::os::unix::process::CommandExt;
+    let mut command = kolo();
+    command.args(["run", "-np", "300", "--start-timeout", "10", "--", "true"]);
+    // SAFETY: setrlimit is async-signal-safe; `ulimit -n 256` in the child
+    unsafe {
+        command.pre_exec(|| {
+            let limit = 256;
+            nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, limit, limit)
+                .map_err(std::io::Error::from)
+        });
+    }
+    let start = Instant::now();
+    let out = command.output().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("file descriptors") && stderr(&out).contains("ulimit -n"), "{}", stderr(&out));
+}
+
+#[test]
+fn unknown_interfaces_in_nics_are_named() {
+    let out = run(&["run", "--engine", "local", "-H", "a:1,b:1", "--nics", "eth9", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("interface 'eth9' (--nics) does not exist on host a"), "{}", stderr(&out));
+}
+
+/// `--dry-run` prints exactly what runs: every variable it shows, a rank
+/// gets, with the same value, except those it marks as chosen at start.
+#[test]
+fn the_dry_run_is_what_runs() {
+    let args = ["--engine", "local", "-np", "4", "-H", "node-a:2,node-b:2", "--nics", "lo", "-x", "EXTRA=1"];
+    let mut dry = vec!["run", "--dry-run"];
+    dry.extend(args);
+    dry.extend(["--", "true"]);
+    let planned = run(&dry);
+    assert!(planned.status.success(), "{}", stderr(&planned));
+    let mut real = vec!["run", "--disable-prefix"];
+    real.extend(args);
+    real.extend(["--", "sh", "-c", "env | sed \"s/^/$RANK /\""]);
+    let ran = run(&real);
+    assert!(ran.status.success(), "{}", stderr(&ran));
+    let got = stdout(&ran);
+    for line in stdout(&planned).lines() {
+        let plan: serde_json::Value = serde_json::from_str(line).unwrap();
+        let rank = plan["rank"].as_u64().unwrap();
+        for (key, value) in plan["env"].as_object().unwrap() {
+            let value = value.as_str().unwrap();
+            let prefix = format!("{rank} {key}=");
+            let seen = got.lines().find_map(|l| l.strip_prefix(&prefix));
+            assert!(seen.is_some(), "rank {rank} lacks {key}");
+            if !value.starts_with('<') {
+                assert_eq!(seen, Some(value), "rank {rank} {key}");
+            }
+        }
+    }
+}
