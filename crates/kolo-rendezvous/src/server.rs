@@ -1,7 +1,7 @@
 //! The HTTP server. One tokio task per connection, HTTP/1.1 keep-alive,
 //! a large listen backlog, bounded bodies and header read time.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -61,8 +61,9 @@ struct Store {
     scopes: HashMap<String, HashMap<String, Bytes>>,
     /// Size of each scope the plan defines.
     plan_sizes: HashMap<String, usize>,
-    /// How many ranks finished (DELETE) each plan scope since it was last cleared.
-    finished: HashMap<String, usize>,
+    /// Ranks (keys) that finished (DELETE) each plan scope since it was last
+    /// cleared: a set, so that a retried DELETE counts once.
+    finished: HashMap<String, HashSet<String>>,
     plan: Vec<Slot>,
 }
 
@@ -80,9 +81,9 @@ impl Store {
 
     fn finish(&mut self, scope: &str, key: &str) {
         if let Some(&size) = self.plan_sizes.get(scope) {
-            let done = self.finished.entry(scope.to_string()).or_insert(0);
-            *done += 1;
-            if *done >= size {
+            let done = self.finished.entry(scope.to_string()).or_default();
+            done.insert(key.to_string());
+            if done.len() >= size {
                 // every rank is done: the scope starts afresh for the next round
                 self.finished.remove(scope);
                 if let Some(keys) = self.scopes.get_mut(scope) {

@@ -269,3 +269,16 @@ async fn futures_join_all(handles: Vec<tokio::task::JoinHandle<u64>>) -> Vec<u64
     }
     out
 }
+
+#[tokio::test]
+async fn a_retried_delete_counts_once() {
+    let server = server(&plan("a:2", 2)).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/global/0", b"x").await.0, 200);
+    assert_eq!(c.request("PUT", "/global/1", b"y").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/global/1", b"").await, (200, b"y".to_vec()), "rank 1 has not finished");
+    assert_eq!(c.request("DELETE", "/global/1", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/global/1", b"").await.0, 404);
+}
