@@ -13,7 +13,11 @@ fn plan(hosts: &str, np: u64) -> Vec<Slot> {
 }
 
 async fn server(plan: &[Slot]) -> RendezvousServer {
-    RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), plan).await.unwrap()
+    RendezvousServer::start(config(), plan).await.unwrap()
+}
+
+fn config() -> ServerConfig {
+    ServerConfig::new("127.0.0.1:0".parse().unwrap())
 }
 
 /// A raw keep-alive HTTP/1.1 connection.
@@ -60,6 +64,12 @@ impl Raw {
     async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
         let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
         self.send(&head, body).await
+    }
+
+    /// A request on a connection of its own, for answers that close it.
+    async fn once(server: &RendezvousServer, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+        let (status, body) = Raw::connect(server).await.request(method, path, body).await;
+        (status, String::from_utf8(body).unwrap())
     }
 }
 
@@ -268,6 +278,76 @@ async fn futures_join_all(handles: Vec<tokio::task::JoinHandle<u64>>) -> Vec<u64
         out.push(h.await.unwrap());
     }
     out
+}
+
+#[tokio::test]
+async fn store_bounds_answer_clearly_and_the_store_keeps_serving() {
+    let mut config = config();
+    config.max_body_bytes = 1000;
+    config.max_store_bytes = 1000;
+    config.max_path_bytes = 64;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let long = format!("/s/{}", "k".repeat(62));
+    for method in ["GET", "PUT", "DELETE"] {
+        let (status, body) = Raw::once(&server, method, &long, b"v").await;
+        assert_eq!(status, 414, "{method}");
+        assert!(body.contains("65 bytes") && body.contains("max_path_bytes") && body.lines().count() == 1, "{body}");
+    }
+    // 64 bytes is fine; each key costs scope + key + value bytes
+    assert_eq!(Raw::once(&server, "PUT", &long[..64], b"").await.0, 200);
+    assert_eq!(Raw::once(&server, "DELETE", &long[..64], b"").await.0, 200);
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/s/a", &[1; 400]).await.0, 200); // 402 held
+    assert_eq!(c.request("PUT", "/s/a", &[2; 400]).await.0, 200); // overwritten: still 402
+    assert_eq!(c.request("PUT", "/s/b", &[3; 400]).await.0, 200); // 804
+    let (status, body) = Raw::once(&server, "PUT", "/s/c", &[4; 400]).await;
+    assert_eq!(status, 507, "{body}");
+    assert!(body.contains("store full") && body.contains("max_store_bytes") && body.lines().count() == 1, "{body}");
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("GET", "/s/a", b"").await, (200, vec![2; 400]));
+    assert_eq!(c.request("PUT", "/s/a", &[5; 100]).await.0, 200); // 504
+    assert_eq!(c.request("PUT", "/s/c", &[6; 400]).await.0, 200); // 906
+    assert_eq!(c.request("PUT", "/s/d", &[7; 92]).await.0, 200); // 1000: full to the byte
+    assert_eq!(Raw::once(&server, "PUT", "/s/e", b"").await.0, 507);
+    // deleting frees
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("DELETE", "/s/b", b"").await.0, 200); // 598
+    assert_eq!(c.request("PUT", "/s/e", &[8; 400]).await.0, 200); // 1000
+    assert_eq!(c.request("GET", "/s/c", b"").await, (200, vec![6; 400]));
+    // a value over the value limit is refused without reading it
+    let head = "PUT /s/f HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n";
+    let (status, body) = Raw::connect(&server).await.send(head, b"").await;
+    assert_eq!(status, 413);
+    assert!(String::from_utf8_lossy(&body).contains("max_body_bytes"));
+}
+
+#[tokio::test]
+async fn the_key_count_is_bounded_and_cleared_scopes_free_their_keys() {
+    let mut config = config();
+    config.max_keys = 3;
+    let server = RendezvousServer::start(config, &plan("a:2", 2)).await.unwrap();
+    let mut c = Raw::connect(&server).await;
+    for key in ["/global/0", "/global/1", "/x/y"] {
+        assert_eq!(c.request("PUT", key, b"v").await.0, 200, "{key}");
+    }
+    let (status, body) = Raw::once(&server, "PUT", "/x/z", b"v").await;
+    assert_eq!(status, 507, "{body}");
+    assert!(body.contains("3 keys") && body.contains("max_keys") && body.lines().count() == 1, "{body}");
+    // overwriting adds no key
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/x/y", b"w").await.0, 200);
+    // a plan scope cleared by its last rank frees its keys
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/1", b"").await.0, 200);
+    assert_eq!(c.request("PUT", "/x/z", b"v").await.0, 200);
+    assert_eq!(c.request("PUT", "/global/0", b"v").await.0, 200);
+    assert_eq!(Raw::once(&server, "PUT", "/global/1", b"v").await.0, 507);
+    // a new plan empties the store
+    server.init(&plan("a:2", 2));
+    let mut c = Raw::connect(&server).await;
+    for key in ["/global/0", "/global/1", "/x/y"] {
+        assert_eq!(c.request("PUT", key, b"v").await.0, 200, "{key}");
+    }
 }
 
 #[tokio::test]
