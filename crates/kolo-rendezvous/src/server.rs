@@ -1,6 +1,6 @@
 //! The HTTP server. One tokio task per connection, HTTP/1.1 keep-alive,
 //! a large listen backlog, and a bound on everything a client can make it
-//! hold: paths, values, keys, store bytes, header read time.
+//! hold: paths, values, keys, store bytes, header and body read time.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -51,8 +51,13 @@ pub struct ServerConfig {
     /// default, since Horovod's C++ client cannot present one.
     pub require_secret: bool,
     pub backlog: u32,
-    /// How long a client may take to send a request's headers.
+    /// How long a client may take to send a request's headers; also how
+    /// long a connection may sit idle before its first or next request
+    /// (hyper starts this timer whenever it waits for a request). Default 30 s.
     pub header_timeout: Duration,
+    /// How long a client may take to send a PUT's body; a slower one gets
+    /// 408 and its connection is closed. Default 30 s.
+    pub body_timeout: Duration,
 }
 
 impl ServerConfig {
@@ -67,6 +72,7 @@ impl ServerConfig {
             require_secret: false,
             backlog: 8192,
             header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -315,6 +321,8 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
         let shared = shared.clone();
         async move { Ok::<_, Infallible>(handle(req, &shared).await) }
     });
+    // hyper 1 runs the header timer from the moment it waits for a request,
+    // so it also closes connections idle before or between requests
     let _ = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(timeout)
@@ -416,9 +424,18 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
                 Ok(bytes) => Reservation { shared, bytes },
                 Err(message) => return error_closing(StatusCode::INSUFFICIENT_STORAGE, message),
             };
-            let body = match read_body(req.into_body(), length).await {
-                Ok(body) => body,
-                Err(e) => return error_closing(StatusCode::BAD_REQUEST, format!("reading the body failed: {e}")),
+            let body = match tokio::time::timeout(config.body_timeout, read_body(req.into_body(), length)).await {
+                Ok(Ok(body)) => body,
+                Ok(Err(e)) => return error_closing(StatusCode::BAD_REQUEST, format!("reading the body failed: {e}")),
+                Err(_) => {
+                    return error_closing(
+                        StatusCode::REQUEST_TIMEOUT,
+                        format!(
+                            "the body of {length} bytes did not arrive within {:?}; send it faster or raise the server's body_timeout",
+                            config.body_timeout
+                        ),
+                    )
+                }
             };
             match reservation.land(scope, key, body) {
                 Ok(()) => reply(StatusCode::OK, Bytes::new()),

@@ -20,6 +20,12 @@ fn config() -> ServerConfig {
     ServerConfig::new("127.0.0.1:0".parse().unwrap())
 }
 
+/// Bounds the waits of a test that would otherwise hang on a server that
+/// fails to time something out.
+async fn within<T>(limit: Duration, what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| panic!("{what}: not within {limit:?}"))
+}
+
 /// A raw keep-alive HTTP/1.1 connection.
 struct Raw {
     reader: BufReader<TcpStream>,
@@ -70,6 +76,12 @@ impl Raw {
     async fn once(server: &RendezvousServer, method: &str, path: &str, body: &[u8]) -> (u16, String) {
         let (status, body) = Raw::connect(server).await.request(method, path, body).await;
         (status, String::from_utf8(body).unwrap())
+    }
+
+    /// Whether the server closed the connection (reads to end of stream).
+    async fn closed(&mut self) -> bool {
+        let mut rest = Vec::new();
+        self.reader.read_to_end(&mut rest).await.is_ok() && rest.is_empty()
     }
 }
 
@@ -348,6 +360,46 @@ async fn the_key_count_is_bounded_and_cleared_scopes_free_their_keys() {
     for key in ["/global/0", "/global/1", "/x/y"] {
         assert_eq!(c.request("PUT", key, b"v").await.0, 200, "{key}");
     }
+}
+
+#[tokio::test]
+async fn a_slow_body_gets_408_and_its_reserved_bytes_back() {
+    let mut config = config();
+    config.body_timeout = Duration::from_millis(200);
+    config.max_store_bytes = 1000;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut slow = Raw::connect(&server).await;
+    let head = "PUT /s/k HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n";
+    let (status, body) = within(Duration::from_secs(10), "408", slow.send(head, b"only ten..")).await;
+    assert_eq!(status, 408);
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.contains("900 bytes") && body.contains("body_timeout") && body.lines().count() == 1, "{body}");
+    assert!(within(Duration::from_secs(10), "close after 408", slow.closed()).await);
+    // the 900 bytes set aside for it are free again, as they are for a
+    // client that hangs up mid-body
+    let mut gone = Raw::connect(&server).await;
+    gone.reader.get_mut().write_all(head.as_bytes()).await.unwrap();
+    gone.reader.get_mut().write_all(b"ten bytes.").await.unwrap();
+    drop(gone);
+    within(Duration::from_secs(10), "the store to have room again", async {
+        while Raw::once(&server, "PUT", "/s/k", &[1; 900]).await.0 != 200 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(Raw::connect(&server).await.request("GET", "/s/k", b"").await, (200, vec![1; 900]));
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_before_and_between_requests() {
+    let mut config = config();
+    config.header_timeout = Duration::from_millis(200);
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut silent = Raw::connect(&server).await;
+    let mut used = Raw::connect(&server).await;
+    assert_eq!(used.request("PUT", "/s/k", b"v").await.0, 200);
+    assert!(within(Duration::from_secs(10), "close a silent connection", silent.closed()).await);
+    assert!(within(Duration::from_secs(10), "close an idle keep-alive connection", used.closed()).await);
 }
 
 #[tokio::test]
