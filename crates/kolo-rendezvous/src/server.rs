@@ -1,6 +1,7 @@
 //! The HTTP server. One tokio task per connection, HTTP/1.1 keep-alive,
 //! a large listen backlog, and a bound on everything a client can make it
-//! hold: paths, values, keys, store bytes, header and body read time.
+//! hold: paths, values, keys, store bytes, header and body read time, and
+//! connections.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -58,6 +59,10 @@ pub struct ServerConfig {
     /// How long a client may take to send a PUT's body; a slower one gets
     /// 408 and its connection is closed. Default 30 s.
     pub body_timeout: Duration,
+    /// Most connections served at once; past it a new connection gets 503
+    /// and is closed at once, so the clients already served keep working.
+    /// Default 16384.
+    pub max_connections: usize,
 }
 
 impl ServerConfig {
@@ -73,6 +78,7 @@ impl ServerConfig {
             backlog: 8192,
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
+            max_connections: 16384,
         }
     }
 }
@@ -295,23 +301,97 @@ impl Drop for RendezvousServer {
 async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     // connection tasks live in the set, so ending this loop ends them all
     let mut connections = JoinSet::new();
+    let mut failures = AcceptFailures::default();
+    let mut at_cap = false;
     loop {
         tokio::select! {
             _ = stopped.changed() => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    failures.recovered();
+                    while connections.try_join_next().is_some() {}
+                    let max = shared.config.max_connections;
+                    if connections.len() >= max {
+                        if !at_cap {
+                            tracing::warn!("rendezvous server at its limit of {max} connections (max_connections): refusing new ones");
+                            at_cap = true;
+                        }
+                        refuse(stream, max);
+                        continue;
+                    }
+                    at_cap = false;
                     connections.spawn(serve_connection(stream, shared.clone()));
                 }
                 Err(e) => {
-                    // out of descriptors or similar: back off instead of spinning
-                    tracing::warn!("rendezvous accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // out of descriptors or similar: back off instead of spinning,
+                    // longer while it lasts; timeouts free descriptors meanwhile
+                    let delay = failures.failed(&e);
+                    tokio::select! {
+                        _ = stopped.changed() => break,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
                 }
             },
         }
     }
     connections.shutdown().await;
+}
+
+/// A burst of failed accepts: logged once when it starts and once when it ends.
+#[derive(Default)]
+struct AcceptFailures {
+    count: u64,
+    delay: Duration,
+}
+
+impl AcceptFailures {
+    const FIRST_DELAY: Duration = Duration::from_millis(5);
+    const MAX_DELAY: Duration = Duration::from_millis(100);
+
+    /// Counts a failure and says how long to wait before the next accept.
+    fn failed(&mut self, e: &std::io::Error) -> Duration {
+        if self.count == 0 {
+            let errno = e.raw_os_error().map(nix::errno::Errno::from_raw);
+            if matches!(errno, Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)) {
+                let limit = match nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
+                    Ok((soft, hard)) => format!("the process may open {soft} (hard limit {hard})"),
+                    Err(_) => "the limit is unknown".into(),
+                };
+                tracing::warn!(
+                    "rendezvous accept failed: {e}; out of file descriptors ({limit}): \
+                     waiting for connections to close; raise `ulimit -n` or lower max_connections"
+                );
+            } else {
+                tracing::warn!("rendezvous accept failed: {e}; retrying");
+            }
+            self.delay = Self::FIRST_DELAY;
+        } else {
+            self.delay = (self.delay * 2).min(Self::MAX_DELAY);
+        }
+        self.count += 1;
+        self.delay
+    }
+
+    fn recovered(&mut self) {
+        if self.count > 0 {
+            tracing::info!("rendezvous server accepting again after {} failed accepts", self.count);
+            *self = AcceptFailures::default();
+        }
+    }
+}
+
+/// Answers 503 without waiting and closes: the connection is over the cap.
+fn refuse(stream: TcpStream, max: usize) {
+    let body = format!(
+        "too many connections: the server serves at most {max}; retry later or raise the server's max_connections\n"
+    );
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    // a fresh socket's send buffer takes this at once; if not, closing is enough
+    let _ = stream.try_write(response.as_bytes());
 }
 
 async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {

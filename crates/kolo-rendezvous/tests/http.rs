@@ -403,6 +403,86 @@ async fn idle_connections_are_closed_before_and_between_requests() {
 }
 
 #[tokio::test]
+async fn connections_past_the_cap_get_503_and_the_others_keep_working() {
+    let mut config = config();
+    config.max_connections = 2;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut a = Raw::connect(&server).await;
+    let mut b = Raw::connect(&server).await;
+    assert_eq!(a.request("PUT", "/s/a", b"1").await.0, 200);
+    assert_eq!(b.request("PUT", "/s/b", b"2").await.0, 200);
+    let mut over = Raw::connect(&server).await;
+    let (status, body) = within(Duration::from_secs(10), "503", over.read_response()).await;
+    assert_eq!(status, 503);
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.contains("at most 2") && body.contains("max_connections") && body.lines().count() == 1, "{body}");
+    assert!(over.closed().await);
+    assert_eq!(a.request("GET", "/s/b", b"").await, (200, b"2".to_vec()));
+    assert_eq!(b.request("GET", "/s/a", b"").await, (200, b"1".to_vec()));
+    // a closed connection makes room
+    drop(a);
+    within(Duration::from_secs(10), "room for a new connection", async {
+        loop {
+            let mut c = Raw::connect(&server).await;
+            let head = "GET /s/a HTTP/1.1\r\nHost: x\r\n\r\n";
+            if c.reader.get_mut().write_all(head.as_bytes()).await.is_ok() && c.read_response().await.0 == 200 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn serving_resumes_once_slow_clients_holding_every_descriptor_time_out() {
+    use nix::errno::Errno;
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let mut config = config();
+    config.header_timeout = Duration::from_millis(300);
+    config.body_timeout = Duration::from_millis(300);
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    // nextest runs each test in a process of its own, so the limit is ours
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, 128.min(soft), hard).unwrap();
+    // slow clients announce a body and never finish it, until the process
+    // (clients and server alike) has no descriptor left; each goes away
+    // once the server closes its connection
+    let mut slow = tokio::task::JoinSet::new();
+    loop {
+        match TcpStream::connect(server.addr()).await {
+            Ok(mut stream) => {
+                let head = "PUT /slow/k HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nten bytes.";
+                stream.write_all(head.as_bytes()).await.unwrap();
+                slow.spawn(async move {
+                    let mut answer = Vec::new();
+                    let _ = stream.read_to_end(&mut answer).await;
+                });
+            }
+            Err(e) if e.raw_os_error() == Some(Errno::EMFILE as i32) => break,
+            Err(e) => panic!("connect failed: {e}"),
+        }
+        assert!(slow.len() < 1000, "never ran out of descriptors");
+    }
+    within(Duration::from_secs(20), "a PUT and GET once descriptors free up", async {
+        let stream = loop {
+            match TcpStream::connect(server.addr()).await {
+                Ok(stream) => break stream,
+                Err(e) if e.raw_os_error() == Some(Errno::EMFILE as i32) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("connect failed: {e}"),
+            }
+        };
+        let mut c = Raw { reader: BufReader::new(stream) };
+        assert_eq!(c.request("PUT", "/s/k", b"back").await.0, 200);
+        assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"back".to_vec()));
+    })
+    .await;
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+}
+
+#[tokio::test]
 async fn a_retried_delete_counts_once() {
     let server = server(&plan("a:2", 2)).await;
     let mut c = Raw::connect(&server).await;
