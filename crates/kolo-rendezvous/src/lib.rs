@@ -20,8 +20,16 @@ pub enum RendezvousError {
     Bind { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("rendezvous server {addr} unreachable: {source}")]
     Connect { addr: String, source: std::io::Error },
+    /// `reason` says what the last attempt met; `source` is that attempt's
+    /// underlying error, where there was one (not for a timeout or a 5xx).
     #[error("rendezvous request {method} {path} failed: {reason}")]
-    Request { method: &'static str, path: String, reason: String },
+    Request {
+        method: &'static str,
+        path: String,
+        reason: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     #[error("rendezvous request {method} {path} answered {status}: {body}")]
     Status { method: &'static str, path: String, status: u16, body: String },
     #[error("timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}")]

@@ -261,6 +261,24 @@ async fn client_reports_an_unreachable_server_after_its_attempts() {
     assert!(err.contains("3 attempts failed") && err.contains(&addr.to_string()), "{err}");
 }
 
+#[tokio::test]
+async fn a_failed_request_keeps_the_underlying_error_as_its_source() {
+    let stopped = server(&[]).await;
+    let addr = stopped.addr();
+    stopped.stop().await;
+    let mut config = ClientConfig::new(addr.to_string());
+    config.attempts = 1;
+    let err = Client::new(config).put("a", "b", "v").await.unwrap_err();
+    let source = std::error::Error::source(&err).expect("the connect error as source");
+    let io = source.downcast_ref::<std::io::Error>().expect("an io::Error");
+    assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused, "{io}");
+    // a refusal by status has no underlying error
+    let server = server(&[]).await;
+    let err =
+        Client::new(ClientConfig::new(server.addr().to_string())).put("rank_and_size", "x", "v").await.unwrap_err();
+    assert!(err.to_string().contains("403") && std::error::Error::source(&err).is_none(), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_concurrent_keep_alive_connections() {
     let server = server(&[]).await;
