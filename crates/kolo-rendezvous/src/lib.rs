@@ -5,7 +5,12 @@
 //! Paths are `/<scope>/<key>`; `PUT` stores, `GET` answers 200 or 404,
 //! `DELETE /<scope>/<rank>` marks a rank finished with a scope. Scopes
 //! sized by the job's plan (`global`, `local_<host>`, `cross_<local_rank>`)
-//! are cleared once all their ranks finished; other scopes lose the key.
+//! are cleared once all their ranks finished (each rank counted once, so a
+//! retried DELETE is harmless); other scopes lose the key.
+//!
+//! The server bounds what a client can make it hold (see [`ServerConfig`]):
+//! 414 for a long path, 413 for a large value, 507 when the store is full,
+//! 408 for a slow body, 503 past the connection cap.
 
 mod client;
 mod server;
