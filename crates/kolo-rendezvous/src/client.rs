@@ -129,7 +129,7 @@ impl Client {
     ) -> Result<Option<Bytes>, RendezvousError> {
         let path = format!("/{scope}/{key}");
         let method_name = static_name(&method);
-        let mut last_failure = String::new();
+        let mut last_failure = Failure::from(String::new());
         for attempt in 0..self.config.attempts.max(1) {
             if attempt > 0 {
                 tokio::time::sleep(self.config.retry_delay).await;
@@ -137,7 +137,7 @@ impl Client {
             let outcome =
                 tokio::time::timeout(self.config.request_timeout, self.send_once(method.clone(), &path, body.clone()))
                     .await
-                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.config.request_timeout)));
+                    .unwrap_or_else(|_| Err(format!("no answer within {:?}", self.config.request_timeout).into()));
             match outcome {
                 Ok((StatusCode::OK, bytes)) => return Ok(Some(bytes)),
                 Ok((StatusCode::NOT_FOUND, _)) => return Ok(None),
@@ -150,23 +150,24 @@ impl Client {
                     });
                 }
                 Ok((status, bytes)) => {
-                    last_failure = format!("status {status}: {}", String::from_utf8_lossy(&bytes).trim());
+                    last_failure = format!("status {status}: {}", String::from_utf8_lossy(&bytes).trim()).into();
                 }
                 Err(reason) => {
                     *self.conn.lock().await = None;
                     last_failure = reason;
                 }
             }
-            tracing::debug!(attempt, %path, "rendezvous request failed: {last_failure}");
+            tracing::debug!(attempt, %path, "rendezvous request failed: {}", last_failure.what);
         }
         Err(RendezvousError::Request {
             method: method_name,
             path,
-            reason: format!("{} attempts failed; last: {last_failure}", self.config.attempts.max(1)),
+            reason: format!("{} attempts failed; last: {}", self.config.attempts.max(1), last_failure.what),
+            source: last_failure.source,
         })
     }
 
-    async fn send_once(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), String> {
+    async fn send_once(&self, method: Method, path: &str, body: Bytes) -> Result<(StatusCode, Bytes), Failure> {
         let mut guard = self.conn.lock().await;
         // a server that closed the kept-alive connection (or speaks HTTP/1.0)
         // costs a re-dial, not an attempt
@@ -175,19 +176,38 @@ impl Client {
             None => false,
         };
         if !usable {
-            *guard = Some(self.connect().await.map_err(|e| format!("connect to {}: {e}", self.config.addr))?);
+            let connected = self.connect().await;
+            *guard = Some(connected.map_err(|e| Failure::new(format!("connect to {}", self.config.addr), e))?);
         }
         let sender = guard.as_mut().expect("connection set above");
         let mut builder = Request::builder().method(method).uri(path).header("host", &self.config.addr);
         if let Some(secret) = &self.config.secret {
             builder = builder.header(SECRET_HEADER, secret);
         }
-        let request = builder.body(Full::new(body)).map_err(|e| e.to_string())?;
+        let request = builder.body(Full::new(body)).map_err(|e| Failure::new("building the request", e))?;
         self.requests.fetch_add(1, Ordering::Relaxed);
-        let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+        let response = sender.send_request(request).await.map_err(|e| Failure::new("sending", e))?;
         let status = response.status();
-        let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let bytes = response.into_body().collect().await.map_err(|e| Failure::new("reading the answer", e))?.to_bytes();
         Ok((status, bytes))
+    }
+}
+
+/// Why one attempt failed, keeping the underlying error where there is one.
+struct Failure {
+    what: String,
+    source: Option<Box<dyn std::error::Error + Send + Sync>>,
+}
+
+impl Failure {
+    fn new(doing: impl std::fmt::Display, e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Failure { what: format!("{doing}: {e}"), source: Some(Box::new(e)) }
+    }
+}
+
+impl From<String> for Failure {
+    fn from(what: String) -> Self {
+        Failure { what, source: None }
     }
 }
 

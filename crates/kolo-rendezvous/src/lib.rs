@@ -5,7 +5,12 @@
 //! Paths are `/<scope>/<key>`; `PUT` stores, `GET` answers 200 or 404,
 //! `DELETE /<scope>/<rank>` marks a rank finished with a scope. Scopes
 //! sized by the job's plan (`global`, `local_<host>`, `cross_<local_rank>`)
-//! are cleared once all their ranks finished; other scopes lose the key.
+//! are cleared once all their ranks finished (each rank counted once, so a
+//! retried DELETE is harmless); other scopes lose the key.
+//!
+//! The server bounds what a client can make it hold (see [`ServerConfig`]):
+//! 414 for a long path, 413 for a large value, 507 when the store is full,
+//! 408 for a slow body, 503 past the connection cap.
 
 mod client;
 mod server;
@@ -20,8 +25,16 @@ pub enum RendezvousError {
     Bind { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("rendezvous server {addr} unreachable: {source}")]
     Connect { addr: String, source: std::io::Error },
+    /// `reason` says what the last attempt met; `source` is that attempt's
+    /// underlying error, where there was one (not for a timeout or a 5xx).
     #[error("rendezvous request {method} {path} failed: {reason}")]
-    Request { method: &'static str, path: String, reason: String },
+    Request {
+        method: &'static str,
+        path: String,
+        reason: String,
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     #[error("rendezvous request {method} {path} answered {status}: {body}")]
     Status { method: &'static str, path: String, status: u16, body: String },
     #[error("timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}")]

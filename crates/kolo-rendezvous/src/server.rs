@@ -1,16 +1,18 @@
 //! The HTTP server. One tokio task per connection, HTTP/1.1 keep-alive,
-//! a large listen backlog, bounded bodies and header read time.
+//! a large listen backlog, and a bound on everything a client can make it
+//! hold: paths, values, keys, store bytes, header and body read time, and
+//! connections.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full, Limited};
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_LENGTH};
+use hyper::header::{HeaderValue, CONNECTION, CONTENT_LENGTH};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -31,16 +33,36 @@ const RANK_AND_SIZE: &str = "rank_and_size";
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub bind: SocketAddr,
-    /// Largest body a PUT may carry; larger ones get 413.
+    /// Largest value a PUT may carry; larger ones get 413. Default 8 MiB.
     pub max_body_bytes: usize,
+    /// Longest request path, `/<scope>/<key>` with any query string;
+    /// longer ones get 414. Default 1 KiB.
+    pub max_path_bytes: usize,
+    /// Most keys the store holds over all scopes; a PUT of a new key past it
+    /// gets 507. Default 262144 (256 Ki).
+    pub max_keys: usize,
+    /// Most bytes the store holds: scope, key and value bytes of every key,
+    /// plus the announced length of every PUT body still arriving (so a PUT
+    /// that overwrites needs room for its new value until it lands). A PUT
+    /// that does not fit gets 507. Default 256 MiB.
+    pub max_store_bytes: usize,
     /// When set, a request that presents a secret must present this one.
     pub secret: Option<String>,
     /// Refuse requests that present no secret (kolo-only jobs). Off by
     /// default, since Horovod's C++ client cannot present one.
     pub require_secret: bool,
     pub backlog: u32,
-    /// How long a client may take to send a request's headers.
+    /// How long a client may take to send a request's headers; also how
+    /// long a connection may sit idle before its first or next request
+    /// (hyper starts this timer whenever it waits for a request). Default 30 s.
     pub header_timeout: Duration,
+    /// How long a client may take to send a PUT's body; a slower one gets
+    /// 408 and its connection is closed. Default 30 s.
+    pub body_timeout: Duration,
+    /// Most connections served at once; past it a new connection gets 503
+    /// and is closed at once, so the clients already served keep working.
+    /// Default 16384.
+    pub max_connections: usize,
 }
 
 impl ServerConfig {
@@ -48,12 +70,22 @@ impl ServerConfig {
         ServerConfig {
             bind,
             max_body_bytes: 8 << 20,
+            max_path_bytes: 1 << 10,
+            max_keys: 1 << 18,
+            max_store_bytes: 256 << 20,
             secret: None,
             require_secret: false,
             backlog: 8192,
             header_timeout: Duration::from_secs(30),
+            body_timeout: Duration::from_secs(30),
+            max_connections: 16384,
         }
     }
+}
+
+/// What one key costs the store's byte budget.
+fn entry_bytes(scope: &str, key: &str, value_len: usize) -> usize {
+    scope.len() + key.len() + value_len
 }
 
 #[derive(Default)]
@@ -61,14 +93,23 @@ struct Store {
     scopes: HashMap<String, HashMap<String, Bytes>>,
     /// Size of each scope the plan defines.
     plan_sizes: HashMap<String, usize>,
-    /// How many ranks finished (DELETE) each plan scope since it was last cleared.
-    finished: HashMap<String, usize>,
+    /// Ranks (keys) that finished (DELETE) each plan scope since it was last
+    /// cleared: a set, so that a retried DELETE counts once.
+    finished: HashMap<String, HashSet<String>>,
     plan: Vec<Slot>,
+    /// Keys held over all scopes.
+    keys: usize,
+    /// Bytes held, as [`entry_bytes`] counts them.
+    bytes: usize,
+    /// Bytes promised to PUT bodies still arriving.
+    reserved: usize,
 }
 
 impl Store {
     fn init(&mut self, plan: &[Slot]) {
-        *self = Store::default();
+        // PUTs in flight still hold their reservations and give them back later
+        let reserved = self.reserved;
+        *self = Store { reserved, ..Store::default() };
         for slot in plan {
             let i = &slot.info;
             self.plan_sizes.insert("global".into(), i.size as usize);
@@ -80,21 +121,75 @@ impl Store {
 
     fn finish(&mut self, scope: &str, key: &str) {
         if let Some(&size) = self.plan_sizes.get(scope) {
-            let done = self.finished.entry(scope.to_string()).or_insert(0);
-            *done += 1;
-            if *done >= size {
+            let done = self.finished.entry(scope.to_string()).or_default();
+            done.insert(key.to_string());
+            if done.len() >= size {
                 // every rank is done: the scope starts afresh for the next round
                 self.finished.remove(scope);
-                if let Some(keys) = self.scopes.get_mut(scope) {
-                    keys.clear();
+                if let Some(keys) = self.scopes.remove(scope) {
+                    for (key, value) in keys {
+                        self.forget(scope, &key, &value);
+                    }
                 }
             }
         } else if let Some(keys) = self.scopes.get_mut(scope) {
-            keys.remove(key);
-            if keys.is_empty() {
-                self.scopes.remove(scope);
+            if let Some(value) = keys.remove(key) {
+                if keys.is_empty() {
+                    self.scopes.remove(scope);
+                }
+                self.forget(scope, key, &value);
             }
         }
+    }
+
+    fn forget(&mut self, scope: &str, key: &str, value: &Bytes) {
+        self.keys -= 1;
+        self.bytes -= entry_bytes(scope, key, value.len());
+    }
+
+    fn holds(&self, scope: &str, key: &str) -> bool {
+        self.scopes.get(scope).is_some_and(|keys| keys.contains_key(key))
+    }
+
+    fn check_keys(&self, config: &ServerConfig, scope: &str, key: &str) -> Result<(), String> {
+        if self.keys >= config.max_keys && !self.holds(scope, key) {
+            return Err(format!(
+                "store full: it holds {} keys, the limit; delete keys or raise the server's max_keys",
+                self.keys
+            ));
+        }
+        Ok(())
+    }
+
+    /// Admits a PUT of `length` bytes before its body is read, reserving
+    /// its bytes so that concurrent PUTs cannot together pass the bound.
+    fn reserve(&mut self, config: &ServerConfig, scope: &str, key: &str, length: usize) -> Result<usize, String> {
+        self.check_keys(config, scope, key)?;
+        let needed = entry_bytes(scope, key, length);
+        let in_use = self.bytes + self.reserved;
+        if in_use.saturating_add(needed) > config.max_store_bytes {
+            return Err(format!(
+                "store full: {in_use} of {} bytes held or arriving and this key needs {needed}; \
+                 delete keys or raise the server's max_store_bytes",
+                config.max_store_bytes
+            ));
+        }
+        self.reserved += needed;
+        Ok(needed)
+    }
+
+    /// Stores a value whose bytes [`Store::reserve`] set aside.
+    fn put(&mut self, config: &ServerConfig, scope: String, key: String, value: Bytes) -> Result<(), String> {
+        // keys may have been added since the reservation
+        self.check_keys(config, &scope, &key)?;
+        let name_bytes = scope.len() + key.len();
+        self.bytes += name_bytes + value.len();
+        match self.scopes.entry(scope).or_default().insert(key, value) {
+            // overwriting replaces the old value's bytes
+            Some(old) => self.bytes -= name_bytes + old.len(),
+            None => self.keys += 1,
+        }
+        Ok(())
     }
 
     /// `rank,size,local_rank,local_size,cross_rank,cross_size` of the plan's
@@ -122,6 +217,30 @@ impl Shared {
     fn store(&self) -> MutexGuard<'_, Store> {
         // a panic while holding the lock cannot leave the map half-written
         self.store.lock().unwrap_or_else(|poison| poison.into_inner())
+    }
+}
+
+/// Store bytes set aside for a PUT body still arriving; given back when
+/// the PUT lands or fails, or when the connection drops mid-body.
+struct Reservation<'a> {
+    shared: &'a Shared,
+    bytes: usize,
+}
+
+impl Reservation<'_> {
+    /// Stores the value and ends the reservation under one lock.
+    fn land(mut self, scope: String, key: String, value: Bytes) -> Result<(), String> {
+        let mut store = self.shared.store();
+        store.reserved -= std::mem::take(&mut self.bytes);
+        store.put(&self.shared.config, scope, key, value)
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.shared.store().reserved -= self.bytes;
+        }
     }
 }
 
@@ -182,23 +301,97 @@ impl Drop for RendezvousServer {
 async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
     // connection tasks live in the set, so ending this loop ends them all
     let mut connections = JoinSet::new();
+    let mut failures = AcceptFailures::default();
+    let mut at_cap = false;
     loop {
         tokio::select! {
             _ = stopped.changed() => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
+                    failures.recovered();
+                    while connections.try_join_next().is_some() {}
+                    let max = shared.config.max_connections;
+                    if connections.len() >= max {
+                        if !at_cap {
+                            tracing::warn!("rendezvous server at its limit of {max} connections (max_connections): refusing new ones");
+                            at_cap = true;
+                        }
+                        refuse(stream, max);
+                        continue;
+                    }
+                    at_cap = false;
                     connections.spawn(serve_connection(stream, shared.clone()));
                 }
                 Err(e) => {
-                    // out of descriptors or similar: back off instead of spinning
-                    tracing::warn!("rendezvous accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    // out of descriptors or similar: back off instead of spinning,
+                    // longer while it lasts; timeouts free descriptors meanwhile
+                    let delay = failures.failed(&e);
+                    tokio::select! {
+                        _ = stopped.changed() => break,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
                 }
             },
         }
     }
     connections.shutdown().await;
+}
+
+/// A burst of failed accepts: logged once when it starts and once when it ends.
+#[derive(Default)]
+struct AcceptFailures {
+    count: u64,
+    delay: Duration,
+}
+
+impl AcceptFailures {
+    const FIRST_DELAY: Duration = Duration::from_millis(5);
+    const MAX_DELAY: Duration = Duration::from_millis(100);
+
+    /// Counts a failure and says how long to wait before the next accept.
+    fn failed(&mut self, e: &std::io::Error) -> Duration {
+        if self.count == 0 {
+            let errno = e.raw_os_error().map(nix::errno::Errno::from_raw);
+            if matches!(errno, Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)) {
+                let limit = match nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE) {
+                    Ok((soft, hard)) => format!("the process may open {soft} (hard limit {hard})"),
+                    Err(_) => "the limit is unknown".into(),
+                };
+                tracing::warn!(
+                    "rendezvous accept failed: {e}; out of file descriptors ({limit}): \
+                     waiting for connections to close; raise `ulimit -n` or lower max_connections"
+                );
+            } else {
+                tracing::warn!("rendezvous accept failed: {e}; retrying");
+            }
+            self.delay = Self::FIRST_DELAY;
+        } else {
+            self.delay = (self.delay * 2).min(Self::MAX_DELAY);
+        }
+        self.count += 1;
+        self.delay
+    }
+
+    fn recovered(&mut self) {
+        if self.count > 0 {
+            tracing::info!("rendezvous server accepting again after {} failed accepts", self.count);
+            *self = AcceptFailures::default();
+        }
+    }
+}
+
+/// Answers 503 without waiting and closes: the connection is over the cap.
+fn refuse(stream: TcpStream, max: usize) {
+    let body = format!(
+        "too many connections: the server serves at most {max}; retry later or raise the server's max_connections\n"
+    );
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    // a fresh socket's send buffer takes this at once; if not, closing is enough
+    let _ = stream.try_write(response.as_bytes());
 }
 
 async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
@@ -208,6 +401,8 @@ async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
         let shared = shared.clone();
         async move { Ok::<_, Infallible>(handle(req, &shared).await) }
     });
+    // hyper 1 runs the header timer from the moment it waits for a request,
+    // so it also closes connections idle before or between requests
     let _ = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(timeout)
@@ -224,6 +419,14 @@ fn reply(status: StatusCode, body: impl Into<Bytes>) -> Response<Full<Bytes>> {
 
 fn error(status: StatusCode, message: String) -> Response<Full<Bytes>> {
     reply(status, message + "\n")
+}
+
+/// An error after which the connection closes: the body was not read, so
+/// the client must not send its next request on this connection.
+fn error_closing(status: StatusCode, message: String) -> Response<Full<Bytes>> {
+    let mut response = error(status, message);
+    response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// Splits `/<scope>/<key>`; anything else is malformed.
@@ -252,7 +455,18 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
         return error(StatusCode::UNAUTHORIZED, "wrong or missing job secret".into());
     }
     // Horovod keys keep any query string, as its server does
-    let path = req.uri().path_and_query().map_or("", |p| p.as_str()).to_string();
+    let path = req.uri().path_and_query().map_or("", |p| p.as_str());
+    if path.len() > config.max_path_bytes {
+        return error_closing(
+            StatusCode::URI_TOO_LONG,
+            format!(
+                "path of {} bytes is over the limit of {} bytes; use shorter scopes and keys or raise the server's max_path_bytes",
+                path.len(),
+                config.max_path_bytes
+            ),
+        );
+    }
+    let path = path.to_string();
     let Some((scope, key)) = split_path(&path) else {
         return error(StatusCode::BAD_REQUEST, format!("malformed path '{path}': expected /<scope>/<key>"));
     };
@@ -275,17 +489,38 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
                 return error(StatusCode::LENGTH_REQUIRED, "PUT needs a Content-Length header".into());
             };
             if length > config.max_body_bytes as u64 {
-                return error(
+                return error_closing(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    format!("value of {length} bytes is over the limit of {} bytes", config.max_body_bytes),
+                    format!(
+                        "value of {length} bytes is over the limit of {} bytes; store smaller values or raise the server's max_body_bytes",
+                        config.max_body_bytes
+                    ),
                 );
             }
-            let body = match Limited::new(req.into_body(), config.max_body_bytes).collect().await {
-                Ok(body) => body.to_bytes(),
-                Err(e) => return error(StatusCode::BAD_REQUEST, format!("reading the body failed: {e}")),
+            let length = length as usize;
+            // the bytes are set aside before a single one is read
+            let reserved = shared.store().reserve(config, &scope, &key, length);
+            let reservation = match reserved {
+                Ok(bytes) => Reservation { shared, bytes },
+                Err(message) => return error_closing(StatusCode::INSUFFICIENT_STORAGE, message),
             };
-            shared.store().scopes.entry(scope).or_default().insert(key, body);
-            reply(StatusCode::OK, Bytes::new())
+            let body = match tokio::time::timeout(config.body_timeout, read_body(req.into_body(), length)).await {
+                Ok(Ok(body)) => body,
+                Ok(Err(e)) => return error_closing(StatusCode::BAD_REQUEST, format!("reading the body failed: {e}")),
+                Err(_) => {
+                    return error_closing(
+                        StatusCode::REQUEST_TIMEOUT,
+                        format!(
+                            "the body of {length} bytes did not arrive within {:?}; send it faster or raise the server's body_timeout",
+                            config.body_timeout
+                        ),
+                    )
+                }
+            };
+            match reservation.land(scope, key, body) {
+                Ok(()) => reply(StatusCode::OK, Bytes::new()),
+                Err(message) => error(StatusCode::INSUFFICIENT_STORAGE, message),
+            }
         }
         Method::DELETE => {
             shared.store().finish(&scope, &key);
@@ -297,6 +532,23 @@ async fn handle(req: Request<Incoming>, shared: &Shared) -> Response<Full<Bytes>
             r
         }
     }
+}
+
+/// Reads a body of `length` bytes into one buffer allocated up front,
+/// since `length` was admitted already.
+async fn read_body(mut body: Incoming, length: usize) -> Result<Bytes, String> {
+    let mut buffer = BytesMut::with_capacity(length);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() {
+            // hyper frames by Content-Length, but a body framed otherwise
+            // (chunked) must not grow past what was admitted either
+            if data.len() > length - buffer.len() {
+                return Err(format!("body longer than its Content-Length of {length} bytes"));
+            }
+            buffer.extend_from_slice(&data);
+        }
+    }
+    Ok(buffer.freeze())
 }
 
 #[cfg(test)]

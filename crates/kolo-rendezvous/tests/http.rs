@@ -13,7 +13,17 @@ fn plan(hosts: &str, np: u64) -> Vec<Slot> {
 }
 
 async fn server(plan: &[Slot]) -> RendezvousServer {
-    RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), plan).await.unwrap()
+    RendezvousServer::start(config(), plan).await.unwrap()
+}
+
+fn config() -> ServerConfig {
+    ServerConfig::new("127.0.0.1:0".parse().unwrap())
+}
+
+/// Bounds the waits of a test that would otherwise hang on a server that
+/// fails to time something out.
+async fn within<T>(limit: Duration, what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| panic!("{what}: not within {limit:?}"))
 }
 
 /// A raw keep-alive HTTP/1.1 connection.
@@ -60,6 +70,18 @@ impl Raw {
     async fn request(&mut self, method: &str, path: &str, body: &[u8]) -> (u16, Vec<u8>) {
         let head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
         self.send(&head, body).await
+    }
+
+    /// A request on a connection of its own, for answers that close it.
+    async fn once(server: &RendezvousServer, method: &str, path: &str, body: &[u8]) -> (u16, String) {
+        let (status, body) = Raw::connect(server).await.request(method, path, body).await;
+        (status, String::from_utf8(body).unwrap())
+    }
+
+    /// Whether the server closed the connection (reads to end of stream).
+    async fn closed(&mut self) -> bool {
+        let mut rest = Vec::new();
+        self.reader.read_to_end(&mut rest).await.is_ok() && rest.is_empty()
     }
 }
 
@@ -239,6 +261,24 @@ async fn client_reports_an_unreachable_server_after_its_attempts() {
     assert!(err.contains("3 attempts failed") && err.contains(&addr.to_string()), "{err}");
 }
 
+#[tokio::test]
+async fn a_failed_request_keeps_the_underlying_error_as_its_source() {
+    let stopped = server(&[]).await;
+    let addr = stopped.addr();
+    stopped.stop().await;
+    let mut config = ClientConfig::new(addr.to_string());
+    config.attempts = 1;
+    let err = Client::new(config).put("a", "b", "v").await.unwrap_err();
+    let source = std::error::Error::source(&err).expect("the connect error as source");
+    let io = source.downcast_ref::<std::io::Error>().expect("an io::Error");
+    assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused, "{io}");
+    // a refusal by status has no underlying error
+    let server = server(&[]).await;
+    let err =
+        Client::new(ClientConfig::new(server.addr().to_string())).put("rank_and_size", "x", "v").await.unwrap_err();
+    assert!(err.to_string().contains("403") && std::error::Error::source(&err).is_none(), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thousands_of_concurrent_keep_alive_connections() {
     let server = server(&[]).await;
@@ -268,4 +308,207 @@ async fn futures_join_all(handles: Vec<tokio::task::JoinHandle<u64>>) -> Vec<u64
         out.push(h.await.unwrap());
     }
     out
+}
+
+#[tokio::test]
+async fn store_bounds_answer_clearly_and_the_store_keeps_serving() {
+    let mut config = config();
+    config.max_body_bytes = 1000;
+    config.max_store_bytes = 1000;
+    config.max_path_bytes = 64;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let long = format!("/s/{}", "k".repeat(62));
+    for method in ["GET", "PUT", "DELETE"] {
+        let (status, body) = Raw::once(&server, method, &long, b"v").await;
+        assert_eq!(status, 414, "{method}");
+        assert!(body.contains("65 bytes") && body.contains("max_path_bytes") && body.lines().count() == 1, "{body}");
+    }
+    // 64 bytes is fine; each key costs scope + key + value bytes
+    assert_eq!(Raw::once(&server, "PUT", &long[..64], b"").await.0, 200);
+    assert_eq!(Raw::once(&server, "DELETE", &long[..64], b"").await.0, 200);
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/s/a", &[1; 400]).await.0, 200); // 402 held
+    assert_eq!(c.request("PUT", "/s/a", &[2; 400]).await.0, 200); // overwritten: still 402
+    assert_eq!(c.request("PUT", "/s/b", &[3; 400]).await.0, 200); // 804
+    let (status, body) = Raw::once(&server, "PUT", "/s/c", &[4; 400]).await;
+    assert_eq!(status, 507, "{body}");
+    assert!(body.contains("store full") && body.contains("max_store_bytes") && body.lines().count() == 1, "{body}");
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("GET", "/s/a", b"").await, (200, vec![2; 400]));
+    assert_eq!(c.request("PUT", "/s/a", &[5; 100]).await.0, 200); // 504
+    assert_eq!(c.request("PUT", "/s/c", &[6; 400]).await.0, 200); // 906
+    assert_eq!(c.request("PUT", "/s/d", &[7; 92]).await.0, 200); // 1000: full to the byte
+    assert_eq!(Raw::once(&server, "PUT", "/s/e", b"").await.0, 507);
+    // deleting frees
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("DELETE", "/s/b", b"").await.0, 200); // 598
+    assert_eq!(c.request("PUT", "/s/e", &[8; 400]).await.0, 200); // 1000
+    assert_eq!(c.request("GET", "/s/c", b"").await, (200, vec![6; 400]));
+    // a value over the value limit is refused without reading it
+    let head = "PUT /s/f HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n";
+    let (status, body) = Raw::connect(&server).await.send(head, b"").await;
+    assert_eq!(status, 413);
+    assert!(String::from_utf8_lossy(&body).contains("max_body_bytes"));
+}
+
+#[tokio::test]
+async fn the_key_count_is_bounded_and_cleared_scopes_free_their_keys() {
+    let mut config = config();
+    config.max_keys = 3;
+    let server = RendezvousServer::start(config, &plan("a:2", 2)).await.unwrap();
+    let mut c = Raw::connect(&server).await;
+    for key in ["/global/0", "/global/1", "/x/y"] {
+        assert_eq!(c.request("PUT", key, b"v").await.0, 200, "{key}");
+    }
+    let (status, body) = Raw::once(&server, "PUT", "/x/z", b"v").await;
+    assert_eq!(status, 507, "{body}");
+    assert!(body.contains("3 keys") && body.contains("max_keys") && body.lines().count() == 1, "{body}");
+    // overwriting adds no key
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/x/y", b"w").await.0, 200);
+    // a plan scope cleared by its last rank frees its keys
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/1", b"").await.0, 200);
+    assert_eq!(c.request("PUT", "/x/z", b"v").await.0, 200);
+    assert_eq!(c.request("PUT", "/global/0", b"v").await.0, 200);
+    assert_eq!(Raw::once(&server, "PUT", "/global/1", b"v").await.0, 507);
+    // a new plan empties the store
+    server.init(&plan("a:2", 2));
+    let mut c = Raw::connect(&server).await;
+    for key in ["/global/0", "/global/1", "/x/y"] {
+        assert_eq!(c.request("PUT", key, b"v").await.0, 200, "{key}");
+    }
+}
+
+#[tokio::test]
+async fn a_slow_body_gets_408_and_its_reserved_bytes_back() {
+    let mut config = config();
+    config.body_timeout = Duration::from_millis(200);
+    config.max_store_bytes = 1000;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut slow = Raw::connect(&server).await;
+    let head = "PUT /s/k HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n";
+    let (status, body) = within(Duration::from_secs(10), "408", slow.send(head, b"only ten..")).await;
+    assert_eq!(status, 408);
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.contains("900 bytes") && body.contains("body_timeout") && body.lines().count() == 1, "{body}");
+    assert!(within(Duration::from_secs(10), "close after 408", slow.closed()).await);
+    // the 900 bytes set aside for it are free again, as they are for a
+    // client that hangs up mid-body
+    let mut gone = Raw::connect(&server).await;
+    gone.reader.get_mut().write_all(head.as_bytes()).await.unwrap();
+    gone.reader.get_mut().write_all(b"ten bytes.").await.unwrap();
+    drop(gone);
+    within(Duration::from_secs(10), "the store to have room again", async {
+        while Raw::once(&server, "PUT", "/s/k", &[1; 900]).await.0 != 200 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    assert_eq!(Raw::connect(&server).await.request("GET", "/s/k", b"").await, (200, vec![1; 900]));
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_before_and_between_requests() {
+    let mut config = config();
+    config.header_timeout = Duration::from_millis(200);
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut silent = Raw::connect(&server).await;
+    let mut used = Raw::connect(&server).await;
+    assert_eq!(used.request("PUT", "/s/k", b"v").await.0, 200);
+    assert!(within(Duration::from_secs(10), "close a silent connection", silent.closed()).await);
+    assert!(within(Duration::from_secs(10), "close an idle keep-alive connection", used.closed()).await);
+}
+
+#[tokio::test]
+async fn connections_past_the_cap_get_503_and_the_others_keep_working() {
+    let mut config = config();
+    config.max_connections = 2;
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    let mut a = Raw::connect(&server).await;
+    let mut b = Raw::connect(&server).await;
+    assert_eq!(a.request("PUT", "/s/a", b"1").await.0, 200);
+    assert_eq!(b.request("PUT", "/s/b", b"2").await.0, 200);
+    let mut over = Raw::connect(&server).await;
+    let (status, body) = within(Duration::from_secs(10), "503", over.read_response()).await;
+    assert_eq!(status, 503);
+    let body = String::from_utf8(body).unwrap();
+    assert!(body.contains("at most 2") && body.contains("max_connections") && body.lines().count() == 1, "{body}");
+    assert!(over.closed().await);
+    assert_eq!(a.request("GET", "/s/b", b"").await, (200, b"2".to_vec()));
+    assert_eq!(b.request("GET", "/s/a", b"").await, (200, b"1".to_vec()));
+    // a closed connection makes room
+    drop(a);
+    within(Duration::from_secs(10), "room for a new connection", async {
+        loop {
+            let mut c = Raw::connect(&server).await;
+            let head = "GET /s/a HTTP/1.1\r\nHost: x\r\n\r\n";
+            if c.reader.get_mut().write_all(head.as_bytes()).await.is_ok() && c.read_response().await.0 == 200 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn serving_resumes_once_slow_clients_holding_every_descriptor_time_out() {
+    use nix::errno::Errno;
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let mut config = config();
+    config.header_timeout = Duration::from_millis(300);
+    config.body_timeout = Duration::from_millis(300);
+    let server = RendezvousServer::start(config, &[]).await.unwrap();
+    // nextest runs each test in a process of its own, so the limit is ours
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, 128.min(soft), hard).unwrap();
+    // slow clients announce a body and never finish it, until the process
+    // (clients and server alike) has no descriptor left; each goes away
+    // once the server closes its connection
+    let mut slow = tokio::task::JoinSet::new();
+    loop {
+        match TcpStream::connect(server.addr()).await {
+            Ok(mut stream) => {
+                let head = "PUT /slow/k HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nten bytes.";
+                stream.write_all(head.as_bytes()).await.unwrap();
+                slow.spawn(async move {
+                    let mut answer = Vec::new();
+                    let _ = stream.read_to_end(&mut answer).await;
+                });
+            }
+            Err(e) if e.raw_os_error() == Some(Errno::EMFILE as i32) => break,
+            Err(e) => panic!("connect failed: {e}"),
+        }
+        assert!(slow.len() < 1000, "never ran out of descriptors");
+    }
+    within(Duration::from_secs(20), "a PUT and GET once descriptors free up", async {
+        let stream = loop {
+            match TcpStream::connect(server.addr()).await {
+                Ok(stream) => break stream,
+                Err(e) if e.raw_os_error() == Some(Errno::EMFILE as i32) => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(e) => panic!("connect failed: {e}"),
+            }
+        };
+        let mut c = Raw { reader: BufReader::new(stream) };
+        assert_eq!(c.request("PUT", "/s/k", b"back").await.0, 200);
+        assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"back".to_vec()));
+    })
+    .await;
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+}
+
+#[tokio::test]
+async fn a_retried_delete_counts_once() {
+    let server = server(&plan("a:2", 2)).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("PUT", "/global/0", b"x").await.0, 200);
+    assert_eq!(c.request("PUT", "/global/1", b"y").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/global/1", b"").await, (200, b"y".to_vec()), "rank 1 has not finished");
+    assert_eq!(c.request("DELETE", "/global/1", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/global/1", b"").await.0, 404);
 }
