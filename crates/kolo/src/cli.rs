@@ -165,6 +165,15 @@ pub struct RendezvousArgs {
     /// Largest value a PUT may store.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Most bytes the store holds in all (keys and values).
+    #[arg(long, default_value_t = 256 << 20)]
+    pub max_store_bytes: usize,
+    /// Most keys the store holds.
+    #[arg(long, default_value_t = 256 * 1024)]
+    pub max_keys: usize,
+    /// Most connections served at once.
+    #[arg(long, default_value_t = 16384)]
+    pub max_connections: usize,
     /// Refuse requests without the secret given in $KOLO_SECRET.
     #[arg(long)]
     pub require_secret: bool,

@@ -246,6 +246,9 @@ pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
     };
     let mut config = ServerConfig::new(std::net::SocketAddr::new(args.bind, args.port));
     config.max_body_bytes = args.max_body_bytes;
+    config.max_store_bytes = args.max_store_bytes;
+    config.max_keys = args.max_keys;
+    config.max_connections = args.max_connections;
     config.secret = std::env::var(ENV_SECRET).ok().filter(|s| !s.is_empty());
     if args.require_secret && config.secret.is_none() {
         bail!("--require-secret needs the secret in ${ENV_SECRET}");

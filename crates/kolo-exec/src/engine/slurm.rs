@@ -96,7 +96,7 @@ impl SlurmEngine {
         let out = salloc
             .stdin(Stdio::null())
             .output()
-            .map_err(|e| slurm_err("cannot run salloc (is Slurm installed?)", e))?;
+            .map_err(|source| ExecError::Io { what: "cannot run salloc (is Slurm installed?)".into(), source })?;
         let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
         if !out.status.success() {
             let what = format!(
@@ -202,7 +202,8 @@ impl Engine for SlurmEngine {
         }
         srun.env(worker::env::SECRET, &first.secret);
         srun.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).process_group(0);
-        let child = srun.spawn().map_err(|e| slurm_err("cannot run srun", e))?;
+        let child =
+            srun.spawn().map_err(|source| ExecError::Io { what: "cannot run srun (is Slurm installed?)".into(), source })?;
         let _ = janitor.watch_group(child.id());
         self.srun = Some(child);
         self.dir = Some(dir);
