@@ -302,3 +302,30 @@ fn scancel_ends_a_slurm_job_with_a_report() {
     wait_for("the allocation to end", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
 }
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_busy_slurm_cluster_fails_within_the_placement_timeout() {
+    // every CPU of every node taken as often as the partition shares it
+    // (OverSubscribe=FORCE:4): a new allocation has to wait in the queue
+    let mut blockers = Vec::new();
+    for _ in 0..4 {
+        let out = in_h1(&["salloc", "--no-shell", "-N3", "--ntasks-per-node=4", "-t", "5"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let text = stderr(&out);
+        let id = text.split_whitespace().skip_while(|w| *w != "allocation").nth(1).expect("a job id").to_string();
+        blockers.push(id);
+    }
+    let start = std::time::Instant::now();
+    let out = kolo_in_h1(&["run", "--engine", "slurm", "-np", "1", "--placement-timeout", "2", "--", "true"]);
+    let waited = start.elapsed();
+    for id in &blockers {
+        in_h1(&["scancel", id]);
+    }
+    assert!(!out.status.success());
+    assert!(waited < Duration::from_secs(20), "waited {waited:?}");
+    let err = stderr(&out);
+    assert!(err.contains("within the placement timeout (2 s)"), "{err}");
+    wait_for("the cluster to be empty", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}
