@@ -196,11 +196,13 @@ impl Executor {
         let build_id = crate::registry::build_id();
         let mut refused: u32 = 0;
         let mut out_of_descriptors: Option<std::io::Error> = None;
-        let mut accept_pause = Duration::ZERO;
+        // after an accept error, accepting pauses, longer each time in a row
+        let (mut accept_pause, mut backoff) = (Duration::ZERO, Duration::from_millis(10));
         while registered.iter().any(Option::is_none) {
             tokio::select! {
                 accepted = listener.accept(), if accept_pause.is_zero() => match accepted {
                     Ok((stream, peer)) => {
+                        backoff = Duration::from_millis(10);
                         // past the bound, a connection is closed unread
                         let Ok(permit) = slots.clone().try_acquire_owned() else { continue };
                         let (secret, welcome) = (self.settings.secret().to_string(), welcome.clone());
@@ -219,7 +221,8 @@ impl Executor {
                             }
                             out_of_descriptors = Some(e);
                         }
-                        accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), Duration::from_millis(200));
+                        accept_pause = backoff;
+                        backoff = (backoff * 2).min(Duration::from_millis(200));
                     }
                 },
                 _ = tokio::time::sleep(accept_pause), if !accept_pause.is_zero() => accept_pause = Duration::ZERO,
