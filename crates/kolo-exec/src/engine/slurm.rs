@@ -202,8 +202,9 @@ impl Engine for SlurmEngine {
         }
         srun.env(worker::env::SECRET, &first.secret);
         srun.stdin(Stdio::null()).stdout(Stdio::inherit()).stderr(Stdio::inherit()).process_group(0);
-        let child =
-            srun.spawn().map_err(|source| ExecError::Io { what: "cannot run srun (is Slurm installed?)".into(), source })?;
+        let child = srun
+            .spawn()
+            .map_err(|source| ExecError::Io { what: "cannot run srun (is Slurm installed?)".into(), source })?;
         let _ = janitor.watch_group(child.id());
         self.srun = Some(child);
         self.dir = Some(dir);
