@@ -155,21 +155,7 @@ pub(crate) async fn read_worker(
                     break format!("it sent {} bytes of output at once, over the limit", data.len());
                 }
                 let stream = if stderr { Stream::Stderr } else { Stream::Stdout };
-                let chunk = Chunk::Data { rank, stream, bytes: data };
-                // a full queue holds this worker back (its pipes fill), not
-                // the driver: heartbeats and calls of others go on
-                let sent = match output.try_send(chunk) {
-                    Ok(()) => Ok(()),
-                    Err(mpsc::error::TrySendError::Full(chunk)) => {
-                        link.held_back.store(true, Ordering::Relaxed);
-                        let sent = output.send(chunk).await.map_err(drop);
-                        link.heard();
-                        link.held_back.store(false, Ordering::Relaxed);
-                        sent
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
-                };
-                if sent.is_err() {
+                if forward(&link, &output, Chunk::Data { rank, stream, bytes: data }).await.is_err() {
                     break "the driver stopped taking output".into();
                 }
             }
@@ -177,7 +163,7 @@ pub(crate) async fn read_worker(
                 let _ = events.send(Ended { rank, cause: Cause::StartFailed { message, code } });
             }
             ToDriver::CommandExited { code, signal } => {
-                let _ = output.send(Chunk::End { rank }).await;
+                let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(Ended { rank, cause: Cause::Exited { code, signal } });
             }
             ToDriver::Created { result } => {
@@ -192,11 +178,28 @@ pub(crate) async fn read_worker(
             }
         }
     };
-    let _ = output.send(Chunk::End { rank }).await;
+    let _ = forward(&link, &output, Chunk::End { rank }).await;
     let expected = stopping.load(Ordering::Relaxed);
     if link.mark_lost(if expected { "the executor was shut down" } else { &reason }) && !expected {
         tracing::warn!("worker {} was lost: {reason}", link.describe());
         let _ = events.send(Ended { rank, cause: Cause::Lost(reason) });
+    }
+}
+
+/// Queues output for the output thread. A full queue holds this worker
+/// back (its pipes fill), not the driver: heartbeats and calls of others go
+/// on, and this worker's silence meanwhile is not held against it.
+async fn forward(link: &Link, output: &mpsc::Sender<Chunk>, chunk: Chunk) -> Result<(), ()> {
+    match output.try_send(chunk) {
+        Ok(()) => Ok(()),
+        Err(mpsc::error::TrySendError::Full(chunk)) => {
+            link.held_back.store(true, Ordering::Relaxed);
+            let sent = output.send(chunk).await.map_err(drop);
+            link.heard();
+            link.held_back.store(false, Ordering::Relaxed);
+            sent
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
     }
 }
 
