@@ -1,4 +1,4 @@
-//! kolo across real hosts: the three test hosts of ../shared/testhosts
+//! kolo across real hosts: the three test hosts of tests/hosts/
 //! (network namespaces with sshd and a Slurm cluster). kolo is driven from
 //! inside h1. These need the hosts up (`bash .ci/run` brings them up), so
 //! they are ignored in a plain `cargo nextest run`.
@@ -13,7 +13,7 @@ use common::*;
 
 fn testhosts() -> PathBuf {
     let t = PathBuf::from(std::env::var("KOLO_TESTHOSTS").unwrap_or_else(|_| "/tmp/kolo-testhosts".into()));
-    assert!(t.join("hx").exists(), "the test hosts are not up: run ../shared/testhosts/up (or bash .ci/run)");
+    assert!(t.join("hx").exists(), "the test hosts are not up: run sh tests/hosts/up as root (or bash .ci/run)");
     t
 }
 
