@@ -44,10 +44,6 @@ pub struct LaunchSpec {
 /// The Executor for a launch: its engine chosen (host names are looked up
 /// off the async runtime), its request checked with Horovod's messages.
 pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
-    let available = total_slots(&spec.hosts);
-    if spec.np > available && !matches!(spec.engine, EngineChoice::Slurm) {
-        return Err(TopologyError::NotEnoughSlots { requested: spec.np, available }.into());
-    }
     let np = u32::try_from(spec.np)
         .ok()
         .filter(|&n| n <= kolo_topology::MAX_PROCESSES)
@@ -56,6 +52,11 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
         let (choice, hosts) = (spec.engine, spec.hosts.clone());
         tokio::task::spawn_blocking(move || (choice.resolve(&hosts), hosts)).await?
     };
+    // Slurm's allocation is the host list there; elsewhere, Horovod's check
+    let available = total_slots(&hosts);
+    if choice != EngineChoice::Slurm && spec.np > available {
+        return Err(TopologyError::NotEnoughSlots { requested: spec.np, available }.into());
+    }
     let engine: Box<dyn kolo_exec::Engine> = match choice {
         EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
         EngineChoice::Slurm => Box::new(SlurmEngine::allocate(np, spec.slurm.clone())),
