@@ -329,3 +329,47 @@ fn a_busy_slurm_cluster_fails_within_the_placement_timeout() {
     wait_for("the cluster to be empty", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
 }
+
+/// Kills (or stops) the agent of rank 2 (on h2) and checks that the job
+/// ends naming it and that nothing of the job is left on any host.
+fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal) {
+    let dir = TempDir::new("hosts-agent");
+    let script = format!("echo $$ $PPID > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
+    let t = testhosts();
+    let child = Command::new(t.join("hx"))
+        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "-np", "6"])
+        .args(engine)
+        .args(["--kill-grace", "1", "--", "sh", "-c", &script])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 12);
+    let text = std::fs::read_to_string(dir.path().join("2.pid")).unwrap();
+    let agent: i32 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent), signal).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 2 on host h2 was lost"), "{}", stderr(&out));
+    wait_for("every rank and agent to end", Duration::from_secs(20), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
+    wait_for("the cluster to be empty", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_killed_or_stopped_agent_leaves_nothing_over_ssh() {
+    let cfg = ssh_config();
+    for signal in [nix::sys::signal::Signal::SIGKILL, nix::sys::signal::Signal::SIGSTOP] {
+        agent_fault_leaves_nothing(&["-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg], signal);
+    }
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_killed_or_stopped_agent_leaves_nothing_under_slurm() {
+    for signal in [nix::sys::signal::Signal::SIGKILL, nix::sys::signal::Signal::SIGSTOP] {
+        agent_fault_leaves_nothing(&["--engine", "slurm", "--slurm-nodes", "3"], signal);
+    }
+}
