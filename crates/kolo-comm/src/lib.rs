@@ -27,6 +27,8 @@ mod shm;
 pub use bootstrap::{Config, Transport};
 pub use comm::{split_counts, Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
+/// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
+pub use kolo_auth::{AuthError, Secret};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
