@@ -104,13 +104,13 @@ impl Task<CommBench> for Sweep {
         let mut rows = Vec::new();
         for &bytes in &self.sizes {
             let row = match dtype {
-                DType::F32 => time::<f32>(&bench.comm, self.collective, bytes, op),
-                DType::F64 => time::<f64>(&bench.comm, self.collective, bytes, op),
-                DType::F16 => time::<f16>(&bench.comm, self.collective, bytes, op),
-                DType::BF16 => time::<bf16>(&bench.comm, self.collective, bytes, op),
-                DType::I32 => time::<i32>(&bench.comm, self.collective, bytes, op),
-                DType::I64 => time::<i64>(&bench.comm, self.collective, bytes, op),
-                DType::U8 => time::<u8>(&bench.comm, self.collective, bytes, op),
+                DType::F32 => time::<f32>(&mut bench.comm, self.collective, bytes, op),
+                DType::F64 => time::<f64>(&mut bench.comm, self.collective, bytes, op),
+                DType::F16 => time::<f16>(&mut bench.comm, self.collective, bytes, op),
+                DType::BF16 => time::<bf16>(&mut bench.comm, self.collective, bytes, op),
+                DType::I32 => time::<i32>(&mut bench.comm, self.collective, bytes, op),
+                DType::I64 => time::<i64>(&mut bench.comm, self.collective, bytes, op),
+                DType::U8 => time::<u8>(&mut bench.comm, self.collective, bytes, op),
             }?;
             rows.push((bytes, row.0, row.1));
         }
@@ -133,7 +133,12 @@ one!(f32: 1.0, |n| n as f32, f64: 1.0, |n| n as f64, f16: f16::ONE, |n| f16::fro
 
 /// Warm-up, barrier, timed loop (like the Open MPI reference), then a check
 /// of the last result.
-fn time<T: One>(comm: &Communicator, what: Collective, bytes: usize, op: ReduceOp) -> Result<(u64, f64), UserError> {
+fn time<T: One>(
+    comm: &mut Communicator,
+    what: Collective,
+    bytes: usize,
+    op: ReduceOp,
+) -> Result<(u64, f64), UserError> {
     let (n, r) = (comm.size(), comm.rank());
     let count = bytes / std::mem::size_of::<T>();
     let iters = ((512usize << 20) / bytes.max(1)).clamp(5, 1000) as u64;
@@ -145,7 +150,7 @@ fn time<T: One>(comm: &Communicator, what: Collective, bytes: usize, op: ReduceO
         Collective::ReduceScatter => counts[r],
     };
     let mut recv = vec![T::of(0); out_len];
-    let once = |recv: &mut Vec<T>| -> Result<(), kolo_comm::CommError> {
+    let once = |comm: &mut Communicator, recv: &mut Vec<T>| -> Result<(), kolo_comm::CommError> {
         match what {
             Collective::Allreduce => comm.allreduce(&send, recv, op),
             Collective::Allgather => comm.allgather(&send, recv),
@@ -158,12 +163,12 @@ fn time<T: One>(comm: &Communicator, what: Collective, bytes: usize, op: ReduceO
         recv.fill(T::one());
     }
     for _ in 0..iters / 10 + 1 {
-        once(&mut recv)?;
+        once(comm, &mut recv)?;
     }
     comm.barrier()?;
     let start = Instant::now();
     for _ in 0..iters {
-        once(&mut recv)?;
+        once(comm, &mut recv)?;
     }
     let seconds = start.elapsed().as_secs_f64() / iters as f64;
     let want = match (what, op) {

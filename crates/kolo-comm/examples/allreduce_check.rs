@@ -7,7 +7,7 @@ use kolo_comm::{Communicator, ReduceOp};
 
 fn main() {
     let result = (|| -> Result<String, Box<dyn std::error::Error>> {
-        let comm = Communicator::from_env()?;
+        let mut comm = Communicator::from_env()?;
         let (rank, size) = (comm.rank(), comm.size());
         let want = (size * (size + 1) / 2) as f32;
         for len in [1usize, 1000, 100_000, 1 << 20] {

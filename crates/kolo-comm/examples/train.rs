@@ -66,7 +66,13 @@ fn dataset(o: &Options) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// Mean log-loss over the whole dataset (each rank sums its shard).
-fn loss(comm: &Communicator, x: &[f32], y: &[f32], w: &[f32], shard: &[usize]) -> Result<f32, kolo_comm::CommError> {
+fn loss(
+    comm: &mut Communicator,
+    x: &[f32],
+    y: &[f32],
+    w: &[f32],
+    shard: &[usize],
+) -> Result<f32, kolo_comm::CommError> {
     let d = w.len() - 1;
     let mut local = [0.0f64, 0.0];
     for &i in shard {
@@ -95,7 +101,7 @@ fn main() {
 }
 
 fn train(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
-    let comm = Communicator::from_env()?;
+    let mut comm = Communicator::from_env()?;
     let (rank, size) = (comm.rank(), comm.size());
     let (x, y) = dataset(o);
     let d = o.features;
@@ -103,7 +109,7 @@ fn train(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
     let mut w = vec![0.0f32; d + 1];
     let mut grad = vec![0.0f32; d + 1];
     let mut avg = vec![0.0f32; d + 1];
-    let first = loss(&comm, &x, &y, &w, &shard)?;
+    let first = loss(&mut comm, &x, &y, &w, &shard)?;
     if rank == 0 {
         println!(
             "ranks {size}, {} samples x {d} features, batch {} per rank; initial loss {first:.4}",
@@ -135,7 +141,7 @@ fn train(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let seconds = start.elapsed().as_secs_f64();
-        last = loss(&comm, &x, &y, &w, &shard)?;
+        last = loss(&mut comm, &x, &y, &w, &shard)?;
         if rank == 0 {
             let rate = o.samples as f64 / seconds;
             println!("epoch {epoch:3}  loss {last:.4}  {rate:.0} samples/s");

@@ -1,19 +1,22 @@
-//! Bringing a communicator up from the job's environment: addresses
-//! through the rendezvous store (linear traffic), then a link per peer:
-//! shared-memory rings within a host, authenticated TCP between hosts.
+//! Bringing a communicator up: addresses through the rendezvous store
+//! (linear traffic, blocking client: no async runtime), then a link per
+//! peer, every one mutually authenticated by the job secret (kolo-auth):
+//! within a host, shared-memory rings in anonymous memory files passed over
+//! abstract unix sockets; between hosts, TCP.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use hmac::{Hmac, Mac};
-use kolo_rendezvous::{Client, ClientConfig};
-use sha2::Sha256;
+use kolo_auth::{dial_handshake, listen_handshake, Secret};
+use kolo_rendezvous::{BlockingClient, ClientConfig, RendezvousError};
 
-use crate::comm::{Communicator, Shared, Tuning};
+use crate::comm::{Communicator, Links, Shared, Tuning};
 use crate::link::{Rx, TcpRx, Tx};
 use crate::shm::Ring;
 use crate::CommError;
@@ -27,7 +30,9 @@ pub enum Transport {
     Tcp,
 }
 
-/// Everything a rank needs to join.
+/// Everything a rank needs to join. Make one with [`Config::new`] and the
+/// `with_*` methods, or from a kolo job's environment with
+/// [`Config::from_env`].
 #[derive(Clone, Debug)]
 pub struct Config {
     pub rank: usize,
@@ -36,8 +41,10 @@ pub struct Config {
     pub node_id: String,
     /// `host:port` of the rendezvous store.
     pub store: String,
-    pub secret: Option<String>,
+    /// The job's secret: for the store, and to authenticate every link.
+    pub secret: Secret,
     pub job_id: String,
+    /// For the bootstrap, and for a collective without progress.
     pub timeout: Duration,
     pub transport: Transport,
     /// Address this rank listens on for TCP links.
@@ -55,10 +62,67 @@ fn number<T: std::str::FromStr>(name: &str) -> Result<T, CommError> {
 }
 
 impl Config {
+    /// Rank `rank` of `size`, on host `node_id`, with the store at
+    /// `store` (`host:port`); a 30 s timeout, [`Transport::Auto`], TCP on
+    /// loopback, default tuning until changed with the `with_*` methods.
+    pub fn new(
+        rank: usize,
+        size: usize,
+        node_id: impl Into<String>,
+        store: impl Into<String>,
+        secret: Secret,
+        job_id: impl Into<String>,
+    ) -> Result<Config, CommError> {
+        if rank >= size {
+            return Err(CommError::Env(format!("rank {rank} is not below the size {size}")));
+        }
+        Ok(Config {
+            rank,
+            size,
+            node_id: node_id.into(),
+            store: store.into(),
+            secret,
+            job_id: job_id.into(),
+            timeout: Duration::from_secs(30),
+            transport: Transport::Auto,
+            listen: IpAddr::from([127, 0, 0, 1]),
+            tuning: Tuning::default(),
+        })
+    }
+
+    pub fn with_timeout(mut self, timeout: Duration) -> Config {
+        self.timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    pub fn with_transport(mut self, transport: Transport) -> Config {
+        self.transport = transport;
+        self
+    }
+
+    /// Listens for TCP links on this address.
+    pub fn with_listen(mut self, addr: IpAddr) -> Config {
+        self.listen = addr;
+        self
+    }
+
+    /// Listens for TCP links on the IPv4 address of interface `iface`
+    /// (loopback for `lo`).
+    pub fn with_iface(mut self, iface: &str) -> Result<Config, CommError> {
+        self.listen = listen_address(Some(iface))?;
+        Ok(self)
+    }
+
+    pub fn with_tuning(mut self, tuning: Tuning) -> Config {
+        self.tuning = tuning;
+        self
+    }
+
     /// From the variables `kolo run` sets (`KOLO_RANK`, `KOLO_SIZE`,
     /// `KOLO_NODE_ID`, `KOLO_RENDEZVOUS_ADDR`/`_PORT`, `KOLO_SECRET`,
     /// `KOLO_JOB_ID`, `KOLO_TIMEOUT_SECONDS`, `KOLO_IFACES`), plus
-    /// `KOLO_COMM_TRANSPORT` (`auto` or `tcp`) and `KOLO_COMM_TIMEOUT_SECONDS`.
+    /// `KOLO_COMM_TRANSPORT` (`auto` or `tcp`), `KOLO_COMM_TIMEOUT_SECONDS`
+    /// and the tuning variables. A missing or empty `KOLO_SECRET` is an error.
     pub fn from_env() -> Result<Config, CommError> {
         let rank: usize = number("KOLO_RANK")?;
         let size: usize = number("KOLO_SIZE")?;
@@ -75,25 +139,22 @@ impl Config {
             Err(_) => number::<u64>("KOLO_TIMEOUT_SECONDS").unwrap_or(30) as f64,
         };
         let iface = std::env::var("KOLO_IFACES").ok().and_then(|l| l.split(',').next().map(String::from));
-        Ok(Config {
-            rank,
-            size,
-            node_id: var("KOLO_NODE_ID")?,
-            store: format!("{}:{}", var("KOLO_RENDEZVOUS_ADDR")?, var("KOLO_RENDEZVOUS_PORT")?),
-            secret: std::env::var("KOLO_SECRET").ok(),
-            job_id: std::env::var("KOLO_JOB_ID").unwrap_or_else(|_| "job".into()),
-            timeout: Duration::from_secs_f64(timeout_s.max(0.001)),
-            transport,
-            listen: listen_address(iface.as_deref())?,
-            tuning: Tuning::from_env()?,
-        })
+        let secret = Secret::from_env("KOLO_SECRET").map_err(CommError::Secret)?;
+        let store = format!("{}:{}", var("KOLO_RENDEZVOUS_ADDR")?, var("KOLO_RENDEZVOUS_PORT")?);
+        let job_id = std::env::var("KOLO_JOB_ID").unwrap_or_else(|_| "job".into());
+        Ok(Config::new(rank, size, var("KOLO_NODE_ID")?, store, secret, job_id)?
+            .with_timeout(Duration::from_secs_f64(timeout_s.max(0.001)))
+            .with_transport(transport)
+            .with_listen(listen_address(iface.as_deref())?)
+            .with_tuning(Tuning::from_env()?))
     }
 }
 
 /// The IPv4 address of the interface kolo chose (loopback for `lo`).
 fn listen_address(iface: Option<&str>) -> Result<IpAddr, CommError> {
     let Some(iface) = iface.filter(|i| *i != "lo") else { return Ok(IpAddr::from([127, 0, 0, 1])) };
-    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| CommError::Env(format!("cannot list interfaces: {e}")))?;
+    let addrs = nix::ifaddrs::getifaddrs()
+        .map_err(|e| CommError::EnvSys { what: "cannot list interfaces".into(), source: e.into() })?;
     for a in addrs.filter(|a| a.interface_name == iface) {
         if let Some(v4) = a.address.as_ref().and_then(|s| s.as_sockaddr_in()) {
             return Ok(IpAddr::V4(v4.ip()));
@@ -106,21 +167,189 @@ struct Peer {
     node: usize,
     addr: SocketAddr,
     pid: u32,
+    /// Abstract unix socket name for same-host links ("-" when none).
+    unix: String,
 }
 
-fn tag(secret: &[u8], job: &str, a: usize, b: usize) -> [u8; 32] {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("any key length");
-    mac.update(b"kolo-comm");
-    mac.update(job.as_bytes());
-    mac.update(&(a as u64).to_be_bytes());
-    mac.update(&(b as u64).to_be_bytes());
-    mac.finalize().into_bytes().into()
+/// What a dialer sends first: this, then its rank (u32, big-endian), so
+/// that the listener knows which context to authenticate it in.
+const CLAIM: [u8; 4] = *b"kcom";
+/// Longest a single handshake may take (within the bootstrap's deadline).
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Tcp,
+    Unix,
 }
 
-const MAGIC: u32 = 0x6b63_6f6d; // "kcom"
+/// What a link's handshake proves besides the secret: the job, the kind of
+/// link and both ranks.
+fn context(kind: Kind, job: &str, listener: usize, dialer: usize) -> Vec<u8> {
+    let mut c = match kind {
+        Kind::Tcp => b"kolo-comm-tcp\0".to_vec(),
+        Kind::Unix => b"kolo-comm-unix\0".to_vec(),
+    };
+    c.extend_from_slice(&(job.len() as u64).to_be_bytes());
+    c.extend_from_slice(job.as_bytes());
+    c.extend_from_slice(&(listener as u64).to_be_bytes());
+    c.extend_from_slice(&(dialer as u64).to_be_bytes());
+    c
+}
+
+fn handshake_limit(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(100), HANDSHAKE_LIMIT)
+}
+
+/// A random name in the abstract namespace (nothing in any file system).
+fn unix_name() -> String {
+    let n = kolo_auth::nonce();
+    let hex: String = n[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("kolo-comm-{hex}")
+}
+
+fn bind_unix(name: &str) -> std::io::Result<UnixListener> {
+    UnixListener::bind_addr(&UnixAddr::from_abstract_name(name.as_bytes())?)
+}
+
+/// Sends one descriptor (and one byte) over a unix stream.
+fn send_fd(stream: &UnixStream, fd: RawFd) -> std::io::Result<()> {
+    use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+    let fds = [fd];
+    let iov = [IoSlice::new(b"R")];
+    sendmsg::<()>(stream.as_raw_fd(), &iov, &[ControlMessage::ScmRights(&fds)], MsgFlags::empty(), None)?;
+    Ok(())
+}
+
+/// Receives exactly one descriptor (within the stream's read timeout).
+fn recv_fd(stream: &UnixStream) -> std::io::Result<OwnedFd> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut byte = [0u8; 1];
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let mut space = nix::cmsg_space!([RawFd; 2]);
+    let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut got: Vec<OwnedFd> = Vec::new();
+    for cmsg in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(fds) = cmsg {
+            // SAFETY: the kernel just installed these descriptors for us.
+            got.extend(fds.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+        }
+    }
+    if msg.bytes == 0 && got.is_empty() {
+        return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the peer closed the socket"));
+    }
+    if got.len() != 1 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("expected one ring, got {}", got.len()),
+        ));
+    }
+    Ok(got.pop().expect("one"))
+}
+
+/// Everything a bootstrap needs while it sets up links.
+struct Setup<'a> {
+    config: &'a Config,
+    deadline: Instant,
+    capacity: usize,
+    links: Links,
+}
+
+impl Setup<'_> {
+    fn io_err(&self, what: String) -> impl FnOnce(std::io::Error) -> CommError {
+        move |source| CommError::BootstrapIo { what, source }
+    }
+
+    /// Same host: after the handshake each side sends the ring it reads
+    /// from (a fresh memfd) and maps the one it writes to.
+    fn unix_link(&mut self, peer: usize, stream: UnixStream) -> Result<(), CommError> {
+        let limit = handshake_limit(self.deadline);
+        let _ = stream.set_read_timeout(Some(limit));
+        let _ = stream.set_write_timeout(Some(limit));
+        let (inbound, fd) = Ring::create(self.capacity)
+            .map_err(self.io_err("cannot create a shared-memory ring (memfd_create)".into()))?;
+        send_fd(&stream, fd.as_fd().as_raw_fd()).map_err(|e| CommError::Io { rank: peer, source: e })?;
+        drop(fd);
+        let outbound =
+            recv_fd(&stream).and_then(Ring::open).map_err(self.io_err(format!("rank {peer} sent no usable ring")))?;
+        self.links.rx[peer] = Some(Rx::Shm(inbound));
+        self.links.tx[peer] = Some(Tx::Shm(outbound));
+        Ok(())
+    }
+
+    fn tcp_link(&mut self, peer: usize, stream: TcpStream) -> Result<(), CommError> {
+        let io = |e| CommError::Io { rank: peer, source: e };
+        stream.set_nodelay(true).map_err(io)?;
+        stream.set_nonblocking(true).map_err(io)?;
+        let reader = stream.try_clone().map_err(io)?;
+        self.links.tx[peer] = Some(Tx::Tcp(stream));
+        self.links.rx[peer] = Some(Rx::Tcp(TcpRx::new(reader)));
+        Ok(())
+    }
+
+    /// Dials a higher rank: claim, then prove, then check its proof.
+    fn dial(&mut self, peer: usize, p: &Peer, kind: Kind) -> Result<(), CommError> {
+        let config = self.config;
+        let ctx = context(kind, &config.job_id, peer, config.rank);
+        let mut claim = [0u8; 8];
+        claim[..4].copy_from_slice(&CLAIM);
+        claim[4..].copy_from_slice(&(config.rank as u32).to_be_bytes());
+        let auth = |source| CommError::Auth { rank: peer, source };
+        match kind {
+            Kind::Tcp => {
+                let mut stream = dial_tcp(p.addr, self.deadline)
+                    .map_err(self.io_err(format!("cannot reach rank {peer} at {}", p.addr)))?;
+                stream.write_all(&claim).map_err(|e| CommError::Io { rank: peer, source: e })?;
+                dial_handshake(&mut stream, &config.secret, &ctx, handshake_limit(self.deadline)).map_err(auth)?;
+                self.tcp_link(peer, stream)
+            }
+            Kind::Unix => {
+                let addr = UnixAddr::from_abstract_name(p.unix.as_bytes())
+                    .map_err(self.io_err(format!("bad unix socket name of rank {peer}")))?;
+                let mut stream = UnixStream::connect_addr(&addr)
+                    .map_err(self.io_err(format!("cannot reach rank {peer} on this host (unix socket)")))?;
+                stream.write_all(&claim).map_err(|e| CommError::Io { rank: peer, source: e })?;
+                dial_handshake(&mut stream, &config.secret, &ctx, handshake_limit(self.deadline)).map_err(auth)?;
+                self.unix_link(peer, stream)
+            }
+        }
+    }
+
+    /// Reads a dialer's claim and authenticates it; `None` (logged) for a
+    /// connection that fails, which is dropped.
+    fn accept<S: Read + Write + kolo_auth::Timeouts>(
+        &self,
+        stream: &mut S,
+        kind: Kind,
+        missing: &[usize],
+    ) -> Option<usize> {
+        let config = self.config;
+        let _ = stream.set_timeouts(Some(handshake_limit(self.deadline)));
+        let mut claim = [0u8; 8];
+        if stream.read_exact(&mut claim).is_err() || claim[..4] != CLAIM {
+            tracing::warn!("kolo-comm: dropped a connection that is not a kolo peer");
+            return None;
+        }
+        let peer = u32::from_be_bytes(claim[4..].try_into().expect("4 bytes")) as usize;
+        if !missing.contains(&peer) {
+            tracing::warn!(claimed = peer, "kolo-comm: dropped a connection from an unexpected rank");
+            return None;
+        }
+        let ctx = context(kind, &config.job_id, config.rank, peer);
+        match listen_handshake(stream, &config.secret, &ctx, handshake_limit(self.deadline)) {
+            Ok(()) => Some(peer),
+            Err(e) => {
+                tracing::warn!(claimed = peer, "kolo-comm: refused a link: {e}");
+                None
+            }
+        }
+    }
+}
 
 impl Communicator {
-    /// Joins the job's communicator from the environment `kolo run` sets.
+    /// Joins the job's communicator from the environment `kolo run` sets
+    /// ([`Config::from_env`]). Blocking; no async runtime involved, so it
+    /// may be called from any thread.
     pub fn from_env() -> Result<Communicator, CommError> {
         Communicator::connect(Config::from_env()?)
     }
@@ -129,113 +358,116 @@ impl Communicator {
     pub fn connect(config: Config) -> Result<Communicator, CommError> {
         let deadline = Instant::now() + config.timeout;
         let listener = TcpListener::bind((config.listen, 0))
-            .map_err(|e| CommError::Bootstrap(format!("cannot listen on {}: {e}", config.listen)))?;
-        let me = Peer {
-            node: 0,
-            addr: listener.local_addr().map_err(|e| CommError::Bootstrap(e.to_string()))?,
-            pid: std::process::id(),
+            .map_err(|source| CommError::BootstrapIo { what: format!("cannot listen on {}", config.listen), source })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|source| CommError::BootstrapIo { what: "no listening address".into(), source })?;
+        let unix = if config.transport == Transport::Auto {
+            let name = unix_name();
+            let l = bind_unix(&name).map_err(|source| CommError::BootstrapIo {
+                what: "cannot listen on an abstract unix socket".into(),
+                source,
+            })?;
+            Some((name, l))
+        } else {
+            None
         };
-        let peers = exchange_addresses(&config, &me.addr, deadline)?;
+        let unix_name = unix.as_ref().map_or("-", |(n, _)| n.as_str());
+        let peers = exchange_addresses(&config, &addr, unix_name, deadline)?;
         let n = config.size;
-        let mut tx: Vec<Mutex<Option<Tx>>> = (0..n).map(|_| Mutex::new(None)).collect();
-        let mut rx: Vec<Mutex<Option<Rx>>> = (0..n).map(|_| Mutex::new(None)).collect();
         let my_node = peers[config.rank].node;
-        let local = |p: usize| p != config.rank && peers[p].node == my_node && config.transport == Transport::Auto;
+        let local = |p: usize| {
+            p != config.rank && peers[p].node == my_node && config.transport == Transport::Auto && peers[p].unix != "-"
+        };
         let local_count = (0..n).filter(|&p| local(p)).count();
-
-        // shared memory: each rank makes its inbound rings, then maps its peers'
-        let dir =
-            if std::path::Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
-        let ring_path = |from: usize, to: usize| dir.join(format!("kolo-{}-{from}-to-{to}", config.job_id));
         // rings shrink as ranks per host grow, so their memory stays bounded
         let capacity = (64usize << 20)
             .checked_div(local_count)
             .map_or(0, |c| c.clamp(256 << 10, config.tuning.ring_bytes.max(256 << 10)) & !7);
-        let mut created = Vec::new();
-        for p in (0..n).filter(|&p| local(p)) {
-            let ring = Ring::create(&ring_path(p, config.rank), capacity).map_err(|e| {
-                CommError::Bootstrap(format!("cannot create a shared-memory ring in {}: {e}", dir.display()))
-            })?;
-            created.push(p);
-            *rx[p].get_mut().expect("fresh") = Some(Rx::Shm(ring));
+        let mut setup = Setup {
+            config: &config,
+            deadline,
+            capacity,
+            links: Links {
+                tx: (0..n).map(|_| None).collect(),
+                rx: (0..n).map(|_| None).collect(),
+                scratch: Vec::new(),
+            },
+        };
+
+        // the lower rank dials, the higher one listens
+        for (p, peer) in peers.iter().enumerate().skip(config.rank + 1) {
+            setup.dial(p, peer, if local(p) { Kind::Unix } else { Kind::Tcp })?;
         }
-        for p in (0..n).filter(|&p| local(p)) {
-            let path = ring_path(config.rank, p);
-            let ring = loop {
-                match Ring::open(&path) {
-                    Ok(ring) => break ring,
-                    Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
-                    Err(e) => {
-                        return Err(CommError::Bootstrap(format!(
-                            "rank {p} never made its ring {}: {e}",
-                            path.display()
-                        )))
+        let mut missing: Vec<usize> = (0..config.rank).collect();
+        listener.set_nonblocking(true).map_err(|source| CommError::BootstrapIo { what: "listener".into(), source })?;
+        if let Some((_, l)) = &unix {
+            l.set_nonblocking(true)
+                .map_err(|source| CommError::BootstrapIo { what: "unix listener".into(), source })?;
+        }
+        while !missing.is_empty() {
+            let mut accepted = false;
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    accepted = true;
+                    let _ = stream.set_nonblocking(false);
+                    let remote: Vec<usize> = missing.iter().copied().filter(|&m| !local(m)).collect();
+                    if let Some(peer) = setup.accept(&mut stream, Kind::Tcp, &remote) {
+                        setup.tcp_link(peer, stream)?;
+                        missing.retain(|&m| m != peer);
                     }
                 }
-            };
-            *tx[p].get_mut().expect("fresh") = Some(Tx::Shm(ring));
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(source) => return Err(CommError::BootstrapIo { what: "accept failed".into(), source }),
+            }
+            if let Some((_, l)) = &unix {
+                match l.accept() {
+                    Ok((mut stream, _)) => {
+                        accepted = true;
+                        let _ = stream.set_nonblocking(false);
+                        let same_host: Vec<usize> = missing.iter().copied().filter(|&m| local(m)).collect();
+                        if let Some(peer) = setup.accept(&mut stream, Kind::Unix, &same_host) {
+                            setup.unix_link(peer, stream)?;
+                            missing.retain(|&m| m != peer);
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(source) => return Err(CommError::BootstrapIo { what: "accept failed".into(), source }),
+                }
+            }
+            if !accepted {
+                if Instant::now() >= deadline {
+                    return Err(CommError::Bootstrap(format!(
+                        "ranks {missing:?} did not connect within {:.1} s",
+                        config.timeout.as_secs_f64()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
-
-        // TCP: the lower rank dials, proving it knows the job secret
-        let secret = config.secret.clone().unwrap_or_default();
-        for p in (config.rank + 1..n).filter(|&p| !local(p)) {
-            let mut stream = dial(peers[p].addr, deadline)
-                .map_err(|e| CommError::Bootstrap(format!("cannot reach rank {p} at {}: {e}", peers[p].addr)))?;
-            let mut hello = Vec::with_capacity(40);
-            hello.extend_from_slice(&MAGIC.to_be_bytes());
-            hello.extend_from_slice(&(config.rank as u32).to_be_bytes());
-            hello.extend_from_slice(&tag(secret.as_bytes(), &config.job_id, config.rank, p));
-            stream.write_all(&hello).map_err(|e| CommError::Io { rank: p, source: e })?;
-            let mut ok = [0u8; 1];
-            stream
-                .read_exact(&mut ok)
-                .map_err(|_| CommError::Bootstrap(format!("rank {p} refused the link (a different job secret?)")))?;
-            install_tcp(&mut tx, &mut rx, p, stream)?;
-        }
-        let expected: Vec<usize> = (0..config.rank).filter(|&p| !local(p)).collect();
-        accept_links(&listener, &config, &expected, secret.as_bytes(), deadline, &mut tx, &mut rx)?;
+        drop(unix);
+        drop(listener);
 
         let nodes: Vec<usize> = peers.iter().map(|p| p.node).collect();
         let local_pids: Vec<u32> = (0..n).map(|p| if peers[p].node == my_node { peers[p].pid } else { 0 }).collect();
+        const WORLD: u64 = 1;
         let shared = Arc::new(Shared {
             me: config.rank,
-            tx,
-            rx,
+            links: Mutex::new(setup.links),
             local_pids,
             timeout: config.timeout,
-            scratch: Mutex::new(Vec::new()),
             tuning: config.tuning.clone(),
+            names: Mutex::new(HashMap::from([(WORLD, "world".to_string())])),
         });
-        let mut comm = Communicator { shared, group: (0..n).collect(), rank: config.rank, nodes, hierarchy: None };
-        // every ring is mapped once everyone passed this: the files can go
+        let mut comm = Communicator::new(shared, WORLD, (0..n).collect(), config.rank, nodes);
         comm.barrier()?;
-        for p in created {
-            if let Some(Rx::Shm(ring)) = comm.shared.rx[p].lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
-                ring.unlink();
-            }
-        }
         comm.build_hierarchy()?;
         tracing::debug!(rank = comm.shared.me, size = n, local = local_count, "communicator up");
         Ok(comm)
     }
 }
 
-fn install_tcp(
-    tx: &mut [Mutex<Option<Tx>>],
-    rx: &mut [Mutex<Option<Rx>>],
-    peer: usize,
-    stream: TcpStream,
-) -> Result<(), CommError> {
-    let io = |e| CommError::Io { rank: peer, source: e };
-    stream.set_nodelay(true).map_err(io)?;
-    stream.set_nonblocking(true).map_err(io)?;
-    let reader = stream.try_clone().map_err(io)?;
-    *tx[peer].get_mut().expect("fresh") = Some(Tx::Tcp(stream));
-    *rx[peer].get_mut().expect("fresh") = Some(Rx::Tcp(TcpRx::new(reader)));
-    Ok(())
-}
-
-fn dial(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
+fn dial_tcp(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
             Ok(s) => return Ok(s),
@@ -245,112 +477,60 @@ fn dial(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
     }
 }
 
-fn accept_links(
-    listener: &TcpListener,
+/// Rank records through the store: each rank PUTs its own, rank 0 reads
+/// them all and PUTs the table, every other rank reads the table once.
+fn exchange_addresses(
     config: &Config,
-    expected: &[usize],
-    secret: &[u8],
+    addr: &SocketAddr,
+    unix: &str,
     deadline: Instant,
-    tx: &mut [Mutex<Option<Tx>>],
-    rx: &mut [Mutex<Option<Rx>>],
-) -> Result<(), CommError> {
-    let mut missing: Vec<usize> = expected.to_vec();
-    listener.set_nonblocking(true).map_err(|e| CommError::Bootstrap(e.to_string()))?;
-    while !missing.is_empty() {
-        let (mut stream, from) = match listener.accept() {
-            Ok(s) => s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
+) -> Result<Vec<Peer>, CommError> {
+    let mut client_config = ClientConfig::new(config.store.clone());
+    client_config.secret = Some(config.secret.expose().to_string());
+    client_config.request_timeout = config.timeout.min(Duration::from_secs(30));
+    let mut client = BlockingClient::new(client_config);
+    let scope = format!("kolo-comm-{}", config.job_id);
+    let record = format!("{}\t{addr}\t{}\t{unix}", config.node_id, std::process::id());
+    client.put(&scope, &config.rank.to_string(), record.as_bytes()).map_err(CommError::Store)?;
+    let remaining = || deadline.saturating_duration_since(Instant::now());
+    let table = if config.rank == 0 {
+        let mut records = Vec::with_capacity(config.size);
+        for r in 0..config.size {
+            match client.wait(&scope, &[&r.to_string()], remaining()) {
+                Ok(mut v) => records.push(String::from_utf8_lossy(&v.remove(0)).into_owned()),
+                Err(RendezvousError::WaitTimeout { .. }) => {
+                    let mut missing = Vec::new();
+                    for m in r..config.size {
+                        if client.get(&scope, &m.to_string()).map_err(CommError::Store)?.is_none() {
+                            missing.push(m);
+                        }
+                    }
                     return Err(CommError::Bootstrap(format!(
-                        "ranks {missing:?} did not connect within {:.1} s",
+                        "ranks {missing:?} did not show up within {:.1} s",
                         config.timeout.as_secs_f64()
                     )));
                 }
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
+                Err(e) => return Err(CommError::Store(e)),
             }
-            Err(e) => return Err(CommError::Bootstrap(format!("accept failed: {e}"))),
-        };
-        let _ = stream.set_nonblocking(false);
-        let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
-        let mut hello = [0u8; 40];
-        if stream.read_exact(&mut hello).is_err() {
-            tracing::warn!(%from, "kolo-comm: dropped a connection that sent no hello");
-            continue;
         }
-        let magic = u32::from_be_bytes(hello[0..4].try_into().expect("4 bytes"));
-        let peer = u32::from_be_bytes(hello[4..8].try_into().expect("4 bytes")) as usize;
-        let want = missing.iter().position(|&m| m == peer);
-        let good = magic == MAGIC
-            && want.is_some()
-            && crate::link_tags_match(&hello[8..40], &tag(secret, &config.job_id, peer, config.rank));
-        if !good {
-            tracing::warn!(%from, claimed = peer, "kolo-comm: refused a link without the job secret");
-            continue;
+        let table = records.join("\n");
+        client.put(&scope, "table", table.as_bytes()).map_err(CommError::Store)?;
+        table
+    } else {
+        match client.wait(&scope, &["table"], remaining()) {
+            Ok(mut v) => String::from_utf8_lossy(&v.remove(0)).into_owned(),
+            Err(RendezvousError::WaitTimeout { .. }) => {
+                return Err(CommError::Bootstrap(format!(
+                    "no address table from rank 0 within {:.1} s: rank 0 or another rank did not show up",
+                    config.timeout.as_secs_f64()
+                )))
+            }
+            Err(e) => return Err(CommError::Store(e)),
         }
-        stream.write_all(&[1]).map_err(|e| CommError::Io { rank: peer, source: e })?;
-        let _ = stream.set_read_timeout(None);
-        install_tcp(tx, rx, peer, stream)?;
-        missing.remove(want.expect("checked"));
-    }
-    Ok(())
-}
-
-/// Rank records through the store: each rank PUTs its own, rank 0 reads
-/// them all and PUTs the table, every other rank reads the table once.
-fn exchange_addresses(config: &Config, addr: &SocketAddr, deadline: Instant) -> Result<Vec<Peer>, CommError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CommError::Bootstrap(format!("cannot start a runtime: {e}")))?;
-    let mut client_config = ClientConfig::new(config.store.clone());
-    client_config.secret = config.secret.clone();
-    let client = Client::new(client_config);
-    let scope = format!("kolo_comm_{}", config.job_id);
-    let record = format!("{}\t{addr}\t{}", config.node_id, std::process::id());
-    let store_err = |e: kolo_rendezvous::RendezvousError| CommError::Bootstrap(format!("rendezvous store: {e}"));
-    runtime.block_on(async {
-        client.put(&scope, &config.rank.to_string(), record.clone()).await.map_err(store_err)?;
-        let remaining = || deadline.saturating_duration_since(Instant::now());
-        let table = if config.rank == 0 {
-            let mut records = Vec::with_capacity(config.size);
-            for r in 0..config.size {
-                match client.wait(&scope, &[&r.to_string()], remaining()).await {
-                    Ok(mut v) => records.push(String::from_utf8_lossy(&v.remove(0)).into_owned()),
-                    Err(kolo_rendezvous::RendezvousError::WaitTimeout { .. }) => {
-                        let mut missing = Vec::new();
-                        for m in r..config.size {
-                            if client.get(&scope, &m.to_string()).await.map_err(store_err)?.is_none() {
-                                missing.push(m);
-                            }
-                        }
-                        return Err(CommError::Bootstrap(format!(
-                            "ranks {missing:?} did not show up within {:.1} s",
-                            config.timeout.as_secs_f64()
-                        )));
-                    }
-                    Err(e) => return Err(store_err(e)),
-                }
-            }
-            let table = records.join("\n");
-            client.put(&scope, "table", table.clone()).await.map_err(store_err)?;
-            table
-        } else {
-            match client.wait(&scope, &["table"], remaining()).await {
-                Ok(mut v) => String::from_utf8_lossy(&v.remove(0)).into_owned(),
-                Err(kolo_rendezvous::RendezvousError::WaitTimeout { .. }) => {
-                    return Err(CommError::Bootstrap(format!(
-                        "no address table from rank 0 within {:.1} s: rank 0 or another rank did not show up",
-                        config.timeout.as_secs_f64()
-                    )))
-                }
-                Err(e) => return Err(store_err(e)),
-            }
-        };
-        // our record is read (rank 0 read them all before the table existed)
-        let _ = client.delete(&scope, &config.rank.to_string()).await;
-        parse_table(&table, config.size)
-    })
+    };
+    // our record is read (rank 0 read them all before the table existed)
+    let _ = client.delete(&scope, &config.rank.to_string());
+    parse_table(&table, config.size)
 }
 
 fn parse_table(table: &str, size: usize) -> Result<Vec<Peer>, CommError> {
@@ -359,10 +539,18 @@ fn parse_table(table: &str, size: usize) -> Result<Vec<Peer>, CommError> {
     for line in table.lines() {
         let bad = || CommError::Bootstrap(format!("malformed address record '{line}'"));
         let mut parts = line.split('\t');
-        let (Some(node), Some(addr), Some(pid)) = (parts.next(), parts.next(), parts.next()) else { return Err(bad()) };
+        let (Some(node), Some(addr), Some(pid), Some(unix)) = (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(bad());
+        };
         let next = node_index.len();
         let node = *node_index.entry(node.to_string()).or_insert(next);
-        peers.push(Peer { node, addr: addr.parse().map_err(|_| bad())?, pid: pid.parse().map_err(|_| bad())? });
+        peers.push(Peer {
+            node,
+            addr: addr.parse().map_err(|_| bad())?,
+            pid: pid.parse().map_err(|_| bad())?,
+            unix: unix.to_string(),
+        });
     }
     if peers.len() != size {
         return Err(CommError::Bootstrap(format!("address table has {} ranks, expected {size}", peers.len())));

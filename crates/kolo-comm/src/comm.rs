@@ -1,6 +1,8 @@
 //! The Communicator: point-to-point progress over the links, and the
 //! collective algorithms built on it.
 
+use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -9,7 +11,7 @@ use crate::dtype::{divide, reduce_into, reduce_to, reduce_to_streaming, stream_c
 /// From this many bytes per buffer, results are written with non-temporal
 /// stores: two ranks' buffers no longer fit the last-level cache.
 const STREAM_BYTES: usize = 8 << 20;
-use crate::link::{padded, Abort, Rx, Tx};
+use crate::link::{padded, Abort, Rx, Tx, HEAD};
 use crate::CommError;
 
 /// Algorithm choices, by size and rank count; overridable with
@@ -79,13 +81,68 @@ impl Tuning {
 /// Links and state shared by a communicator and those split from it.
 pub(crate) struct Shared {
     pub me: usize,
-    pub tx: Vec<Mutex<Option<Tx>>>,
-    pub rx: Vec<Mutex<Option<Rx>>>,
+    /// Held for a whole collective, so that the messages of two calls
+    /// never interleave on a link.
+    pub links: Mutex<Links>,
     /// Pid of every rank on this host (to notice a dead peer early), 0 elsewhere.
     pub local_pids: Vec<u32>,
     pub timeout: Duration,
-    pub scratch: Mutex<Vec<u64>>,
     pub tuning: Tuning,
+    /// Names of the communicators this rank made, by id, for errors.
+    pub names: Mutex<HashMap<u64, String>>,
+}
+
+/// A link per peer in each direction (by global rank), and the scratch
+/// space of the collectives.
+pub(crate) struct Links {
+    pub tx: Vec<Option<Tx>>,
+    pub rx: Vec<Option<Rx>>,
+    pub scratch: Vec<u64>,
+}
+
+/// What a collective holds while it runs: the links, and the tag its
+/// messages carry.
+pub(crate) struct Io<'a> {
+    links: &'a mut Links,
+    tag: Tag,
+}
+
+/// (communicator id, sequence number): every message carries the tag of
+/// the call it belongs to, and a receiver checks it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Tag {
+    comm: u64,
+    seq: u64,
+}
+
+/// Sequence numbers of point-to-point messages have this bit set: they
+/// count per peer, collectives per communicator.
+const P2P: u64 = 1 << 63;
+
+impl Tag {
+    fn bytes(self) -> [u8; HEAD] {
+        let mut b = [0u8; HEAD];
+        b[..8].copy_from_slice(&self.comm.to_le_bytes());
+        b[8..].copy_from_slice(&self.seq.to_le_bytes());
+        b
+    }
+
+    fn from_bytes(b: &[u8; HEAD]) -> Tag {
+        Tag {
+            comm: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            seq: u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
+        }
+    }
+}
+
+/// The id of a communicator split from `parent`: the same on every member
+/// (they all count the same splits of the parent and give the same color).
+fn child_id(parent: u64, split: u64, color: u32) -> u64 {
+    // splitmix64 over the three
+    let mut z = parent ^ split.rotate_left(21) ^ (u64::from(color) << 40) ^ 0x9e37_79b9_7f4a_7c15;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) & !P2P
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,16 +185,17 @@ impl<'a> Sink<'a> {
     }
 }
 
+/// One message to move; `done` counts its head too.
 enum Op<'a> {
-    Send { peer: usize, data: &'a [u8], done: usize },
-    Recv { peer: usize, len: usize, done: usize, sink: Sink<'a> },
+    Send { peer: usize, data: &'a [u8], done: usize, tag: Tag },
+    Recv { peer: usize, len: usize, done: usize, sink: Sink<'a>, tag: Tag, head: [u8; HEAD] },
 }
 
 impl Op<'_> {
     fn finished(&self) -> bool {
         match self {
-            Op::Send { data, done, .. } => *done >= padded(data.len()),
-            Op::Recv { len, done, .. } => *done >= padded(*len),
+            Op::Send { data, done, .. } => *done >= HEAD + padded(data.len()),
+            Op::Recv { len, done, .. } => *done >= HEAD + padded(*len),
         }
     }
 }
@@ -166,9 +224,29 @@ impl Fold {
 }
 
 /// A group of ranks that run collectives together. Every member must call
-/// the same collectives in the same order.
+/// the same collectives in the same order; ranks that call the collectives
+/// of different communicators in different orders get an error that names
+/// them ([`CommError::Mismatch`]), not wrong data.
+///
+/// Collectives take `&mut self`: a communicator is used by one thread at a
+/// time. It is `Send`, not `Sync`:
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<kolo_comm::Communicator>();
+/// ```
 pub struct Communicator {
     pub(crate) shared: Arc<Shared>,
+    /// The same on every member; carried by every message.
+    pub(crate) id: u64,
+    /// Collectives called so far.
+    pub(crate) seq: u64,
+    /// Communicators split from this one so far.
+    pub(crate) splits: u64,
+    /// Point-to-point messages sent to and received from each member.
+    pub(crate) sent: Vec<u64>,
+    pub(crate) received: Vec<u64>,
+    pub(crate) _not_sync: PhantomData<std::cell::Cell<()>>,
     /// Global rank of each member, in this communicator's rank order.
     pub(crate) group: Vec<usize>,
     pub(crate) rank: usize,
@@ -180,7 +258,11 @@ pub struct Communicator {
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Communicator").field("rank", &self.rank).field("size", &self.group.len()).finish()
+        f.debug_struct("Communicator")
+            .field("name", &self.name())
+            .field("rank", &self.rank)
+            .field("size", &self.group.len())
+            .finish()
     }
 }
 
@@ -249,18 +331,14 @@ impl Communicator {
     /// Moves every op to completion; on failure every link is poisoned, so
     /// the peers fail at once too instead of waiting for their timeout. The
     /// communicator is unusable afterwards.
-    fn exchange(&self, ops: &mut [Op<'_>]) -> Result<(), CommError> {
-        let result = self.progress(ops);
+    fn exchange(&self, io: &mut Io<'_>, ops: &mut [Op<'_>]) -> Result<(), CommError> {
+        let result = self.progress(io.links, ops);
         if result.is_err() {
-            for link in &self.shared.tx {
-                if let Some(tx) = lock(link).as_ref() {
-                    tx.abort();
-                }
+            for tx in io.links.tx.iter().flatten() {
+                tx.abort();
             }
-            for link in &self.shared.rx {
-                if let Some(rx) = lock(link).as_ref() {
-                    rx.abort();
-                }
+            for rx in io.links.rx.iter().flatten() {
+                rx.abort();
             }
         }
         result
@@ -268,7 +346,7 @@ impl Communicator {
 
     /// Moves every op to completion, interleaving them; fails when nothing
     /// moves for the timeout, or at once when a peer is gone.
-    fn progress(&self, ops: &mut [Op<'_>]) -> Result<(), CommError> {
+    fn progress(&self, links: &mut Links, ops: &mut [Op<'_>]) -> Result<(), CommError> {
         let shared = &*self.shared;
         let mut idle_rounds: u32 = 0;
         let mut idle_since: Option<Instant> = None;
@@ -281,19 +359,33 @@ impl Communicator {
                     continue;
                 }
                 match op {
-                    Op::Send { peer, data, done } => {
-                        let mut tx = lock(&shared.tx[*peer]);
-                        let tx = tx.as_mut().ok_or(CommError::NoLink(*peer))?;
-                        let n = tx.progress(data, *done).map_err(|e| CommError::Io { rank: *peer, source: e })?;
+                    Op::Send { peer, data, done, tag } => {
+                        let tx = links.tx[*peer].as_mut().ok_or(CommError::NoLink(*peer))?;
+                        let n = tx
+                            .progress_message(&tag.bytes(), data, *done)
+                            .map_err(|e| CommError::Io { rank: *peer, source: e })?;
                         *done += n;
                         progressed |= n > 0;
                     }
-                    Op::Recv { peer, len, done, sink } => {
-                        let mut rx = lock(&shared.rx[*peer]);
-                        let rx = rx.as_mut().ok_or(CommError::NoLink(*peer))?;
-                        let n = rx
-                            .progress(*len, *done, |off, bytes| sink.take(off, bytes))
-                            .map_err(|e| CommError::Io { rank: *peer, source: e })?;
+                    Op::Recv { peer, len, done, sink, tag, head } => {
+                        let rx = links.rx[*peer].as_mut().ok_or(CommError::NoLink(*peer))?;
+                        let io_err = |e| CommError::Io { rank: *peer, source: e };
+                        if *done < HEAD {
+                            let n = rx
+                                .progress(HEAD, *done, |off, bytes| head[off..off + bytes.len()].copy_from_slice(bytes))
+                                .map_err(io_err)?;
+                            *done += n;
+                            progressed |= n > 0;
+                            if *done < HEAD {
+                                all_done = false;
+                                continue;
+                            }
+                            let theirs = Tag::from_bytes(head);
+                            if theirs != *tag {
+                                return Err(self.mismatch(*peer, *tag, theirs));
+                            }
+                        }
+                        let n = rx.progress(*len, *done - HEAD, |off, bytes| sink.take(off, bytes)).map_err(io_err)?;
                         *done += n;
                         progressed |= n > 0;
                     }
@@ -343,6 +435,23 @@ impl Communicator {
         }
     }
 
+    /// Names what each side was in when their messages did not match.
+    fn mismatch(&self, peer: usize, ours: Tag, theirs: Tag) -> CommError {
+        let names = lock(&self.shared.names);
+        let describe = |t: Tag| {
+            let comm = match names.get(&t.comm) {
+                Some(name) => format!("communicator '{name}'"),
+                None => format!("a communicator unknown here (id {:#x})", t.comm),
+            };
+            if t.seq & P2P != 0 {
+                format!("point-to-point message #{} of {comm}", t.seq & !P2P)
+            } else {
+                format!("collective #{} of {comm}", t.seq)
+            }
+        };
+        CommError::Mismatch { rank: peer, ours: describe(ours), theirs: describe(theirs) }
+    }
+
     /// A peer on this host whose process is gone will never move its ring.
     fn check_peers(&self, ops: &[Op<'_>]) -> Result<(), CommError> {
         for op in ops.iter().filter(|o| !o.finished()) {
@@ -359,40 +468,76 @@ impl Communicator {
         self.group[member]
     }
 
-    fn send_recv(&self, send: Option<(usize, &[u8])>, recv: Option<(usize, usize, Sink<'_>)>) -> Result<(), CommError> {
-        let mut ops = Vec::with_capacity(2);
-        if let Some((peer, data)) = send {
-            ops.push(Op::Send { peer: self.global(peer), data, done: 0 });
+    fn send_recv(
+        &self,
+        io: &mut Io<'_>,
+        send: Option<(usize, &[u8])>,
+        recv: Option<(usize, usize, Sink<'_>)>,
+    ) -> Result<(), CommError> {
+        let tag = io.tag;
+        match (send, recv) {
+            (Some((to, data)), Some((from, len, sink))) => {
+                let mut ops = [
+                    Op::Send { peer: self.global(to), data, done: 0, tag },
+                    Op::Recv { peer: self.global(from), len, done: 0, sink, tag, head: [0; HEAD] },
+                ];
+                self.exchange(io, &mut ops)
+            }
+            (Some((to, data)), None) => {
+                self.exchange(io, &mut [Op::Send { peer: self.global(to), data, done: 0, tag }])
+            }
+            (None, Some((from, len, sink))) => {
+                self.exchange(io, &mut [Op::Recv { peer: self.global(from), len, done: 0, sink, tag, head: [0; HEAD] }])
+            }
+            (None, None) => Ok(()),
         }
-        if let Some((peer, len, sink)) = recv {
-            ops.push(Op::Recv { peer: self.global(peer), len, done: 0, sink });
-        }
-        self.exchange(&mut ops)
     }
 
-    fn with_scratch<R>(&self, bytes: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
-        let mut scratch = lock(&self.shared.scratch);
+    fn with_scratch<R>(&self, io: &mut Io<'_>, bytes: usize, f: impl FnOnce(&mut Io<'_>, &mut [u8]) -> R) -> R {
+        let mut scratch = std::mem::take(&mut io.links.scratch);
         if scratch.len() * 8 < bytes {
             // grows to the largest size used, once; never per call
             scratch.resize(bytes.div_ceil(8), 0);
         }
         let bytes_view: &mut [u8] = bytemuck::cast_slice_mut(&mut scratch[..]);
-        f(&mut bytes_view[..bytes])
+        let result = f(io, &mut bytes_view[..bytes]);
+        io.links.scratch = scratch;
+        result
+    }
+
+    /// Runs one collective: its own sequence number, and the links held
+    /// throughout (internal hierarchical steps run under the same hold).
+    fn collective<R>(&mut self, f: impl FnOnce(&Self, &mut Io<'_>) -> Result<R, CommError>) -> Result<R, CommError> {
+        self.seq += 1;
+        let tag = Tag { comm: self.id, seq: self.seq };
+        let mut links = lock(&self.shared.links);
+        f(self, &mut Io { links: &mut links, tag })
+    }
+
+    /// This communicator's name in errors: "world", or how it was split.
+    pub fn name(&self) -> String {
+        lock(&self.shared.names).get(&self.id).cloned().unwrap_or_else(|| format!("{:#x}", self.id))
     }
 
     // ---- point to point ---------------------------------------------------
 
     /// Sends `buf` to member `peer`, who must `recv` as many elements.
-    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<(), CommError> {
+    pub fn send<T: Element>(&mut self, buf: &[T], peer: usize) -> Result<(), CommError> {
         self.check_peer(peer)?;
-        self.send_recv(Some((peer, as_bytes(buf))), None)
+        self.sent[peer] += 1;
+        let tag = Tag { comm: self.id, seq: P2P | self.sent[peer] };
+        let mut links = lock(&self.shared.links);
+        self.send_recv(&mut Io { links: &mut links, tag }, Some((peer, as_bytes(buf))), None)
     }
 
     /// Receives into `buf` from member `peer`.
-    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<(), CommError> {
+    pub fn recv<T: Element>(&mut self, buf: &mut [T], peer: usize) -> Result<(), CommError> {
         self.check_peer(peer)?;
+        self.received[peer] += 1;
+        let tag = Tag { comm: self.id, seq: P2P | self.received[peer] };
         let b = as_bytes_mut(buf);
-        self.send_recv(None, Some((peer, b.len(), Sink::Copy(b))))
+        let mut links = lock(&self.shared.links);
+        self.send_recv(&mut Io { links: &mut links, tag }, None, Some((peer, b.len(), Sink::Copy(b))))
     }
 
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
@@ -405,33 +550,36 @@ impl Communicator {
     // ---- collectives ------------------------------------------------------
 
     /// Every rank waits until all have arrived.
-    pub fn barrier(&self) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        let token = [0u8; 8];
-        let mut sink = [0u8; 8];
-        let mut k = 1;
-        while k < n {
-            self.send_recv(Some(((r + k) % n, &token)), Some(((r + n - k) % n, 8, Sink::Copy(&mut sink))))?;
-            k <<= 1;
-        }
-        Ok(())
+    pub fn barrier(&mut self) -> Result<(), CommError> {
+        self.collective(|c, io| {
+            let (n, r) = (c.size(), c.rank);
+            let token = [0u8; 8];
+            let mut sink = [0u8; 8];
+            let mut k = 1;
+            while k < n {
+                c.send_recv(io, Some(((r + k) % n, &token)), Some(((r + n - k) % n, 8, Sink::Copy(&mut sink))))?;
+                k <<= 1;
+            }
+            Ok(())
+        })
     }
 
     /// `recv = op over all ranks' send`, out of place.
-    pub fn allreduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    pub fn allreduce<T: Element>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         if send.len() != recv.len() {
             return Err(self.bad(format!("allreduce: send has {} elements, recv {}", send.len(), recv.len())));
         }
-        self.allreduce_bytes(Some(as_bytes(send)), as_bytes_mut(recv), T::DTYPE, op)
+        self.collective(|c, io| c.allreduce_bytes(io, Some(as_bytes(send)), as_bytes_mut(recv), T::DTYPE, op))
     }
 
     /// `buf = op over all ranks' buf`, in place.
-    pub fn allreduce_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        self.allreduce_bytes(None, as_bytes_mut(buf), T::DTYPE, op)
+    pub fn allreduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+        self.collective(|c, io| c.allreduce_bytes(io, None, as_bytes_mut(buf), T::DTYPE, op))
     }
 
     pub(crate) fn allreduce_bytes(
         &self,
+        io: &mut Io<'_>,
         send: Option<&[u8]>,
         recv: &mut [u8],
         dtype: DType,
@@ -451,19 +599,19 @@ impl Communicator {
                 if let Some(s) = send {
                     recv.copy_from_slice(s);
                 }
-                self.recursive_doubling(recv, dtype, reduce_op)?;
+                self.recursive_doubling(io, recv, dtype, reduce_op)?;
             }
             (Some(h), len) if len >= tuning.hierarchical_bytes => {
-                self.hierarchical(send, recv, dtype, reduce_op, &h.0, &h.1)?;
+                self.hierarchical(io, send, recv, dtype, reduce_op, h)?;
             }
             (_, len) if len <= tuning.mid_for(n) => {
                 if let Some(s) = send {
                     recv.copy_from_slice(s);
                 }
-                self.halving_doubling(recv, dtype, reduce_op)?;
+                self.halving_doubling(io, recv, dtype, reduce_op)?;
             }
             // the ring reads an out-of-place input directly: no copy first
-            _ => self.ring_allreduce(send, recv, dtype, reduce_op)?,
+            _ => self.ring_allreduce(io, send, recv, dtype, reduce_op)?,
         }
         if op == ReduceOp::Avg {
             divide(dtype, recv, n);
@@ -473,38 +621,38 @@ impl Communicator {
 
     /// Latency-bound sizes: log2(n) exchanges of the whole buffer; ranks
     /// beyond the largest power of two fold into a partner first.
-    fn recursive_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let Some(fold) = self.fold_in(buf, dtype, op)? else { return Ok(()) };
+    fn recursive_doubling(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+        let Some(fold) = self.fold_in(io, buf, dtype, op)? else { return Ok(()) };
         let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
         let len = buf.len();
         let mut mask = 1;
         while mask < p {
             let partner = real(new_rank ^ mask);
-            self.with_scratch(len, |scratch| -> Result<(), CommError> {
-                self.send_recv(Some((partner, buf)), Some((partner, len, Sink::Copy(scratch))))?;
+            self.with_scratch(io, len, |io, scratch| -> Result<(), CommError> {
+                self.send_recv(io, Some((partner, buf)), Some((partner, len, Sink::Copy(scratch))))?;
                 // a op b == b op a for every op here, so both partners agree bit for bit
                 reduce_into(dtype, op, buf, scratch);
                 Ok(())
             })?;
             mask <<= 1;
         }
-        self.fold_out(buf, &fold)
+        self.fold_out(io, buf, &fold)
     }
 
     /// Ranks beyond the largest power of two hand their buffer to a partner
     /// (which reduces it in) and wait for the result; `None` for those.
-    fn fold_in(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<Fold>, CommError> {
+    fn fold_in(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<Fold>, CommError> {
         let (n, r) = (self.size(), self.rank);
         let p = 1 << (usize::BITS - 1 - n.leading_zeros());
         let extra = n - p;
         let len = buf.len();
         let new_rank = if r < 2 * extra {
             if r % 2 == 0 {
-                self.send_recv(Some((r + 1, buf)), None)?;
-                self.send_recv(None, Some((r + 1, len, Sink::Copy(buf))))?;
+                self.send_recv(io, Some((r + 1, buf)), None)?;
+                self.send_recv(io, None, Some((r + 1, len, Sink::Copy(buf))))?;
                 return Ok(None);
             }
-            self.send_recv(None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
+            self.send_recv(io, None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
             r / 2
         } else {
             r - extra
@@ -513,9 +661,9 @@ impl Communicator {
     }
 
     /// Gives the folded-in partner its result.
-    fn fold_out(&self, buf: &[u8], fold: &Fold) -> Result<(), CommError> {
+    fn fold_out(&self, io: &mut Io<'_>, buf: &[u8], fold: &Fold) -> Result<(), CommError> {
         if fold.folded {
-            self.send_recv(Some((self.rank - 1, buf)), None)?;
+            self.send_recv(io, Some((self.rank - 1, buf)), None)?;
         }
         Ok(())
     }
@@ -523,8 +671,8 @@ impl Communicator {
     /// Mid sizes (Rabenseifner): reduce-scatter by recursive halving, then
     /// allgather by recursive doubling: log2(n) steps moving n-1/n of the
     /// buffer. Ranks beyond the largest power of two fold in first.
-    fn halving_doubling(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let Some(fold) = self.fold_in(buf, dtype, op)? else { return Ok(()) };
+    fn halving_doubling(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
+        let Some(fold) = self.fold_in(io, buf, dtype, op)? else { return Ok(()) };
         let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
         let len = buf.len();
         let at = offsets(&split_counts(len / dtype.size(), p), dtype.size());
@@ -537,7 +685,7 @@ impl Communicator {
             let (keep, give) = if new_rank & mask == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
             let (data, dst) = disjoint(buf, at[give.0]..at[give.1], at[keep.0]..at[keep.1]);
             let want = dst.len();
-            self.send_recv(Some((partner, data)), Some((partner, want, Sink::Reduce(dst, dtype, op))))?;
+            self.send_recv(io, Some((partner, data)), Some((partner, want, Sink::Reduce(dst, dtype, op))))?;
             (lo, hi) = keep;
             mask >>= 1;
         }
@@ -549,17 +697,18 @@ impl Communicator {
             let other = if new_rank & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
             let (data, dst) = disjoint(buf, at[lo]..at[hi], at[other.0]..at[other.1]);
             let want = dst.len();
-            self.send_recv(Some((partner, data)), Some((partner, want, Sink::Copy(dst))))?;
+            self.send_recv(io, Some((partner, data)), Some((partner, want, Sink::Copy(dst))))?;
             (lo, hi) = (lo.min(other.0), hi.max(other.1));
             mask <<= 1;
         }
-        self.fold_out(buf, &fold)
+        self.fold_out(io, buf, &fold)
     }
 
     /// Bandwidth-bound sizes: ring reduce-scatter then ring allgather, each
     /// step streamed through the links in segments.
     fn ring_allreduce(
         &self,
+        io: &mut Io<'_>,
         send: Option<&[u8]>,
         recv: &mut [u8],
         dtype: DType,
@@ -581,26 +730,32 @@ impl Communicator {
                     let dst = &mut recv[range(inc)];
                     let len = dst.len();
                     let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
-                    self.send_recv(Some((next, &input[range(out)])), Some((prev, len, sink)))?;
+                    self.send_recv(io, Some((next, &input[range(out)])), Some((prev, len, sink)))?;
                 }
                 Some(input) => {
                     let (data, dst) = disjoint(recv, range(out), range(inc));
                     let len = dst.len();
                     let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
-                    self.send_recv(Some((next, data)), Some((prev, len, sink)))?;
+                    self.send_recv(io, Some((next, data)), Some((prev, len, sink)))?;
                 }
                 None => {
                     let (data, dst) = disjoint(recv, range(out), range(inc));
                     let len = dst.len();
-                    self.send_recv(Some((next, data)), Some((prev, len, Sink::Reduce(dst, dtype, op))))?;
+                    self.send_recv(io, Some((next, data)), Some((prev, len, Sink::Reduce(dst, dtype, op))))?;
                 }
             }
         }
-        self.ring_allgather_chunks(recv, &at, (r + 1) % n)
+        self.ring_allgather_chunks(io, recv, &at, (r + 1) % n)
     }
 
     /// Ring allgather over `buf` split at `at`; this rank starts owning chunk `own`.
-    fn ring_allgather_chunks(&self, buf: &mut [u8], at: &[usize], own: usize) -> Result<(), CommError> {
+    fn ring_allgather_chunks(
+        &self,
+        io: &mut Io<'_>,
+        buf: &mut [u8],
+        at: &[usize],
+        own: usize,
+    ) -> Result<(), CommError> {
         let (n, r) = (self.size(), self.rank);
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
         let stream = buf.len() >= STREAM_BYTES;
@@ -610,7 +765,7 @@ impl Communicator {
             let (data, dst) = disjoint(buf, at[out]..at[out + 1], at[inc]..at[inc + 1]);
             let len = dst.len();
             let sink = if stream { Sink::StreamCopy(dst) } else { Sink::Copy(dst) };
-            self.send_recv(Some((next, data)), Some((prev, len, sink)))?;
+            self.send_recv(io, Some((next, data)), Some((prev, len, sink)))?;
         }
         Ok(())
     }
@@ -619,32 +774,32 @@ impl Communicator {
     /// shard between hosts, allgather within each host.
     fn hierarchical(
         &self,
+        io: &mut Io<'_>,
         send: Option<&[u8]>,
         recv: &mut [u8],
         dtype: DType,
         op: ReduceOp,
-        local: &Communicator,
-        cross: &Communicator,
+        (local, cross): &(Communicator, Communicator),
     ) -> Result<(), CommError> {
         let esize = dtype.size();
         let counts = split_counts(recv.len() / esize, local.size());
         let at = offsets(&counts, esize);
         let mine = at[local.rank]..at[local.rank + 1];
         match send {
-            Some(input) => local.reduce_scatter_bytes(input, &mut recv[mine.clone()], &counts, dtype, op)?,
+            Some(input) => local.reduce_scatter_bytes(io, input, &mut recv[mine.clone()], &counts, dtype, op)?,
             None => {
                 let input = recv.to_vec();
-                local.reduce_scatter_bytes(&input, &mut recv[mine.clone()], &counts, dtype, op)?
+                local.reduce_scatter_bytes(io, &input, &mut recv[mine.clone()], &counts, dtype, op)?
             }
         }
-        cross.allreduce_bytes(None, &mut recv[mine], dtype, op)?;
-        local.ring_allgather_chunks(recv, &at, local.rank)
+        cross.allreduce_bytes(io, None, &mut recv[mine], dtype, op)?;
+        local.ring_allgather_chunks(io, recv, &at, local.rank)
     }
 
     /// Each rank gets its part (`counts` elements per rank) of the reduction.
     /// `recv` holds `counts[rank]` elements.
     pub fn reduce_scatter_counts<T: Element>(
-        &self,
+        &mut self,
         send: &[T],
         recv: &mut [T],
         counts: &[usize],
@@ -661,7 +816,7 @@ impl Communicator {
         }
         let recv = as_bytes_mut(recv);
         let reduce_op = op.combining();
-        self.reduce_scatter_bytes(as_bytes(send), recv, counts, T::DTYPE, reduce_op)?;
+        self.collective(|c, io| c.reduce_scatter_bytes(io, as_bytes(send), recv, counts, T::DTYPE, reduce_op))?;
         if op == ReduceOp::Avg {
             divide(T::DTYPE, recv, self.size());
         }
@@ -669,12 +824,13 @@ impl Communicator {
     }
 
     /// Near-equal parts: rank r gets `split_counts(send.len(), size)[r]` elements.
-    pub fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter<T: Element>(&mut self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), CommError> {
         self.reduce_scatter_counts(send, recv, &split_counts(send.len(), self.size()), op)
     }
 
     fn reduce_scatter_bytes(
         &self,
+        io: &mut Io<'_>,
         send: &[u8],
         recv: &mut [u8],
         counts: &[usize],
@@ -689,7 +845,7 @@ impl Communicator {
             return Ok(());
         }
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        self.with_scratch(send.len(), |acc| -> Result<(), CommError> {
+        self.with_scratch(io, send.len(), |io, acc| -> Result<(), CommError> {
             for s in 0..n - 1 {
                 let out = (r + 2 * n - s - 1) % n;
                 let inc = (r + 2 * n - s - 2) % n;
@@ -704,6 +860,7 @@ impl Communicator {
                 };
                 let len = dst.len();
                 self.send_recv(
+                    io,
                     Some((next, data)),
                     Some((prev, len, Sink::ReduceTo(dst, &send[range(inc)], dtype, op))),
                 )?;
@@ -713,12 +870,12 @@ impl Communicator {
     }
 
     /// Every rank gets every rank's `send`, in rank order (equal sizes).
-    pub fn allgather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
+    pub fn allgather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<(), CommError> {
         self.allgatherv(send, recv, &vec![send.len(); self.size()])
     }
 
     /// Every rank gets every rank's `send` (`counts[r]` elements from rank r).
-    pub fn allgatherv<T: Element>(&self, send: &[T], recv: &mut [T], counts: &[usize]) -> Result<(), CommError> {
+    pub fn allgatherv<T: Element>(&mut self, send: &[T], recv: &mut [T], counts: &[usize]) -> Result<(), CommError> {
         if counts.len() != self.size() || counts[self.rank] != send.len() || counts.iter().sum::<usize>() != recv.len()
         {
             return Err(self.bad(format!(
@@ -731,40 +888,48 @@ impl Communicator {
         let at = offsets(counts, std::mem::size_of::<T>());
         let recv = as_bytes_mut(recv);
         recv[at[self.rank]..at[self.rank + 1]].copy_from_slice(as_bytes(send));
-        self.ring_allgather_chunks(recv, &at, self.rank)
+        self.collective(|c, io| c.ring_allgather_chunks(io, recv, &at, c.rank))
     }
 
     /// Rank `root`'s `buf` to every rank (binomial tree).
-    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         let n = self.size();
         if root >= n {
             return Err(self.bad(format!("broadcast: root {root} is not a rank of this {n}-rank communicator")));
         }
         let buf = as_bytes_mut(buf);
-        let vr = (self.rank + n - root) % n;
-        let real = |v: usize| (v + root) % n;
-        let mut mask = 1;
-        while mask < n {
-            if vr & mask != 0 {
-                let len = buf.len();
-                self.send_recv(None, Some((real(vr - mask), len, Sink::Copy(buf))))?;
-                break;
-            }
-            mask <<= 1;
-        }
-        mask >>= 1;
-        while mask > 0 {
-            if vr + mask < n {
-                self.send_recv(Some((real(vr + mask), buf)), None)?;
+        self.collective(|c, io| {
+            let vr = (c.rank + n - root) % n;
+            let real = |v: usize| (v + root) % n;
+            let mut mask = 1;
+            while mask < n {
+                if vr & mask != 0 {
+                    let len = buf.len();
+                    c.send_recv(io, None, Some((real(vr - mask), len, Sink::Copy(buf))))?;
+                    break;
+                }
+                mask <<= 1;
             }
             mask >>= 1;
-        }
-        Ok(())
+            while mask > 0 {
+                if vr + mask < n {
+                    c.send_recv(io, Some((real(vr + mask), buf)), None)?;
+                }
+                mask >>= 1;
+            }
+            Ok(())
+        })
     }
 
     /// `recv` on rank `root` = op over all ranks' `send` (binomial tree);
     /// `recv` is left alone elsewhere.
-    pub fn reduce<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp, root: usize) -> Result<(), CommError> {
+    pub fn reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), CommError> {
         let n = self.size();
         if root >= n {
             return Err(self.bad(format!("reduce: root {root} is not a rank of this {n}-rank communicator")));
@@ -777,37 +942,44 @@ impl Communicator {
         let send = as_bytes(send);
         let vr = (self.rank + n - root) % n;
         let real = |v: usize| (v + root) % n;
-        let run = |acc: &mut [u8]| -> Result<(), CommError> {
-            acc.copy_from_slice(send);
-            let len = acc.len();
-            let mut mask = 1;
-            while mask < n {
-                if vr & mask == 0 {
-                    if vr | mask < n {
-                        self.send_recv(None, Some((real(vr | mask), len, Sink::Reduce(acc, dtype, reduce_op))))?;
+        let is_root = self.rank == root;
+        self.collective(|c, io| {
+            let run = |io: &mut Io<'_>, acc: &mut [u8]| -> Result<(), CommError> {
+                acc.copy_from_slice(send);
+                let len = acc.len();
+                let mut mask = 1;
+                while mask < n {
+                    if vr & mask == 0 {
+                        if vr | mask < n {
+                            c.send_recv(io, None, Some((real(vr | mask), len, Sink::Reduce(acc, dtype, reduce_op))))?;
+                        }
+                    } else {
+                        return c.send_recv(io, Some((real(vr & !mask), acc)), None);
                     }
-                } else {
-                    return self.send_recv(Some((real(vr & !mask), acc)), None);
+                    mask <<= 1;
                 }
-                mask <<= 1;
+                Ok(())
+            };
+            if is_root {
+                let recv = as_bytes_mut(recv);
+                run(io, recv)?;
+                if op == ReduceOp::Avg {
+                    divide(dtype, recv, n);
+                }
+                Ok(())
+            } else {
+                c.with_scratch(io, send.len(), run)
             }
-            Ok(())
-        };
-        if self.rank == root {
-            let recv = as_bytes_mut(recv);
-            run(recv)?;
-            if op == ReduceOp::Avg {
-                divide(dtype, recv, n);
-            }
-            Ok(())
-        } else {
-            self.with_scratch(send.len(), run)
-        }
+        })
     }
 
     /// A communicator of the members that gave the same `color`, ordered by
     /// `key` (then by rank). Collective: every member calls it.
-    pub fn split(&self, color: u32, key: u32) -> Result<Communicator, CommError> {
+    pub fn split(&mut self, color: u32, key: u32) -> Result<Communicator, CommError> {
+        self.split_named(color, key, &format!("split {color}"))
+    }
+
+    fn split_named(&mut self, color: u32, key: u32, what: &str) -> Result<Communicator, CommError> {
         let mine = [(u64::from(color) << 32 | u64::from(key)) as i64];
         let mut all = vec![0i64; self.size()];
         self.allgather(&mine, &mut all)?;
@@ -815,24 +987,45 @@ impl Communicator {
             (0..self.size()).filter(|&m| (all[m] as u64 >> 32) as u32 == color).map(|m| (all[m] as u32, m)).collect();
         members.sort_unstable();
         let rank = members.iter().position(|&(_, m)| m == self.rank).expect("this rank gave its own color");
-        Ok(Communicator {
-            shared: self.shared.clone(),
-            group: members.iter().map(|&(_, m)| self.group[m]).collect(),
-            nodes: members.iter().map(|&(_, m)| self.nodes[m]).collect(),
+        self.splits += 1;
+        let id = child_id(self.id, self.splits, color);
+        let name = format!("{}/{what} #{}", self.name(), self.splits);
+        lock(&self.shared.names).insert(id, name);
+        Ok(Communicator::new(
+            self.shared.clone(),
+            id,
+            members.iter().map(|&(_, m)| self.group[m]).collect(),
             rank,
+            members.iter().map(|&(_, m)| self.nodes[m]).collect(),
+        ))
+    }
+
+    pub(crate) fn new(shared: Arc<Shared>, id: u64, group: Vec<usize>, rank: usize, nodes: Vec<usize>) -> Communicator {
+        let n = group.len();
+        Communicator {
+            shared,
+            id,
+            seq: 0,
+            splits: 0,
+            sent: vec![0; n],
+            received: vec![0; n],
+            _not_sync: PhantomData,
+            group,
+            rank,
+            nodes,
             hierarchy: None,
-        })
+        }
     }
 
     /// The members on this host.
-    pub fn split_local(&self) -> Result<Communicator, CommError> {
-        self.split(self.nodes[self.rank] as u32, self.rank as u32)
+    pub fn split_local(&mut self) -> Result<Communicator, CommError> {
+        self.split_named(self.nodes[self.rank] as u32, self.rank as u32, "local")
     }
 
     /// The members with the same local rank on every host.
-    pub fn split_cross(&self) -> Result<Communicator, CommError> {
+    pub fn split_cross(&mut self) -> Result<Communicator, CommError> {
         let local_rank = (0..self.rank).filter(|&m| self.nodes[m] == self.nodes[self.rank]).count();
-        self.split(local_rank as u32, self.rank as u32)
+        self.split_named(local_rank as u32, self.rank as u32, "cross")
     }
 
     /// Sets up hierarchical algorithms when the members span hosts with the

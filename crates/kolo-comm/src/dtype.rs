@@ -143,7 +143,8 @@ macro_rules! int_arith {
                     ReduceOp::Max => a.max(b),
                 }
             }
-            fn divide(self, n: usize) -> Self { self / n as $t }
+            // in a wide type: `n as u8` is 0 at 256 ranks, and wrong beyond
+            fn divide(self, n: usize) -> Self { (self as i128 / n as i128) as $t }
         }
     )*};
 }
@@ -285,23 +286,50 @@ pub(crate) fn reduce_to_streaming(dtype: DType, op: ReduceOp, dst: &mut [u8], a:
 mod tests {
     use super::*;
 
+    // typed buffers viewed as bytes (a Vec<u8> need not be aligned for f32)
+    fn b<T: bytemuck::Pod>(v: &mut [T]) -> &mut [u8] {
+        bytemuck::cast_slice_mut(v)
+    }
+
+    fn r<T: bytemuck::Pod>(v: &[T]) -> &[u8] {
+        bytemuck::cast_slice(v)
+    }
+
     #[test]
     fn kernels_per_type_and_op() {
-        let mut d = bytemuck::cast_slice::<f32, u8>(&[1.0, 5.0, -2.0]).to_vec();
-        reduce_into(DType::F32, ReduceOp::Max, &mut d, bytemuck::cast_slice::<f32, u8>(&[3.0, 4.0, -1.0]));
-        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), [3.0, 5.0, -1.0]);
-        let (a, b) = ([200u8, 3], [100u8, 9]);
+        let mut d = [1.0f32, 5.0, -2.0];
+        reduce_into(DType::F32, ReduceOp::Max, b(&mut d), r(&[3.0f32, 4.0, -1.0]));
+        assert_eq!(d, [3.0, 5.0, -1.0]);
+        let (a, bb) = ([200u8, 3], [100u8, 9]);
         let mut out = [0u8; 2];
-        reduce_to(DType::U8, ReduceOp::Sum, &mut out, &a, &b);
+        reduce_to(DType::U8, ReduceOp::Sum, &mut out, &a, &bb);
         assert_eq!(out, [44, 12]); // wraps
         let h = [bf16::from_f32(1.5), bf16::from_f32(2.0)];
-        let mut hb = bytemuck::cast_slice::<bf16, u8>(&h).to_vec();
-        reduce_into(DType::BF16, ReduceOp::Prod, &mut hb, bytemuck::cast_slice::<bf16, u8>(&h));
-        assert_eq!(bytemuck::cast_slice::<u8, bf16>(&hb), [bf16::from_f32(2.25), bf16::from_f32(4.0)]);
-        let mut i = bytemuck::cast_slice::<i64, u8>(&[9, -9]).to_vec();
-        divide(DType::I64, &mut i, 2);
-        assert_eq!(bytemuck::cast_slice::<u8, i64>(&i), [4, -4]);
+        let mut hb = h;
+        reduce_into(DType::BF16, ReduceOp::Prod, b(&mut hb), r(&h));
+        assert_eq!(hb, [bf16::from_f32(2.25), bf16::from_f32(4.0)]);
+        let mut i = [9i64, -9];
+        divide(DType::I64, b(&mut i), 2);
+        assert_eq!(i, [4, -4]);
         assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
         assert!("f8".parse::<DType>().unwrap_err().contains("unknown dtype 'f8'"));
+    }
+
+    #[test]
+    fn integer_averages_divide_by_any_rank_count() {
+        for n in [256usize, 1000, 70_000] {
+            let mut u = [255u8, 7, 0];
+            divide(DType::U8, &mut u, n);
+            assert_eq!(u, [0, 0, 0], "u8 by {n}");
+        }
+        let mut u = [255u8, 200];
+        divide(DType::U8, &mut u, 100);
+        assert_eq!(u, [2, 2]);
+        let mut i = [-5000i32, 5000, i32::MAX];
+        divide(DType::I32, b(&mut i), 1000);
+        assert_eq!(i, [-5, 5, i32::MAX / 1000]);
+        let mut i = [i64::MIN, 256_000];
+        divide(DType::I64, b(&mut i), 256);
+        assert_eq!(i, [i64::MIN / 256, 1000]);
     }
 }

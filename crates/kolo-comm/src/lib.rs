@@ -10,7 +10,7 @@
 //!
 //! ```no_run
 //! use kolo_comm::{Communicator, ReduceOp};
-//! let comm = Communicator::from_env()?;
+//! let mut comm = Communicator::from_env()?;
 //! let grads = vec![1.0f32; 1024];
 //! let mut sum = vec![0.0f32; 1024];
 //! comm.allreduce(&grads, &mut sum, ReduceOp::Sum)?;
@@ -27,13 +27,37 @@ mod shm;
 pub use bootstrap::{Config, Transport};
 pub use comm::{split_counts, Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
+/// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
+pub use kolo_auth::{AuthError, Secret};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     #[error("kolo-comm environment: {0}")]
     Env(String),
+    #[error("kolo-comm environment: {what}: {source}")]
+    EnvSys {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("kolo-comm environment: {0}")]
+    Secret(#[source] kolo_auth::AuthError),
     #[error("kolo-comm bootstrap: {0}")]
     Bootstrap(String),
+    #[error("kolo-comm bootstrap: {what}: {source}")]
+    BootstrapIo {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("kolo-comm bootstrap: rendezvous store: {0}")]
+    Store(#[source] kolo_rendezvous::RendezvousError),
+    #[error("kolo-comm bootstrap: link to rank {rank}: {source}")]
+    Auth {
+        rank: usize,
+        #[source]
+        source: kolo_auth::AuthError,
+    },
     #[error("timed out after {seconds:.1} s without progress, waiting on ranks {waiting:?}")]
     Timeout { seconds: f64, waiting: Vec<usize> },
     #[error("rank {rank} (pid {pid}) died")]
@@ -42,6 +66,11 @@ pub enum CommError {
     Io { rank: usize, source: std::io::Error },
     #[error("no link to rank {0}")]
     NoLink(usize),
+    /// Ranks called the collectives of their communicators in different
+    /// orders (say one thread per communicator): the message that came is
+    /// not the one expected.
+    #[error("rank {rank} sent a message of {theirs} while this rank is in {ours}: every rank must call the collectives of its communicators in the same order")]
+    Mismatch { rank: usize, ours: String, theirs: String },
     #[error("{0}")]
     BadArgs(String),
 }
@@ -53,15 +82,11 @@ pub enum CommError {
 pub fn bind_to_core(local_rank: usize) -> Result<(), CommError> {
     use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
     use nix::unistd::Pid;
-    let err = |e: nix::Error| CommError::Env(format!("cannot set CPU affinity: {e}"));
+    let err = |e: nix::Error| CommError::EnvSys { what: "cannot set CPU affinity".into(), source: e.into() };
     let allowed = sched_getaffinity(Pid::from_raw(0)).map_err(err)?;
     let cpus: Vec<usize> = (0..CpuSet::count()).filter(|&c| allowed.is_set(c).unwrap_or(false)).collect();
     let Some(&cpu) = cpus.get(local_rank % cpus.len().max(1)) else { return Ok(()) };
     let mut one = CpuSet::new();
     one.set(cpu).map_err(err)?;
     sched_setaffinity(Pid::from_raw(0), &one).map_err(err)
-}
-
-fn link_tags_match(a: &[u8], b: &[u8; 32]) -> bool {
-    subtle::ConstantTimeEq::ct_eq(a, &b[..]).into()
 }

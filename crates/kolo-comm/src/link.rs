@@ -68,7 +68,43 @@ impl Abort for Rx {
     }
 }
 
+/// Every message opens with this many bytes: the communicator's id and
+/// the sequence number of the call it belongs to.
+pub(crate) const HEAD: usize = 16;
+
 impl Tx {
+    /// Sends more of `head` followed by `data` (padded to 8), `done` bytes
+    /// of them being sent already; returns how many more went out.
+    pub(crate) fn progress_message(&mut self, head: &[u8; HEAD], data: &[u8], done: usize) -> io::Result<usize> {
+        if done >= HEAD {
+            return self.progress(data, done - HEAD);
+        }
+        match self {
+            Tx::Shm(ring) => {
+                let n = ring.push(&head[done..], HEAD - done);
+                if n == 0 {
+                    return if ring.aborted() { Err(aborted()) } else { Ok(0) };
+                }
+                if done + n < HEAD {
+                    return Ok(n);
+                }
+                Ok(n + self.progress(data, 0)?)
+            }
+            Tx::Tcp(stream) => {
+                // head and (the start of) the data in one system call
+                let first = &data[..data.len().min(SEGMENT)];
+                let pad = if first.len() == data.len() { padded(data.len()) - data.len() } else { 0 };
+                let parts = [io::IoSlice::new(&head[done..]), io::IoSlice::new(first), io::IoSlice::new(&ZEROS[..pad])];
+                match stream.write_vectored(&parts) {
+                    Ok(0) => Err(io::Error::new(io::ErrorKind::WriteZero, "connection closed")),
+                    Ok(n) => Ok(n),
+                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => Ok(0),
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    }
+
     /// Sends more of `data` (padded to 8), `done` padded bytes of it being
     /// sent already; returns how many more went out.
     pub(crate) fn progress(&mut self, data: &[u8], done: usize) -> io::Result<usize> {

@@ -2,67 +2,91 @@
 //! direction between two ranks of a host. Persistent and pre-faulted: a
 //! collective never allocates or page-faults. Data moves in 8-byte units,
 //! so every view a consumer gets is 8-byte aligned.
+//!
+//! A ring lives in an anonymous memory file (`memfd_create`): the consumer
+//! creates it and hands the descriptor to the producer over an
+//! authenticated unix socket, so nothing is ever named in a file system
+//! and nothing outlives the two processes. Both sides reach the shared
+//! bytes through raw pointers only (never `&`/`&mut` over memory the other
+//! side writes), so the ring's logic runs as well over a heap buffer, where
+//! Miri checks it.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use memmap2::MmapMut;
+use memmap2::{MmapOptions, MmapRaw};
 
 /// Header: producer counter, consumer counter, each on its own cache line.
-const HEADER: usize = 4096;
+pub(crate) const HEADER: usize = 4096;
 const HEAD_AT: usize = 0;
 const TAIL_AT: usize = 128;
 /// Set by either side that gave up on the connection (after an error).
 const ABORT_AT: usize = 256;
+/// Largest ring accepted from a peer.
+const MAX_CAPACITY: usize = 1 << 30;
 
 /// Most bytes moved by one call, so a sender and a receiver alternate in
 /// pieces that stay in cache.
 pub const SEGMENT: usize = 256 * 1024;
 
+/// What keeps a ring's memory alive.
+enum Backing {
+    Map(#[allow(dead_code)] MmapRaw),
+    #[cfg(test)]
+    Heap(#[allow(dead_code)] std::sync::Arc<heap::Region>),
+}
+
 pub struct Ring {
-    map: MmapMut,
+    /// Start of the region: header, then `capacity` bytes of data.
+    base: *mut u8,
     capacity: usize,
     /// Local copy of our own counter (the other side only reads it).
     cursor: u64,
-    /// The file to remove once every rank has mapped it (creator only).
-    path: Option<PathBuf>,
+    _backing: Backing,
 }
 
+// SAFETY: the region is shared memory reached only through raw pointers
+// and atomics; a Ring is one side's handle, used by one thread at a time.
+unsafe impl Send for Ring {}
+
 impl Ring {
-    /// Creates the ring's file under a temporary name, sizes and pre-faults
-    /// it, then renames it into place so an opener never sees it half-made.
-    pub fn create(path: &Path, capacity: usize) -> io::Result<Ring> {
-        assert!(capacity.is_multiple_of(8) && capacity >= 8);
-        let tmp = path.with_extension("tmp");
-        let file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+    /// The consumer's side: a fresh anonymous memory file of `capacity`
+    /// data bytes, pre-faulted, and its descriptor for the producer.
+    pub fn create(capacity: usize) -> io::Result<(Ring, OwnedFd)> {
+        use nix::sys::memfd::{memfd_create, MFdFlags};
+        use nix::sys::stat::{fchmod, Mode};
+        assert!(capacity.is_multiple_of(8) && (8..=MAX_CAPACITY).contains(&capacity));
+        let fd = memfd_create(c"kolo-ring", MFdFlags::MFD_CLOEXEC).map_err(io::Error::from)?;
+        // only its descriptor reaches it, but just in case
+        fchmod(&fd, Mode::S_IRUSR | Mode::S_IWUSR).map_err(io::Error::from)?;
+        let file = File::from(fd);
         file.set_len((HEADER + capacity) as u64)?;
-        // SAFETY: the file is ours and sized above; other processes only map it after the rename.
-        let mut map = unsafe { MmapMut::map_mut(&file)? };
-        // touch every page now, not during a collective
-        for page in map.chunks_mut(4096) {
-            page[0] = 0;
+        let map = MmapOptions::new().map_raw(&file)?;
+        let base = map.as_mut_ptr();
+        // touch every page now, not during a collective; no one else has
+        // the memory yet
+        for at in (0..map.len()).step_by(4096) {
+            // SAFETY: `at` is inside the mapping.
+            unsafe { base.add(at).write_volatile(0) };
         }
-        std::fs::rename(&tmp, path)?;
-        Ok(Ring { map, capacity, cursor: 0, path: Some(path.to_path_buf()) })
+        Ok((Ring { base, capacity, cursor: 0, _backing: Backing::Map(map) }, file.into()))
     }
 
-    /// Maps a ring another rank created.
-    pub fn open(path: &Path) -> io::Result<Ring> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
+    /// The producer's side: maps (pre-faulted) a ring another rank made.
+    pub fn open(fd: OwnedFd) -> io::Result<Ring> {
+        let file = File::from(fd);
         let len = file.metadata()?.len() as usize;
-        if len <= HEADER {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("{} is not a kolo ring", path.display())));
+        let capacity = len.wrapping_sub(HEADER);
+        if len <= HEADER || !capacity.is_multiple_of(8) || capacity > MAX_CAPACITY {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a ring of {len} bytes is not a kolo ring"),
+            ));
         }
-        // SAFETY: the creator sized the file before renaming it into place; it is never truncated.
-        let mut map = unsafe { MmapMut::map_mut(&file)? };
-        for page in map.chunks_mut(4096) {
-            // reading is enough to fault the page in; keep the value
-            std::hint::black_box(page[0]);
-        }
-        drop::<File>(file);
-        Ok(Ring { map, capacity: len - HEADER, cursor: 0, path: None })
+        let map = MmapOptions::new().populate().map_raw(&file)?;
+        Ok(Ring { base: map.as_mut_ptr(), capacity, cursor: 0, _backing: Backing::Map(map) })
     }
 
     /// Tells the other side this connection is dead.
@@ -74,22 +98,16 @@ impl Ring {
         self.counter(ABORT_AT).load(Ordering::Acquire) != 0
     }
 
-    /// Removes the file; the mappings stay valid.
-    pub fn unlink(&mut self) {
-        if let Some(path) = self.path.take() {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-
     fn counter(&self, at: usize) -> &AtomicU64 {
-        // SAFETY: `at` is 8-aligned inside the page-aligned header; the
-        // mapping lives as long as `self`; AtomicU64 has u64's layout.
-        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+        // SAFETY: `at` is 8-aligned inside the page-aligned (heap: 8-aligned)
+        // header, which lives as long as `self`; both sides access it only
+        // atomically.
+        unsafe { AtomicU64::from_ptr(self.base.add(at) as *mut u64) }
     }
 
     fn data(&self) -> *mut u8 {
-        // SAFETY: the data area follows the header inside the mapping.
-        unsafe { self.map.as_ptr().add(HEADER) as *mut u8 }
+        // SAFETY: the data area follows the header inside the region.
+        unsafe { self.base.add(HEADER) }
     }
 
     /// Producer: copies up to `data.len()` bytes (a multiple of 8, except
@@ -106,7 +124,8 @@ impl Ring {
         let at = (self.cursor % self.capacity as u64) as usize;
         let first = copy.min(self.capacity - at);
         // SAFETY: [at, at+first) and [0, copy-first) lie in the data area;
-        // the consumer does not read them until `head` is published below.
+        // the consumer does not read them until `head` is published below,
+        // and freed them before `tail` (Acquire above) moved past them.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.data().add(at), first);
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), self.data(), copy - first);
@@ -127,7 +146,8 @@ impl Ring {
         let at = (self.cursor % self.capacity as u64) as usize;
         let first = n.min(self.capacity - at);
         // SAFETY: the producer published these bytes (Acquire above) and
-        // will not overwrite them until `tail` moves past them.
+        // does not write them until `tail` moves past them (below), so the
+        // slices are not written while they live.
         unsafe {
             take(std::slice::from_raw_parts(self.data().add(at), first));
             if n > first {
@@ -140,9 +160,36 @@ impl Ring {
     }
 }
 
-impl Drop for Ring {
-    fn drop(&mut self) {
-        self.unlink();
+#[cfg(test)]
+mod heap {
+    use super::*;
+    use std::sync::Arc;
+
+    /// A zeroed, 8-aligned heap buffer reached through a raw pointer only.
+    pub struct Region {
+        ptr: *mut u64,
+        words: usize,
+    }
+
+    // SAFETY: accessed only through raw pointers and atomics, as shared memory.
+    unsafe impl Send for Region {}
+    unsafe impl Sync for Region {}
+
+    impl Drop for Region {
+        fn drop(&mut self) {
+            // SAFETY: made from a boxed slice of `words` u64 in `pair`.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.words)) });
+        }
+    }
+
+    /// (producer, consumer) over a heap region.
+    pub fn pair(capacity: usize) -> (Ring, Ring) {
+        let words = (HEADER + capacity) / 8;
+        let ptr = Box::into_raw(vec![0u64; words].into_boxed_slice()) as *mut u64;
+        let region = Arc::new(Region { ptr, words });
+        let ring =
+            |r: &Arc<Region>| Ring { base: r.ptr as *mut u8, capacity, cursor: 0, _backing: Backing::Heap(r.clone()) };
+        (ring(&region), ring(&region))
     }
 }
 
@@ -150,23 +197,104 @@ impl Drop for Ring {
 mod tests {
     use super::*;
 
-    #[test]
-    fn bytes_come_out_in_order_across_the_wrap() {
-        let path = std::env::temp_dir().join(format!("kolo-ring-test-{}", std::process::id()));
-        let mut tx = Ring::create(&path, 64).unwrap();
-        let mut rx = Ring::open(&path).unwrap();
-        tx.unlink();
-        let data: Vec<u8> = (0..200u8).collect();
+    /// Sends `data` (padded to 8) through `tx` while draining `rx`.
+    fn through(tx: &mut Ring, rx: &mut Ring, data: &[u8]) -> Vec<u8> {
+        let total = data.len().next_multiple_of(8);
         let mut got = Vec::new();
         let mut sent = 0;
-        while got.len() < 200 {
-            let padded = 200usize.next_multiple_of(8) - sent;
-            sent += tx.push(&data[sent.min(200)..], padded);
-            rx.pop(usize::MAX, |piece| {
+        while got.len() < total {
+            sent += tx.push(&data[sent.min(data.len())..], total - sent);
+            rx.pop(total - got.len(), |piece| {
                 assert_eq!(piece.as_ptr() as usize % 8, 0);
                 got.extend_from_slice(piece)
             });
         }
-        assert_eq!(&got[..200], &data[..]);
+        got.truncate(data.len());
+        got
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // memfd and mmap
+    fn bytes_come_out_in_order_across_the_wrap_through_a_memfd() {
+        let (mut rx, fd) = Ring::create(64).unwrap();
+        let mut tx = Ring::open(fd).unwrap();
+        let data: Vec<u8> = (0..200u8).collect();
+        assert_eq!(through(&mut tx, &mut rx, &data), data);
+        tx.abort();
+        assert!(rx.aborted());
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)] // memfd and mmap
+    fn a_file_that_is_not_a_ring_is_refused() {
+        let (_, fd) = Ring::create(64).unwrap();
+        let file = File::from(fd);
+        file.set_len(100).unwrap();
+        assert!(Ring::open(file.into()).is_err());
+    }
+
+    #[test]
+    fn bytes_come_out_in_order_across_the_wrap_on_the_heap() {
+        let (mut tx, mut rx) = heap::pair(64);
+        let data: Vec<u8> = (0..200u8).collect();
+        assert_eq!(through(&mut tx, &mut rx, &data), data);
+    }
+
+    /// xorshift: deterministic message sizes and contents, no dependency.
+    fn next(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    fn checksum(bytes: &[u8]) -> u64 {
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    }
+
+    /// A producer and a consumer thread, messages of random sizes that wrap
+    /// the ring at every offset, each checked against its checksum.
+    #[test]
+    fn two_threads_stress_the_ring() {
+        let (messages, capacity) = if cfg!(miri) { (40, 96) } else { (20_000, 4096) };
+        let (mut tx, mut rx) = heap::pair(capacity);
+        let producer = std::thread::spawn(move || {
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            for m in 0..messages {
+                let len = (next(&mut seed) % (2 * capacity as u64 + 17)) as usize;
+                let mut msg: Vec<u8> = (0..len).map(|i| (i as u64 ^ m as u64 ^ seed) as u8).collect();
+                // length and checksum lead the message, 8 bytes each
+                let mut framed = (len as u64).to_le_bytes().to_vec();
+                framed.extend_from_slice(&checksum(&msg).to_le_bytes());
+                framed.append(&mut msg);
+                let total = framed.len().next_multiple_of(8);
+                let mut sent = 0;
+                while sent < total {
+                    match tx.push(&framed[sent.min(framed.len())..], total - sent) {
+                        0 => std::thread::yield_now(),
+                        n => sent += n,
+                    }
+                }
+            }
+        });
+        let mut recv_exact = |want: usize| -> Vec<u8> {
+            let total = want.next_multiple_of(8);
+            let mut got = Vec::with_capacity(total);
+            while got.len() < total {
+                if rx.pop(total - got.len(), |piece| got.extend_from_slice(piece)) == 0 {
+                    std::thread::yield_now();
+                }
+            }
+            got.truncate(want);
+            got
+        };
+        for m in 0..messages {
+            let head = recv_exact(16);
+            let len = u64::from_le_bytes(head[..8].try_into().unwrap()) as usize;
+            let sum = u64::from_le_bytes(head[8..].try_into().unwrap());
+            let body = recv_exact(len);
+            assert_eq!(checksum(&body), sum, "message {m} of {len} bytes");
+        }
+        producer.join().unwrap();
     }
 }

@@ -77,7 +77,7 @@ fn check_eq<T: Val>(what: &str, got: &[T], want: impl Fn(usize) -> T) -> Result<
 
 const SIZES: [usize; 5] = [0, 1, 7, 1000, 70_001];
 
-fn run_all<T: Val>(comm: &Communicator, large: bool) -> Result<(), String> {
+fn run_all<T: Val>(comm: &mut Communicator, large: bool) -> Result<(), String> {
     let (n, r) = (comm.size(), comm.rank());
     let name = T::DTYPE.name();
     let mut sizes = SIZES.to_vec();
@@ -148,7 +148,7 @@ fn run_all<T: Val>(comm: &Communicator, large: bool) -> Result<(), String> {
     Ok(())
 }
 
-fn point_to_point_and_split(comm: &Communicator) -> Result<(), String> {
+fn point_to_point_and_split(comm: &mut Communicator) -> Result<(), String> {
     let (n, r) = (comm.size(), comm.rank());
     comm.barrier().map_err(|e| e.to_string())?;
     if n > 1 {
@@ -169,7 +169,7 @@ fn point_to_point_and_split(comm: &Communicator) -> Result<(), String> {
         }
     }
     // split into even and odd ranks, then reduce within each half
-    let half = comm.split((r % 2) as u32, r as u32).map_err(|e| e.to_string())?;
+    let mut half = comm.split((r % 2) as u32, r as u32).map_err(|e| e.to_string())?;
     let members: Vec<usize> = (0..n).filter(|q| q % 2 == r % 2).collect();
     if half.size() != members.len() || members[half.rank()] != r {
         return Err(format!("split: rank {r} got rank {} of {}", half.rank(), half.size()));
@@ -196,15 +196,15 @@ impl Function for CheckAll {
     const NAME: &'static str = "check-all";
     type Output = ();
     fn call(self, _: &WorkerContext) -> Result<(), UserError> {
-        let comm = Communicator::from_env()?;
-        run_all::<f32>(&comm, self.large)?;
-        run_all::<f64>(&comm, false)?;
-        run_all::<f16>(&comm, false)?;
-        run_all::<bf16>(&comm, self.large)?;
-        run_all::<i32>(&comm, false)?;
-        run_all::<i64>(&comm, false)?;
-        run_all::<u8>(&comm, false)?;
-        point_to_point_and_split(&comm)?;
+        let mut comm = Communicator::from_env()?;
+        run_all::<f32>(&mut comm, self.large)?;
+        run_all::<f64>(&mut comm, false)?;
+        run_all::<f16>(&mut comm, false)?;
+        run_all::<bf16>(&mut comm, self.large)?;
+        run_all::<i32>(&mut comm, false)?;
+        run_all::<i64>(&mut comm, false)?;
+        run_all::<u8>(&mut comm, false)?;
+        point_to_point_and_split(&mut comm)?;
         Ok(())
     }
 }
@@ -219,7 +219,7 @@ impl Function for DieMidway {
     const NAME: &'static str = "die-midway";
     type Output = String;
     fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
-        let comm = Communicator::from_env()?;
+        let mut comm = Communicator::from_env()?;
         if ctx.rank() == self.victim {
             std::process::exit(3);
         }

@@ -12,11 +12,29 @@
 //! 414 for a long path, 413 for a large value, 507 when the store is full,
 //! 408 for a slow body, 503 past the connection cap.
 
+//!
+//! Features: `server` (the server, on tokio and hyper) and `async-client`
+//! (the async [`Client`], likewise), both default. Without them the crate
+//! is the [`BlockingClient`] over `std::net` alone, for workers that must
+//! not pull an async runtime (kolo-comm).
+
+pub mod blocking;
+#[cfg(feature = "async-client")]
 mod client;
+mod config;
+#[cfg(feature = "server")]
 mod server;
 
-pub use client::{Client, ClientConfig};
+pub use blocking::BlockingClient;
+#[cfg(feature = "async-client")]
+pub use client::Client;
+pub use config::ClientConfig;
+#[cfg(feature = "server")]
 pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
+
+/// The header that carries the job secret (the server's, without the server).
+#[cfg(not(feature = "server"))]
+pub const SECRET_HEADER: &str = "x-kolo-secret";
 
 /// Errors of the rendezvous server and client.
 #[derive(Debug, thiserror::Error)]
