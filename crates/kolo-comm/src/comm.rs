@@ -12,6 +12,7 @@ use crate::dtype::{divide, reduce_into, reduce_to, reduce_to_streaming, stream_c
 /// stores: two ranks' buffers no longer fit the last-level cache.
 const STREAM_BYTES: usize = 8 << 20;
 use crate::link::{padded, Abort, Rx, Tx, HEAD};
+use crate::schedule;
 use crate::CommError;
 
 /// Algorithm choices, by size and rank count; overridable with
@@ -196,29 +197,6 @@ impl Op<'_> {
         match self {
             Op::Send { data, done, .. } => *done >= HEAD + padded(data.len()),
             Op::Recv { len, done, .. } => *done >= HEAD + padded(*len),
-        }
-    }
-}
-
-/// Where a rank stands once the ranks beyond the largest power of two
-/// have folded into their partners.
-struct Fold {
-    /// The largest power of two not above the size.
-    p: usize,
-    extra: usize,
-    /// Rank among the `p` that go on.
-    new_rank: usize,
-    /// Whether this rank took in a partner's buffer (and owes it the result).
-    folded: bool,
-}
-
-impl Fold {
-    /// The communicator rank of rank `nr` among the `p`.
-    fn real(&self, nr: usize) -> usize {
-        if nr < self.extra {
-            nr * 2 + 1
-        } else {
-            nr + self.extra
         }
     }
 }
@@ -622,90 +600,21 @@ impl Communicator {
     /// Latency-bound sizes: log2(n) exchanges of the whole buffer; ranks
     /// beyond the largest power of two fold into a partner first.
     fn recursive_doubling(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let Some(fold) = self.fold_in(io, buf, dtype, op)? else { return Ok(()) };
-        let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
-        let len = buf.len();
-        let mut mask = 1;
-        while mask < p {
-            let partner = real(new_rank ^ mask);
-            self.with_scratch(io, len, |io, scratch| -> Result<(), CommError> {
-                self.send_recv(io, Some((partner, buf)), Some((partner, len, Sink::Copy(scratch))))?;
-                // a op b == b op a for every op here, so both partners agree bit for bit
-                reduce_into(dtype, op, buf, scratch);
-                Ok(())
-            })?;
-            mask <<= 1;
-        }
-        self.fold_out(io, buf, &fold)
-    }
-
-    /// Ranks beyond the largest power of two hand their buffer to a partner
-    /// (which reduces it in) and wait for the result; `None` for those.
-    fn fold_in(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<Option<Fold>, CommError> {
-        let (n, r) = (self.size(), self.rank);
-        let p = 1 << (usize::BITS - 1 - n.leading_zeros());
-        let extra = n - p;
-        let len = buf.len();
-        let new_rank = if r < 2 * extra {
-            if r % 2 == 0 {
-                self.send_recv(io, Some((r + 1, buf)), None)?;
-                self.send_recv(io, None, Some((r + 1, len, Sink::Copy(buf))))?;
-                return Ok(None);
-            }
-            self.send_recv(io, None, Some((r - 1, len, Sink::Reduce(buf, dtype, op))))?;
-            r / 2
-        } else {
-            r - extra
-        };
-        Ok(Some(Fold { p, extra, new_rank, folded: r < 2 * extra }))
-    }
-
-    /// Gives the folded-in partner its result.
-    fn fold_out(&self, io: &mut Io<'_>, buf: &[u8], fold: &Fold) -> Result<(), CommError> {
-        if fold.folded {
-            self.send_recv(io, Some((self.rank - 1, buf)), None)?;
-        }
-        Ok(())
+        let steps = schedule::recursive_doubling(self.size(), self.rank, buf.len());
+        self.run_schedule(io, &steps, None, buf, dtype, op)
     }
 
     /// Mid sizes (Rabenseifner): reduce-scatter by recursive halving, then
     /// allgather by recursive doubling: log2(n) steps moving n-1/n of the
     /// buffer. Ranks beyond the largest power of two fold in first.
     fn halving_doubling(&self, io: &mut Io<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<(), CommError> {
-        let Some(fold) = self.fold_in(io, buf, dtype, op)? else { return Ok(()) };
-        let (p, new_rank, real) = (fold.p, fold.new_rank, |nr| fold.real(nr));
-        let len = buf.len();
-        let at = offsets(&split_counts(len / dtype.size(), p), dtype.size());
-        // halving: keep the half of the chunks on this rank's side of each bit
-        let (mut lo, mut hi) = (0, p);
-        let mut mask = p >> 1;
-        while mask > 0 {
-            let partner = real(new_rank ^ mask);
-            let mid = (lo + hi) / 2;
-            let (keep, give) = if new_rank & mask == 0 { ((lo, mid), (mid, hi)) } else { ((mid, hi), (lo, mid)) };
-            let (data, dst) = disjoint(buf, at[give.0]..at[give.1], at[keep.0]..at[keep.1]);
-            let want = dst.len();
-            self.send_recv(io, Some((partner, data)), Some((partner, want, Sink::Reduce(dst, dtype, op))))?;
-            (lo, hi) = keep;
-            mask >>= 1;
-        }
-        // doubling: swap owned blocks with partners, growing them
-        let mut mask = 1;
-        while mask < p {
-            let partner = real(new_rank ^ mask);
-            let width = hi - lo;
-            let other = if new_rank & mask == 0 { (hi, hi + width) } else { (lo - width, lo) };
-            let (data, dst) = disjoint(buf, at[lo]..at[hi], at[other.0]..at[other.1]);
-            let want = dst.len();
-            self.send_recv(io, Some((partner, data)), Some((partner, want, Sink::Copy(dst))))?;
-            (lo, hi) = (lo.min(other.0), hi.max(other.1));
-            mask <<= 1;
-        }
-        self.fold_out(io, buf, &fold)
+        let steps = schedule::halving_doubling(self.size(), self.rank, buf.len(), dtype.size());
+        self.run_schedule(io, &steps, None, buf, dtype, op)
     }
 
     /// Bandwidth-bound sizes: ring reduce-scatter then ring allgather, each
-    /// step streamed through the links in segments.
+    /// step streamed through the links in segments. Out of place, the ring
+    /// reads the input directly: no copy first.
     fn ring_allreduce(
         &self,
         io: &mut Io<'_>,
@@ -714,38 +623,67 @@ impl Communicator {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        let esize = dtype.size();
-        let counts = split_counts(recv.len() / esize, n);
-        let at = offsets(&counts, esize);
-        let range = |c: usize| at[c]..at[c + 1];
-        let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let stream = recv.len() >= STREAM_BYTES;
-        for s in 0..n - 1 {
-            let out = (r + n - s) % n;
-            let inc = (r + 2 * n - s - 1) % n;
-            match send {
-                // out of place: the first step reads the input, later ones the partial sums
-                Some(input) if s == 0 => {
-                    let dst = &mut recv[range(inc)];
-                    let len = dst.len();
-                    let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
-                    self.send_recv(io, Some((next, &input[range(out)])), Some((prev, len, sink)))?;
-                }
-                Some(input) => {
-                    let (data, dst) = disjoint(recv, range(out), range(inc));
-                    let len = dst.len();
-                    let sink = Sink::reduce_to(stream, dst, &input[range(inc)], dtype, op);
-                    self.send_recv(io, Some((next, data)), Some((prev, len, sink)))?;
-                }
-                None => {
-                    let (data, dst) = disjoint(recv, range(out), range(inc));
-                    let len = dst.len();
-                    self.send_recv(io, Some((next, data)), Some((prev, len, Sink::Reduce(dst, dtype, op))))?;
-                }
+        let steps = schedule::ring(self.size(), self.rank, recv.len(), dtype.size());
+        self.run_schedule(io, &steps, send, recv, dtype, op)
+    }
+
+    /// Runs this rank's steps of a schedule over `buf`. With an
+    /// out-of-place `input`, a reduce step computes `input op incoming`
+    /// and the first step sends from `input` (the ring's shape: every later
+    /// send reads a range received before, which the schedule tests check).
+    fn run_schedule(
+        &self,
+        io: &mut Io<'_>,
+        steps: &[schedule::Step],
+        input: Option<&[u8]>,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        use schedule::Apply;
+        let stream = buf.len() >= STREAM_BYTES;
+        for (i, step) in steps.iter().enumerate() {
+            let overlap = match (&step.send, &step.recv) {
+                (Some((_, s)), Some((_, r, _))) => s.start < r.end && r.start < s.end,
+                _ => false,
+            };
+            if overlap {
+                // the same bytes go out and come in: receive aside, then apply
+                let (Some((to, sr)), Some((from, rr, apply))) = (&step.send, &step.recv) else { unreachable!() };
+                let len = rr.len();
+                self.with_scratch(io, len, |io, scratch| -> Result<(), CommError> {
+                    self.send_recv(io, Some((*to, &buf[sr.clone()])), Some((*from, len, Sink::Copy(scratch))))?;
+                    match (apply, input) {
+                        (Apply::Copy, _) => buf[rr.clone()].copy_from_slice(scratch),
+                        (Apply::Reduce, None) => reduce_into(dtype, op, &mut buf[rr.clone()], scratch),
+                        (Apply::Reduce, Some(_)) => unreachable!("out of place only with disjoint ranges"),
+                    }
+                    Ok(())
+                })?;
+                continue;
             }
+            let empty = 0..0;
+            let sr = step.send.as_ref().map_or(empty.clone(), |(_, r)| r.clone());
+            let rr = step.recv.as_ref().map_or(empty, |(_, r, _)| r.clone());
+            let (from_buf, dst) = disjoint(buf, sr.clone(), rr.clone());
+            let data = match input {
+                Some(input) if i == 0 => &input[sr],
+                _ => from_buf,
+            };
+            let send = step.send.as_ref().map(|(to, _)| (*to, data));
+            let recv = step.recv.as_ref().map(|(from, _, apply)| {
+                let len = dst.len();
+                let sink = match (apply, input) {
+                    (Apply::Copy, _) if stream => Sink::StreamCopy(dst),
+                    (Apply::Copy, _) => Sink::Copy(dst),
+                    (Apply::Reduce, None) => Sink::Reduce(dst, dtype, op),
+                    (Apply::Reduce, Some(input)) => Sink::reduce_to(stream, dst, &input[rr.clone()], dtype, op),
+                };
+                (*from, len, sink)
+            });
+            self.send_recv(io, send, recv)?;
         }
-        self.ring_allgather_chunks(io, recv, &at, (r + 1) % n)
+        Ok(())
     }
 
     /// Ring allgather over `buf` split at `at`; this rank starts owning chunk `own`.

@@ -22,6 +22,7 @@ mod bootstrap;
 mod comm;
 mod dtype;
 mod link;
+mod schedule;
 mod shm;
 
 pub use bootstrap::{Config, Transport};
