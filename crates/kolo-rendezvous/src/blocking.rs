@@ -165,13 +165,11 @@ impl BlockingClient {
     fn send_once(&mut self, method: &str, path: &str, body: &[u8]) -> Result<Response, Failure> {
         let reused = self.conn.is_some();
         if !reused {
-            let stream = self
-                .connect()
-                .map_err(|e| Failure {
-                    reason: format!("connect to {}: {e}", self.config.addr),
-                    stale: false,
-                    source: Some(e),
-                })?;
+            let stream = self.connect().map_err(|e| Failure {
+                reason: format!("connect to {}: {e}", self.config.addr),
+                stale: false,
+                source: Some(e),
+            })?;
             self.conn = Some(BufReader::new(stream));
         }
         let conn = self.conn.as_mut().expect("connected above");
