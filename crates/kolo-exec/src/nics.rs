@@ -7,11 +7,11 @@
 //! common to every pair.
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::proto::{self, Nonce};
+use kolo_auth::Secret;
 
 /// Interface names with their IPv4 addresses.
 pub type Interfaces = Vec<(String, Vec<String>)>;
@@ -56,25 +56,28 @@ fn interface_of(ip: IpAddr) -> Option<String> {
     None
 }
 
-/// Listens for probes for a minute; each prober gets this agent's index and
-/// a proof of the job secret over its nonce.
-pub fn listen(index: u32, secret: Vec<u8>) -> std::io::Result<(u16, Interfaces)> {
+/// Each probe proves the job secret both ways (kolo-auth), bound to the
+/// probed agent's index.
+fn probe_context(index: u32) -> Vec<u8> {
+    let mut context = b"kolo-nic-probe".to_vec();
+    context.extend_from_slice(&index.to_be_bytes());
+    context
+}
+
+/// Listens for probes for a minute, one handshake at a time.
+pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfaces)> {
     let listener = TcpListener::bind("0.0.0.0:0")?;
     let port = listener.local_addr()?.port();
     listener.set_nonblocking(true)?;
     std::thread::spawn(move || {
         let until = std::time::Instant::now() + Duration::from_secs(60);
+        let context = probe_context(index);
         while std::time::Instant::now() < until {
             match listener.accept() {
                 Ok((mut s, _)) => {
                     let _ = s.set_nonblocking(false);
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                    let mut nonce: Nonce = [0; 32];
-                    if s.read_exact(&mut nonce).is_ok() {
-                        let mut reply = index.to_be_bytes().to_vec();
-                        reply.extend_from_slice(&proto::probe_tag(&secret, index, &nonce));
-                        let _ = s.write_all(&reply);
-                    }
+                    // a peer that fails the handshake is simply dropped
+                    let _ = kolo_auth::listen_handshake(&mut s, &secret, &context, Duration::from_secs(5));
                 }
                 Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
@@ -83,7 +86,7 @@ pub fn listen(index: u32, secret: Vec<u8>) -> std::io::Result<(u16, Interfaces)>
     Ok((port, interfaces()))
 }
 
-fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &[u8], timeout: Duration) -> Option<String> {
+fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &Secret, timeout: Duration) -> Option<String> {
     let ip: IpAddr = match addr.parse() {
         Ok(ip) => ip,
         Err(_) => return Some(format!("'{addr}' is not an address")),
@@ -92,16 +95,8 @@ fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &[u8], time
         Ok(s) => s,
         Err(e) => return Some(format!("cannot connect: {e}")),
     };
-    let _ = s.set_read_timeout(Some(timeout));
-    let nonce = proto::random_nonce();
-    let mut reply = [0u8; 36];
-    if let Err(e) = s.write_all(&nonce).and_then(|_| s.read_exact(&mut reply)) {
-        return Some(format!("no answer: {e}"));
-    }
-    let answered = u32::from_be_bytes([reply[0], reply[1], reply[2], reply[3]]);
-    let tag: [u8; 32] = reply[4..].try_into().expect("32 bytes");
-    if answered != index || !proto::tags_match(&tag, &proto::probe_tag(secret, index, &nonce)) {
-        return Some("reached something that is not the next host's agent".into());
+    if let Err(e) = kolo_auth::dial_handshake(&mut s, secret, &probe_context(index), timeout) {
+        return Some(format!("reached something that is not the next host's agent ({e})"));
     }
     let local = s.local_addr().map(|a| a.ip()).ok();
     match local.and_then(interface_of) {
@@ -115,7 +110,7 @@ fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &[u8], time
 pub fn probe(
     index: u32,
     targets: &[(String, String, u16)],
-    secret: &[u8],
+    secret: &Secret,
     timeout: Duration,
 ) -> Vec<(String, String, Option<String>)> {
     std::thread::scope(|scope| {

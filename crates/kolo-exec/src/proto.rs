@@ -13,9 +13,8 @@
 
 use std::io::{self, Read};
 
-use hmac::{Hmac, Mac};
+use kolo_auth::{Role, Secret};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use sha2::Sha256;
 
 /// Bumped whenever a message changes shape.
 pub const PROTOCOL_VERSION: u32 = 2;
@@ -27,8 +26,7 @@ pub const MAX_PREAUTH_FRAME: usize = 4096;
 /// Sent first on every connection so that a stray client is recognised.
 pub const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
 
-pub type Nonce = [u8; 32];
-pub type Tag = [u8; 32];
+pub use kolo_auth::{Nonce, Tag};
 
 /// Driver → worker, first frame: fixed layout, the same in every version.
 #[derive(Debug, Clone)]
@@ -210,45 +208,39 @@ pub enum ToDriver {
     },
 }
 
-pub fn probe_tag(secret: &[u8], index: u32, nonce: &Nonce) -> Tag {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"probe");
-    mac.update(&index.to_be_bytes());
-    mac.update(nonce);
-    mac.finalize().into_bytes().into()
+/// What the control handshake's tags bind besides the nonces: the
+/// protocol version, the worker's index and the rest of its first frame.
+fn control_context(version: u32, index: u32, body: &[u8]) -> Vec<u8> {
+    let mut context = Vec::with_capacity(20 + body.len());
+    context.extend_from_slice(b"kolo-control");
+    context.extend_from_slice(&version.to_be_bytes());
+    context.extend_from_slice(&index.to_be_bytes());
+    context.extend_from_slice(body);
+    context
 }
 
-/// The worker's proof: binds both nonces, the version, its index and the
-/// rest of its first frame.
+/// The worker's proof (kolo-auth's dialer tag over the control context).
 pub fn worker_tag(
-    secret: &[u8],
+    secret: &Secret,
     driver_nonce: &Nonce,
     worker_nonce: &Nonce,
     version: u32,
     index: u32,
     body: &[u8],
 ) -> Tag {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"kolo-control worker");
-    mac.update(driver_nonce);
-    mac.update(worker_nonce);
-    mac.update(&version.to_be_bytes());
-    mac.update(&index.to_be_bytes());
-    mac.update(body);
-    mac.finalize().into_bytes().into()
+    kolo_auth::tag(secret, &control_context(version, index, body), Role::Dialer, driver_nonce, worker_nonce)
 }
 
-pub fn driver_tag(secret: &[u8], driver_nonce: &Nonce, worker_nonce: &Nonce) -> Tag {
-    tag(secret, b"driver", driver_nonce, worker_nonce)
-}
-
-fn tag(secret: &[u8], role: &[u8], a: &Nonce, b: &Nonce) -> Tag {
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    mac.update(b"kolo-control ");
-    mac.update(role);
-    mac.update(a);
-    mac.update(b);
-    mac.finalize().into_bytes().into()
+/// The driver's proof, given only to a worker that proved itself.
+pub fn driver_tag(
+    secret: &Secret,
+    driver_nonce: &Nonce,
+    worker_nonce: &Nonce,
+    version: u32,
+    index: u32,
+    body: &[u8],
+) -> Tag {
+    kolo_auth::tag(secret, &control_context(version, index, body), Role::Listener, driver_nonce, worker_nonce)
 }
 
 /// Constant-time comparison of two tags.
@@ -257,10 +249,7 @@ pub fn tags_match(a: &Tag, b: &Tag) -> bool {
 }
 
 pub fn random_nonce() -> Nonce {
-    use rand::RngCore;
-    let mut n = [0u8; 32];
-    rand::rng().fill_bytes(&mut n);
-    n
+    kolo_auth::nonce()
 }
 
 pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
@@ -348,13 +337,14 @@ mod tests {
     #[test]
     fn tags_depend_on_secret_role_and_nonces() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
-        let t = worker_tag(b"s", &a, &b, 2, 0, b"body");
-        assert!(tags_match(&t, &worker_tag(b"s", &a, &b, 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(b"x", &a, &b, 2, 0, b"body")));
-        assert!(!tags_match(&t, &driver_tag(b"s", &a, &b)));
-        assert!(!tags_match(&t, &worker_tag(b"s", &b, &a, 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 3, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 2, 1, b"body")));
-        assert!(!tags_match(&t, &worker_tag(b"s", &a, &b, 2, 0, b"bodz")));
+        let (s, x) = (Secret::new("s").unwrap(), Secret::new("x").unwrap());
+        let t = worker_tag(&s, &a, &b, 2, 0, b"body");
+        assert!(tags_match(&t, &worker_tag(&s, &a, &b, 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(&x, &a, &b, 2, 0, b"body")));
+        assert!(!tags_match(&t, &driver_tag(&s, &a, &b, 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(&s, &b, &a, 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 3, 0, b"body")));
+        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 2, 1, b"body")));
+        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 2, 0, b"bodz")));
     }
 }

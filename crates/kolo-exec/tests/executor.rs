@@ -424,8 +424,7 @@ impl Engine for Tampering {
 /// The worker's first frame as the protocol defines it: a fixed header
 /// (magic, version, index, nonce, HMAC tag) and a postcard body.
 fn hello(challenge: &[u8], index: u32, secret: &[u8], version: u32, build: &str) -> Vec<u8> {
-    use hmac::{Hmac, Mac};
-    let driver_nonce = &challenge[8..40];
+    let driver_nonce: [u8; 32] = challenge[8..40].try_into().unwrap();
     let nonce = [7u8; 32];
     let mut body = Vec::new();
     let text = |t: &str, out: &mut Vec<u8>| {
@@ -436,14 +435,13 @@ fn hello(challenge: &[u8], index: u32, secret: &[u8], version: u32, build: &str)
     body.push(1); // pid 1 (a varint)
     text(build, &mut body);
     body.push(0); // no interfaces
-    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
-    mac.update(b"kolo-control worker");
-    mac.update(driver_nonce);
-    mac.update(&nonce);
-    mac.update(&version.to_be_bytes());
-    mac.update(&index.to_be_bytes());
-    mac.update(&body);
-    let tag = mac.finalize().into_bytes();
+                  // the control context kolo-auth's tag binds: version, index, body
+    let mut context = b"kolo-control".to_vec();
+    context.extend_from_slice(&version.to_be_bytes());
+    context.extend_from_slice(&index.to_be_bytes());
+    context.extend_from_slice(&body);
+    let secret = kolo_auth::Secret::new(String::from_utf8(secret.to_vec()).unwrap()).unwrap();
+    let tag = kolo_auth::tag(&secret, &context, kolo_auth::Role::Dialer, &driver_nonce, &nonce);
     let mut frame = Vec::new();
     frame.extend_from_slice(&((76 + body.len()) as u32).to_be_bytes());
     frame.extend_from_slice(&0x6b6f_6c6fu32.to_be_bytes());

@@ -194,6 +194,9 @@ impl Executor {
         };
         let handshake_limit = self.settings.start_timeout.min(Duration::from_secs(10));
         let build_id = crate::registry::build_id();
+        let secret = Arc::new(
+            kolo_auth::Secret::new(self.settings.secret()).map_err(|e| ExecError::BadSettings(e.to_string()))?,
+        );
         let mut refused: u32 = 0;
         let mut out_of_descriptors: Option<std::io::Error> = None;
         // after an accept error, accepting pauses, longer each time in a row
@@ -205,9 +208,9 @@ impl Executor {
                         backoff = Duration::from_millis(10);
                         // past the bound, a connection is closed unread
                         let Ok(permit) = slots.clone().try_acquire_owned() else { continue };
-                        let (secret, welcome) = (self.settings.secret().to_string(), welcome.clone());
+                        let (secret, welcome) = (secret.clone(), welcome.clone());
                         handshakes.spawn(async move {
-                            let result = tokio::time::timeout(handshake_limit, handshake(stream, secret.as_bytes(), welcome, n)).await;
+                            let result = tokio::time::timeout(handshake_limit, handshake(stream, &secret, welcome, n)).await;
                             drop(permit);
                             (peer, result.unwrap_or_else(|_| Err(Refusal::Quiet("no hello in time".into()))))
                         });
@@ -326,7 +329,7 @@ enum Refusal {
 /// build mismatch).
 async fn handshake(
     mut stream: TcpStream,
-    secret: &[u8],
+    secret: &kolo_auth::Secret,
     mut welcome: Welcome,
     workers: usize,
 ) -> Result<Hello, Refusal> {
@@ -353,11 +356,12 @@ async fn handshake(
     if header.version != PROTOCOL_VERSION {
         return Err(Refusal::Fatal(ExecError::Version { index: header.index, worker: header.version }));
     }
+    let body_bytes = body;
     let body: HelloBody = proto::decode(body).map_err(|e| Refusal::Logged(format!("unreadable hello: {e}")))?;
     if header.index as usize >= workers {
         return Err(Refusal::Logged(format!("worker index {} is out of range", header.index)));
     }
-    welcome.tag = proto::driver_tag(secret, &nonce, &header.nonce);
+    welcome.tag = proto::driver_tag(secret, &nonce, &header.nonce, header.version, header.index, body_bytes);
     let frame = proto::encode(&welcome).map_err(|e| quiet(e.to_string()))?;
     stream.write_all(&frame).await.map_err(|e| quiet(e.to_string()))?;
     Ok(Hello { header, body, stream })

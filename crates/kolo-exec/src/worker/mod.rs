@@ -62,7 +62,7 @@ pub fn serve_if_worker(registry: Registry) {
 
 struct Agent {
     index: u32,
-    secret: Vec<u8>,
+    secret: Arc<kolo_auth::Secret>,
     writer: Mutex<TcpStream>,
     /// The OS command, once started.
     command: Mutex<Option<Running>>,
@@ -175,9 +175,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
             secret
         }
     };
-    if secret.is_empty() {
-        return Err("the job secret is empty".into());
-    }
+    let secret = kolo_auth::Secret::new(secret).map_err(|e| e.to_string())?;
     // SIGTERM/SIGINT/SIGHUP stop the command cleanly; handlers (unlike a
     // blocked mask) do not pass on to the command
     let mut signals = signal_hook::iterator::Signals::new([
@@ -190,13 +188,13 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     let mut stream = connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    let welcome = handshake(&mut stream, index, secret.as_bytes()).map_err(|e| format!("driver {driver}: {e}"))?;
+    let welcome = handshake(&mut stream, index, &secret).map_err(|e| format!("driver {driver}: {e}"))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
 
     let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
     let agent = Arc::new(Agent {
         index,
-        secret: secret.as_bytes().to_vec(),
+        secret: Arc::new(secret),
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
         command: Mutex::new(None),
         started: Instant::now(),
@@ -228,7 +226,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     read_loop(&agent, &registry, stream, &busy)
 }
 
-fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcome, String> {
+fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> Result<Welcome, String> {
     let challenge = Challenge::parse(&proto::read_frame(stream, proto::MAX_PREAUTH_FRAME).map_err(|e| e.to_string())?)
         .ok_or("not a kolo driver")?;
     if challenge.magic != MAGIC {
@@ -259,7 +257,8 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &[u8]) -> Result<Welcom
     let frame = proto::read_frame(stream, proto::MAX_PREAUTH_FRAME)
         .map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
-    if !proto::tags_match(&welcome.tag, &proto::driver_tag(secret, &challenge.nonce, &nonce)) {
+    let expected = proto::driver_tag(secret, &challenge.nonce, &nonce, PROTOCOL_VERSION, index, &body);
+    if !proto::tags_match(&welcome.tag, &expected) {
         return Err("the driver could not prove it knows the job secret".into());
     }
     Ok(welcome)
