@@ -49,7 +49,13 @@ fn main() -> ExitCode {
 
 fn init_logging(verbose: bool) {
     let level = if verbose { tracing::Level::DEBUG } else { tracing::Level::WARN };
-    tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).with_target(false).init();
+    use std::io::IsTerminal;
+    tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 }
 
 /// Many ranks and many rendezvous connections need descriptors; take what
