@@ -13,7 +13,8 @@
 
 use std::io::{self, Read};
 
-use kolo_auth::{Role, Secret};
+pub use kolo_auth::Role;
+use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
@@ -219,28 +220,19 @@ fn control_context(version: u32, index: u32, body: &[u8]) -> Vec<u8> {
     context
 }
 
-/// The worker's proof (kolo-auth's dialer tag over the control context).
-pub fn worker_tag(
+/// A control handshake proof: the worker's is kolo-auth's dialer tag over
+/// the control context, the driver's the listener tag, given only to a
+/// worker that proved itself.
+pub fn control_tag(
     secret: &Secret,
-    driver_nonce: &Nonce,
-    worker_nonce: &Nonce,
+    role: Role,
+    nonces: (&Nonce, &Nonce),
     version: u32,
     index: u32,
     body: &[u8],
 ) -> Tag {
-    kolo_auth::tag(secret, &control_context(version, index, body), Role::Dialer, driver_nonce, worker_nonce)
-}
-
-/// The driver's proof, given only to a worker that proved itself.
-pub fn driver_tag(
-    secret: &Secret,
-    driver_nonce: &Nonce,
-    worker_nonce: &Nonce,
-    version: u32,
-    index: u32,
-    body: &[u8],
-) -> Tag {
-    kolo_auth::tag(secret, &control_context(version, index, body), Role::Listener, driver_nonce, worker_nonce)
+    let (driver_nonce, worker_nonce) = nonces;
+    kolo_auth::tag(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce)
 }
 
 /// Constant-time comparison of two tags.
@@ -338,13 +330,16 @@ mod tests {
     fn tags_depend_on_secret_role_and_nonces() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
         let (s, x) = (Secret::new("s").unwrap(), Secret::new("x").unwrap());
-        let t = worker_tag(&s, &a, &b, 2, 0, b"body");
-        assert!(tags_match(&t, &worker_tag(&s, &a, &b, 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(&x, &a, &b, 2, 0, b"body")));
-        assert!(!tags_match(&t, &driver_tag(&s, &a, &b, 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(&s, &b, &a, 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 3, 0, b"body")));
-        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 2, 1, b"body")));
-        assert!(!tags_match(&t, &worker_tag(&s, &a, &b, 2, 0, b"bodz")));
+        let worker = |s: &Secret, n: (&Nonce, &Nonce), version, index, body: &[u8]| {
+            control_tag(s, Role::Dialer, n, version, index, body)
+        };
+        let t = worker(&s, (&a, &b), 2, 0, b"body");
+        assert!(tags_match(&t, &worker(&s, (&a, &b), 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker(&x, (&a, &b), 2, 0, b"body")));
+        assert!(!tags_match(&t, &control_tag(&s, Role::Listener, (&a, &b), 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker(&s, (&b, &a), 2, 0, b"body")));
+        assert!(!tags_match(&t, &worker(&s, (&a, &b), 3, 0, b"body")));
+        assert!(!tags_match(&t, &worker(&s, (&a, &b), 2, 1, b"body")));
+        assert!(!tags_match(&t, &worker(&s, (&a, &b), 2, 0, b"bodz")));
     }
 }

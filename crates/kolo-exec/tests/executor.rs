@@ -499,36 +499,34 @@ fn strangers(driver: &str, index: u32) {
 
 static HUGE_FRAME_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// Two workers on one node, the last one up to `mischief`.
+fn tampered(settings: Settings, mischief: Mischief) -> Result<Executor, ExecError> {
+    let engine = Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief };
+    Executor::with_engine(settings, WorkerRequest::pack(2), Box::new(engine))
+}
+
 async fn a_wrong_secret_is_refused() -> Result<(), Failed> {
     let mut settings = quick_settings();
     settings.start_timeout = Duration::from_secs(2);
-    let engine =
-        Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::WrongSecret };
-    let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), Box::new(engine))?;
+    let mut ex = tampered(settings, Mischief::WrongSecret)?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
     check(err.contains("worker 1 on host node"), err)
 }
 
 async fn a_protocol_version_mismatch_is_named() -> Result<(), Failed> {
-    let engine =
-        Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::FutureVersion };
-    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    let mut ex = tampered(quick_settings(), Mischief::FutureVersion)?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
     check(err.contains("protocol version 999") && err.contains("same kolo version"), err)
 }
 
 async fn another_build_of_the_worker_program_is_named() -> Result<(), Failed> {
-    let engine =
-        Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::OtherBuild };
-    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    let mut ex = tampered(quick_settings(), Mischief::OtherBuild)?;
     let err = ex.start::<Counter>(&0, &[]).await.unwrap_err().to_string();
     check(err.contains("another build (other)") && err.contains("--worker-program"), err)
 }
 
 async fn strangers_without_the_secret_change_nothing() -> Result<(), Failed> {
-    let engine =
-        Tampering { inner: LocalEngine::with_hosts(vec![HostSpec::new("node", 4)]), mischief: Mischief::Strangers };
-    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(2), Box::new(engine))?;
+    let mut ex = tampered(quick_settings(), Mischief::Strangers)?;
     ex.start::<Counter>(&1, &[]).await?;
     let got = ex.execute(&Add(1)).await?;
     check(got == vec![(0, 2), (1, 2)], format!("{got:?}"))?;

@@ -39,17 +39,22 @@ fn a_paused_reader_of_kolos_output_holds_back_only_the_rank_that_prints() {
     assert_eq!(out.lines().filter(|l| l.ends_with(":finished")).count(), 2, "{err}");
 }
 
-#[test]
-fn a_killed_agent_takes_its_rank_with_it() {
-    let dir = TempDir::new("agent-killed");
-    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
+/// `kolo run -np 2` of ranks that sleep, with each rank's command and agent.
+fn two_sleeping_ranks(dir: &std::path::Path) -> (std::process::Child, Vec<(i32, i32)>) {
+    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.display());
     let child = kolo()
         .args(["run", "-np", "2", "--", "sh", "-c", &script])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let ranks = commands_and_agents(dir.path(), 2);
+    (child, commands_and_agents(dir, 2))
+}
+
+#[test]
+fn a_killed_agent_takes_its_rank_with_it() {
+    let dir = TempDir::new("agent-killed");
+    let (child, ranks) = two_sleeping_ranks(dir.path());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[1].1), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
@@ -60,14 +65,7 @@ fn a_killed_agent_takes_its_rank_with_it() {
 #[test]
 fn a_stopped_agent_is_reported_and_leaves_nothing_running() {
     let dir = TempDir::new("agent-stopped");
-    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
-    let child = kolo()
-        .args(["run", "-np", "2", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let ranks = commands_and_agents(dir.path(), 2);
+    let (child, ranks) = two_sleeping_ranks(dir.path());
     let start = Instant::now();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[0].1), nix::sys::signal::Signal::SIGSTOP).unwrap();
     let out = child.wait_with_output().unwrap();

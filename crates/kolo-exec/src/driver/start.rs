@@ -345,7 +345,8 @@ async fn handshake(
     if header.magic != MAGIC {
         return Err(Refusal::Logged("not a kolo worker".into()));
     }
-    let expected = proto::worker_tag(secret, &nonce, &header.nonce, header.version, header.index, body);
+    let nonces = (&nonce, &header.nonce);
+    let expected = proto::control_tag(secret, proto::Role::Dialer, nonces, header.version, header.index, body);
     if !proto::tags_match(&header.tag, &expected) {
         return Err(Refusal::Logged(format!(
             "a peer claiming to be worker {} does not know the job secret",
@@ -361,7 +362,7 @@ async fn handshake(
     if header.index as usize >= workers {
         return Err(Refusal::Logged(format!("worker index {} is out of range", header.index)));
     }
-    welcome.tag = proto::driver_tag(secret, &nonce, &header.nonce, header.version, header.index, body_bytes);
+    welcome.tag = proto::control_tag(secret, proto::Role::Listener, nonces, header.version, header.index, body_bytes);
     let frame = proto::encode(&welcome).map_err(|e| quiet(e.to_string()))?;
     stream.write_all(&frame).await.map_err(|e| quiet(e.to_string()))?;
     Ok(Hello { header, body, stream })

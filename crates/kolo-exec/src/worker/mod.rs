@@ -245,7 +245,14 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> 
         version: PROTOCOL_VERSION,
         index,
         nonce,
-        tag: proto::worker_tag(secret, &challenge.nonce, &nonce, PROTOCOL_VERSION, index, &body),
+        tag: proto::control_tag(
+            secret,
+            proto::Role::Dialer,
+            (&challenge.nonce, &nonce),
+            PROTOCOL_VERSION,
+            index,
+            &body,
+        ),
     };
     stream.write_all(&proto::hello_frame(&header, &body)).map_err(|e| e.to_string())?;
     if challenge.version != PROTOCOL_VERSION {
@@ -257,7 +264,8 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> 
     let frame = proto::read_frame(stream, proto::MAX_PREAUTH_FRAME)
         .map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
-    let expected = proto::driver_tag(secret, &challenge.nonce, &nonce, PROTOCOL_VERSION, index, &body);
+    let nonces = (&challenge.nonce, &nonce);
+    let expected = proto::control_tag(secret, proto::Role::Listener, nonces, PROTOCOL_VERSION, index, &body);
     if !proto::tags_match(&welcome.tag, &expected) {
         return Err("the driver could not prove it knows the job secret".into());
     }
