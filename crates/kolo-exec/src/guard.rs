@@ -25,6 +25,7 @@ pub(crate) const GROUP_RECORD: u8 = GROUP;
 const PATH: u8 = 3;
 const COMMAND: u8 = 4;
 const RELEASE: u8 = 5;
+const ARM: u8 = 6;
 
 const MAX_GROUPS: usize = 1024;
 const MAX_PATHS: usize = 16;
@@ -44,12 +45,16 @@ pub struct GuardOptions {
 
 /// The parent's end of a guard.
 pub struct Guard {
-    pub(crate) pipe: OwnedFd,
+    /// `None` once released.
+    pipe: Option<OwnedFd>,
     pid: libc::pid_t,
 }
 
 /// The guard's memory, allocated before the fork.
 struct State {
+    grace_ms: i64,
+    /// Silence past this makes the guard act; 0: silence is no sign.
+    silence_ms: i64,
     groups: Vec<libc::pid_t>,
     paths: Vec<[u8; PATH_BYTES]>,
     path_count: usize,
@@ -70,6 +75,8 @@ impl Guard {
         // SAFETY: both descriptors were just made and are owned here only.
         let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let mut state = Box::new(State {
+            grace_ms: options.grace.as_millis() as i64,
+            silence_ms: options.silence.map_or(0, |d| d.as_millis() as i64),
             groups: Vec::with_capacity(MAX_GROUPS),
             paths: vec![[0u8; PATH_BYTES]; MAX_PATHS],
             path_count: 0,
@@ -88,11 +95,11 @@ impl Guard {
                 std::mem::forget(read_end);
                 std::mem::forget(write_end);
                 // SAFETY: in the child; see above.
-                unsafe { watch(read_fd, parent, options, &mut state) }
+                unsafe { watch(read_fd, parent, &mut state) }
             }
             pid => {
                 drop(read_end);
-                Ok(Guard { pipe: write_end, pid })
+                Ok(Guard { pipe: Some(write_end), pid })
             }
         }
     }
@@ -106,7 +113,8 @@ impl Guard {
         record.push(kind);
         record.extend_from_slice(&(payload.len() as u16).to_be_bytes());
         record.extend_from_slice(payload);
-        write_all(self.pipe.as_raw_fd(), &record)
+        let pipe = self.pipe.as_ref().ok_or_else(|| io::Error::other("the guard was released"))?;
+        write_all(pipe.as_raw_fd(), &record)
     }
 
     /// "Still here": resets the silence clock.
@@ -143,17 +151,35 @@ impl Guard {
         self.send(COMMAND, &payload)
     }
 
-    /// The parent cleaned up itself: the guard exits without acting.
-    pub fn release(self) {
-        let _ = self.send(RELEASE, &[]);
-        self.reap();
+    /// Sets the grace period and the silence limit now (a guard forked
+    /// early, before they were known); the silence clock starts afresh.
+    pub fn arm(&self, grace: Duration, silence: Option<Duration>) -> io::Result<()> {
+        let mut payload = [0u8; 16];
+        payload[..8].copy_from_slice(&(grace.as_millis() as u64).to_be_bytes());
+        payload[8..].copy_from_slice(&silence.map_or(0, |s| s.as_millis() as u64).to_be_bytes());
+        self.send(ARM, &payload)
     }
 
-    fn reap(&self) {
-        // the guard exits at once on release or end-of-file
+    /// The parent cleaned up itself: the guard exits without acting. It is
+    /// not waited for (a parent on its way out need not linger); reap it
+    /// with [`Guard::reap`] where the process lives on.
+    pub fn release(mut self) -> u32 {
+        let _ = self.send(RELEASE, &[]);
+        self.pipe = None;
+        self.pid as u32
+    }
+
+    /// The pipe's descriptor, for a child to register itself between fork
+    /// and exec.
+    pub(crate) fn pipe_fd(&self) -> Option<std::os::fd::RawFd> {
+        self.pipe.as_ref().map(|p| p.as_raw_fd())
+    }
+
+    /// Waits for a released guard to exit.
+    pub fn reap(pid: u32) {
         // SAFETY: waitpid on our own child.
         unsafe {
-            libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+            libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
         }
     }
 }
@@ -162,6 +188,9 @@ impl Drop for Guard {
     fn drop(&mut self) {
         // closing the pipe (after this) makes the guard act; reap it then
         // from a thread so a drop never blocks on the grace period
+        if self.pipe.is_none() {
+            return;
+        }
         let pid = self.pid;
         let _ = std::thread::Builder::new().name("kolo-guard-reaper".into()).spawn(move || {
             // SAFETY: waitpid on our own child.
@@ -202,7 +231,7 @@ fn nap_ms(ms: i64) {
 }
 
 /// The guard's life. Only async-signal-safe calls from here on.
-unsafe fn watch(pipe: RawFd, parent: libc::pid_t, options: GuardOptions, state: &mut State) -> ! {
+unsafe fn watch(pipe: RawFd, parent: libc::pid_t, state: &mut State) -> ! {
     // own session: no terminal signals, not in the parent's process group
     // (which engines kill as a whole)
     libc::setsid();
@@ -227,12 +256,11 @@ unsafe fn watch(pipe: RawFd, parent: libc::pid_t, options: GuardOptions, state: 
         libc::dup2(null, fd);
     }
     let pipe: RawFd = 3;
-    let silence_ms = options.silence.map(|d| d.as_millis() as i64);
     let mut last_beat = now_ms();
     loop {
-        let timeout = match silence_ms {
-            Some(limit) => (last_beat + limit - now_ms()).clamp(0, 1000) as libc::c_int,
-            None => -1,
+        let timeout = match state.silence_ms {
+            0 => -1,
+            limit => (last_beat + limit - now_ms()).clamp(0, 1000) as libc::c_int,
         };
         let mut pfd = libc::pollfd { fd: pipe, events: libc::POLLIN, revents: 0 };
         let ready = libc::poll(&mut pfd, 1, timeout);
@@ -240,7 +268,7 @@ unsafe fn watch(pipe: RawFd, parent: libc::pid_t, options: GuardOptions, state: 
             let free = &mut state.buf[state.filled..];
             let n = libc::read(pipe, free.as_mut_ptr().cast(), free.len());
             if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
-                clean_up(state, options, None);
+                clean_up(state, None);
             }
             if n > 0 {
                 state.filled += n as usize;
@@ -250,10 +278,8 @@ unsafe fn watch(pipe: RawFd, parent: libc::pid_t, options: GuardOptions, state: 
                 }
             }
         }
-        if let Some(limit) = silence_ms {
-            if now_ms() - last_beat > limit {
-                clean_up(state, options, Some(parent));
-            }
+        if state.silence_ms > 0 && now_ms() - last_beat > state.silence_ms {
+            clean_up(state, Some(parent));
         }
     }
 }
@@ -284,6 +310,15 @@ fn take_records(state: &mut State) -> bool {
                 state.command[..len].copy_from_slice(&state.buf[payload_at..payload_at + len]);
                 state.command_len = len;
             }
+            ARM if len == 16 => {
+                let word = |at: usize| {
+                    let mut b = [0u8; 8];
+                    b.copy_from_slice(&state.buf[payload_at + at..payload_at + at + 8]);
+                    u64::from_be_bytes(b) as i64
+                };
+                state.grace_ms = word(0);
+                state.silence_ms = word(8);
+            }
             RELEASE => return true,
             _ => {}
         }
@@ -296,7 +331,7 @@ fn take_records(state: &mut State) -> bool {
 
 /// Ends the groups, kills a silent parent, runs the command, removes the
 /// paths (the last registered first), and exits.
-unsafe fn clean_up(state: &mut State, options: GuardOptions, silent_parent: Option<libc::pid_t>) -> ! {
+unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
     let groups = &state.groups[..];
     if let Some(parent) = silent_parent {
         // stopped or hung: it will not clean up; SIGCONT lets a stopped
@@ -310,7 +345,7 @@ unsafe fn clean_up(state: &mut State, options: GuardOptions, silent_parent: Opti
         libc::killpg(g, libc::SIGCONT);
     }
     if any {
-        let deadline = now_ms() + options.grace.as_millis() as i64;
+        let deadline = now_ms() + state.grace_ms;
         while now_ms() < deadline && groups.iter().any(|&g| libc::killpg(g, 0) == 0) {
             nap_ms(10);
         }
@@ -417,7 +452,7 @@ mod tests {
         let mut child = Command::new("sleep").arg("100").process_group(0).spawn().unwrap();
         guard.watch_group(child.id()).unwrap();
         let pid = guard.pid() as i32;
-        guard.release();
+        Guard::reap(guard.release());
         assert!(!alive(pid));
         assert!(child.try_wait().unwrap().is_none());
         child.kill().unwrap();

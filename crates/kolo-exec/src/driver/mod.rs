@@ -200,7 +200,7 @@ impl Executor {
         if argv.is_empty() {
             return Err(ExecError::NoCommand);
         }
-        self.start_workers(extra_env).await?;
+        self.start_agents(extra_env, true).await?;
         let argv: Vec<Vec<u8>> = argv.iter().map(|a| a.as_bytes().to_vec()).collect();
         let message = ToWorker::StartCommand { argv };
         for link in &self.running()?.links {
@@ -269,13 +269,13 @@ impl Executor {
         }
         let deadline = Instant::now() + Duration::from_secs(2);
         while !self.engine().is_none_or(|e| e.all_exited()) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
         if let Some(janitor) = self.janitor.take() {
             // the engine's resources go with the engine (scancel, files):
             // drop it first, then the janitor has nothing to do
             if let (true, Ok(janitor)) = (self.engine().is_none_or(|e| e.all_exited()), Arc::try_unwrap(janitor)) {
-                janitor.release();
+                Guard::reap(janitor.release());
             }
         }
     }

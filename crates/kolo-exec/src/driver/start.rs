@@ -42,10 +42,20 @@ impl Executor {
     /// Starts the workers without an executable (RayExecutor's
     /// `executable_cls=None`): `run` and `run_remote_function` work.
     pub async fn start_workers(&mut self, extra_env: &[(String, String)]) -> Result<(), ExecError> {
+        self.start_agents(extra_env, false).await
+    }
+
+    /// Starts the agents; those that will run an OS command fork their
+    /// guard first thing.
+    pub(super) async fn start_agents(
+        &mut self,
+        extra_env: &[(String, String)],
+        command: bool,
+    ) -> Result<(), ExecError> {
         if self.running.is_some() {
             return Err(ExecError::AlreadyStarted);
         }
-        match self.start_inner(extra_env).await {
+        match self.start_inner(extra_env, command).await {
             Ok(running) => {
                 self.running = Some(running);
                 Ok(())
@@ -57,7 +67,7 @@ impl Executor {
         }
     }
 
-    async fn start_inner(&mut self, extra_env: &[(String, String)]) -> Result<Running, ExecError> {
+    async fn start_inner(&mut self, extra_env: &[(String, String)], command: bool) -> Result<Running, ExecError> {
         let settings = self.settings.clone();
         // 1. the plan (asks the engine for hosts the first time)
         let plan = self.plan().await?.clone();
@@ -81,10 +91,13 @@ impl Executor {
             .enumerate()
             .map(|(index, w)| WorkerLaunch {
                 index: index as u32,
-                env: vec![
+                env: [
                     (worker::env::DRIVER.into(), control.to_string()),
                     (worker::env::INDEX.into(), index.to_string()),
-                ],
+                ]
+                .into_iter()
+                .chain(command.then(|| (worker::env::GUARD.to_string(), "1".to_string())))
+                .collect(),
                 host: w.host.clone(),
                 program: program.clone(),
                 args: Vec::new(),

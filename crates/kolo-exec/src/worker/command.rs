@@ -5,7 +5,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc};
@@ -28,7 +28,12 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // heartbeat timeout: the driver notices a stopped agent first and says
     // so; the guard is for when nobody else is left to act
     let silence = Some(agent.heartbeat_timeout * 2);
-    let guard = match Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }) {
+    let early = agent.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let guard = match early {
+        Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| guard),
+        None => Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }).map(Arc::new),
+    };
+    let guard = match guard {
         Ok(guard) => guard,
         Err(e) => {
             let message = format!("cannot start the guard process: {e}");
@@ -39,7 +44,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     let mut command = Command::new(program);
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
     command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    let guard_pipe = guard.pipe_fd();
+    let guard_pipe = guard.pipe_fd().unwrap_or(-1);
     // SAFETY: the hook runs between fork and exec and only calls getpid and
     // write (async-signal-safe): the child registers its own group with
     // the guard before the program starts, so there is no moment when a
@@ -56,20 +61,21 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
-            guard.release();
+            if let Ok(guard) = Arc::try_unwrap(guard) {
+                guard.release();
+            }
             let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
             let message = format!("could not start '{}': {e}", program.to_string_lossy());
             let _ = agent.send(&ToDriver::CommandStartFailed { message, code });
             return;
         }
     };
-    let guard = Arc::new(guard);
     {
         // beats from a thread of their own: they stop only when this whole
         // process is stopped or hung, never when the driver is slow
-        let (guard, interval) = (guard.clone(), agent.heartbeat_interval);
+        let (guard, interval) = (Arc::downgrade(&guard), agent.heartbeat_interval);
         let _ = std::thread::Builder::new().name("kolo-guard-beat".into()).spawn(move || {
-            while guard.beat().is_ok() {
+            while guard.upgrade().is_some_and(|g| g.beat().is_ok()) {
                 std::thread::sleep(interval);
             }
         });
@@ -103,10 +109,4 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         };
         let _ = agent.send(&ToDriver::CommandExited { code, signal });
     });
-}
-
-impl Guard {
-    fn pipe_fd(&self) -> std::os::fd::RawFd {
-        self.pipe.as_raw_fd()
-    }
 }

@@ -40,6 +40,9 @@ pub mod env {
     pub const INDEX_FROM_SLURM: &str = "SLURM_PROCID";
     /// Set when the secret comes on the first line of stdin instead.
     pub const SECRET_ON_STDIN: &str = "KOLO_WORKER_SECRET_ON_STDIN";
+    /// Set for command jobs: the agent forks its guard first thing, while
+    /// it is still one small thread (the cheapest fork there is).
+    pub const GUARD: &str = "KOLO_WORKER_GUARD";
 }
 
 /// Serves as a worker and exits if this process was started as one;
@@ -66,6 +69,8 @@ struct Agent {
     writer: Mutex<TcpStream>,
     /// The OS command, once started.
     command: Mutex<Option<Running>>,
+    /// The guard forked at start (command jobs), until a command takes it.
+    guard: Mutex<Option<Arc<Guard>>>,
     started: Instant,
     last_heard_ms: AtomicU64,
     kill_grace: Duration,
@@ -155,6 +160,13 @@ fn connect(driver: &str) -> io::Result<TcpStream> {
 }
 
 fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
+    let guard = match std::env::var_os(env::GUARD) {
+        Some(_) => Some(
+            Guard::spawn(crate::guard::GuardOptions { grace: Duration::ZERO, silence: None })
+                .map_err(|e| format!("cannot start the guard process: {e}"))?,
+        ),
+        None => None,
+    };
     let index: u32 = std::env::var(env::INDEX)
         .ok()
         .and_then(|v| if v == env::INDEX_FROM_SLURM { std::env::var(env::INDEX_FROM_SLURM).ok() } else { Some(v) })
@@ -197,6 +209,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         secret: Arc::new(secret),
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
         command: Mutex::new(None),
+        guard: Mutex::new(guard.map(Arc::new)),
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
