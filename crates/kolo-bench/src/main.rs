@@ -50,7 +50,8 @@ impl BenchArgs {
 fn main() -> ExitCode {
     // started by the Executor as a worker: serve it, never return
     kolo_exec::serve_if_worker(worker_registry());
-    let args = BenchArgs::parse();
+    // `-np 4` as mpirun and kolo run users type it
+    let args = BenchArgs::parse_from(std::env::args_os().map(|a| if a == "-np" { "--np".into() } else { a }));
     tracing_subscriber::fmt().with_max_level(tracing::Level::WARN).with_writer(std::io::stderr).init();
     // the executor benchmarks measure kolo's driver as `kolo` runs it: on
     // one thread; the rendezvous load generator wants every core
