@@ -93,16 +93,37 @@ impl SlurmEngine {
             salloc.args(["-t", t]);
         }
         salloc.args(&options.extra);
-        let out = salloc
+        let started = std::time::Instant::now();
+        let mut child = salloc
             .stdin(Stdio::null())
-            .output()
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
             .map_err(|source| ExecError::Io { what: "cannot run salloc (is Slurm installed?)".into(), source })?;
-        let text = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
-        if !out.status.success() {
-            let what = format!(
-                "salloc got no allocation of {nodes} node(s) x {per_node} task(s) within the placement timeout ({} s)",
-                timeout.as_secs().max(1)
-            );
+        // salloc says on stderr when the job waits in the queue: pass that
+        // on as progress, keep everything for its job id or its reason
+        let mut text = String::new();
+        if let Some(stderr) = child.stderr.take() {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("queued") || line.contains("Pending") {
+                    eprintln!("kolo: waiting for Slurm (up to {} s): {line}", timeout.as_secs().max(1));
+                }
+                text.push_str(&line);
+                text.push('\n');
+            }
+        }
+        let status = child.wait().map_err(|source| ExecError::Io { what: "waiting for salloc".into(), source })?;
+        if !status.success() {
+            let asked = format!("{nodes} node(s) x {per_node} task(s)");
+            let what = if started.elapsed() + Duration::from_millis(500) >= timeout {
+                format!(
+                    "salloc got no allocation of {asked} within the placement timeout ({} s)",
+                    timeout.as_secs().max(1)
+                )
+            } else {
+                format!("salloc refused an allocation of {asked}")
+            };
             return Err(slurm_err(&what, text.trim()));
         }
         let job_id = text
