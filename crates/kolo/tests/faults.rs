@@ -80,9 +80,11 @@ fn a_stopped_agent_is_reported_and_leaves_nothing_running() {
 #[test]
 fn a_killed_driver_leaves_no_process_and_no_file() {
     let dir = TempDir::new("driver-killed");
-    let tmp_before = kolo_tmp_entries();
+    // kolo's temporary files go here (TMPDIR), so nothing else's can mix in
+    let tmp = TempDir::new("driver-killed-tmp");
     let script = format!("sleep 1000 & echo $$ $! > {}/$RANK.pid; wait", dir.path().display());
     let mut child = kolo()
+        .env("TMPDIR", tmp.path())
         .args(["run", "-np", "3", "--", "sh", "-c", &script])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -94,17 +96,8 @@ fn a_killed_driver_leaves_no_process_and_no_file() {
     wait_for("every rank and its children to end", Duration::from_secs(15), || {
         ranks.iter().all(|&(sh, sleeper)| !alive(sh) && !alive(sleeper))
     });
-    assert_eq!(kolo_tmp_entries(), tmp_before);
-}
-
-fn kolo_tmp_entries() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(std::env::temp_dir())
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with("kolo-") && !n.starts_with("kolo-test-"))
-        .collect();
-    names.sort();
-    names
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+    assert!(left.is_empty(), "left in TMPDIR: {left:?}");
 }
 
 #[test]

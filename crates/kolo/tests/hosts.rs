@@ -373,3 +373,32 @@ fn a_killed_or_stopped_agent_leaves_nothing_under_slurm() {
         agent_fault_leaves_nothing(&["--engine", "slurm", "--slurm-nodes", "3"], signal);
     }
 }
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
+    let dir = TempDir::new("hosts-driver-killed");
+    let tmp = TempDir::new("hosts-driver-killed-tmp");
+    let script = format!("echo $$ > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
+    let t = testhosts();
+    let mut child = Command::new(t.join("hx"))
+        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3"])
+        .args(["--", "sh", "-c", &script])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
+    assert!(!slurm_jobs().trim().is_empty());
+    // hx execs its way to kolo: this kills the driver itself
+    child.kill().unwrap();
+    child.wait().unwrap();
+    wait_for("the janitor to give the allocation back", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
+    wait_for("every rank to end", Duration::from_secs(30), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
+    wait_for("the janitor to remove its files", Duration::from_secs(10), || {
+        std::fs::read_dir(tmp.path()).unwrap().next().is_none()
+    });
+    assert_nothing_left();
+}
