@@ -251,7 +251,7 @@ fn environment_forwarding_and_overrides() {
         .args([
             "run", "-np", "2", "-x", "FROM_HERE", "-x", "SET_BY_X=xv", "--env", "SET_BY_ENV=ev", "--",
             "sh", "-c",
-            "echo \"$KEEP|${CUDA_VISIBLE_DEVICES-unset}|${OLDPWD-unset}|$FROM_HERE|$SET_BY_X|$SET_BY_ENV|$PYTHONUNBUFFERED|${KOLO_SECRET:+secret}\"",
+            "echo \"$KEEP|${CUDA_VISIBLE_DEVICES-unset}|${OLDPWD-unset}|$FROM_HERE|$SET_BY_X|$SET_BY_ENV|$PYTHONUNBUFFERED|${KOLO_SECRET:+secret}|$(env | grep -c KOLO_WORKER_)\"",
         ])
         .env("KEEP", "kept")
         .env("FROM_HERE", "fh")
@@ -261,7 +261,7 @@ fn environment_forwarding_and_overrides() {
         .unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     for line in stdout(&out).lines() {
-        assert!(line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret"), "{line}");
+        assert!(line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret|0"), "{line}");
     }
 }
 

@@ -42,6 +42,13 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         }
     };
     let mut command = Command::new(program);
+    // the agent's own variables are not the rank's: a command that is
+    // itself a kolo program must not take itself for a worker
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(|n| n.starts_with("KOLO_WORKER_")) {
+            command.env_remove(&name);
+        }
+    }
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
     command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
     let guard_pipe = guard.pipe_fd().unwrap_or(-1);
