@@ -216,6 +216,21 @@ fn a_worker_killed_on_h2_ends_the_job_naming_h2() {
     assert_nothing_left();
 }
 
+/// Starts `kolo ARGS -- sh -c SCRIPT` inside h1 (stderr piped for the report).
+fn spawn_in_h1(args: &[&str], script: &str) -> std::process::Child {
+    let t = testhosts();
+    Command::new(t.join("hx"))
+        .arg("h1")
+        .arg(env!("CARGO_BIN_EXE_kolo"))
+        .args(args)
+        .args(["--", "sh", "-c", script])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// Runs a command inside h1 with the test cluster's Slurm config.
 fn in_h1(cmd: &[&str]) -> Output {
     let t = testhosts();
@@ -279,15 +294,8 @@ fn slurm_outside_an_allocation_asks_for_one_and_gives_it_back() {
 fn scancel_ends_a_slurm_job_with_a_report() {
     let dir = TempDir::new("hosts-scancel");
     let script = format!("echo $$ > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
-    let t = testhosts();
-    let child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3"])
-        .args(["--kill-grace", "1", "--", "sh", "-c", &script])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child =
+        spawn_in_h1(&["run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3", "--kill-grace", "1"], &script);
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
     let jobs = slurm_jobs();
     let job = jobs.split_whitespace().next().expect("a running job").to_string();
@@ -335,16 +343,9 @@ fn a_busy_slurm_cluster_fails_within_the_placement_timeout() {
 fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal) {
     let dir = TempDir::new("hosts-agent");
     let script = format!("echo $$ $PPID > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
-    let t = testhosts();
-    let child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "-np", "6"])
-        .args(engine)
-        .args(["--kill-grace", "1", "--", "sh", "-c", &script])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut args = vec!["run", "-np", "6", "--kill-grace", "1"];
+    args.extend_from_slice(engine);
+    let child = spawn_in_h1(&args, &script);
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 12);
     let text = std::fs::read_to_string(dir.path().join("2.pid")).unwrap();
     let agent: i32 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
