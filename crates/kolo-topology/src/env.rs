@@ -84,14 +84,34 @@ pub fn rank_env(
     }
     set("PYTHONUNBUFFERED", "1".into());
 
-    // torchrun's names
+    // torchrun's names: one role ("default") whose ranks are the world's,
+    // one group per node, the first attempt of a run that is not restarted
     set("RANK", info.rank.to_string());
     set("WORLD_SIZE", info.size.to_string());
     set("LOCAL_RANK", info.local_rank.to_string());
     set("LOCAL_WORLD_SIZE", info.local_size.to_string());
     set("GROUP_RANK", info.node_rank.to_string());
+    set("GROUP_WORLD_SIZE", info.num_nodes.to_string());
+    set("ROLE_NAME", "default".into());
+    set("ROLE_RANK", info.rank.to_string());
+    set("ROLE_WORLD_SIZE", info.size.to_string());
+    set("TORCHELASTIC_RUN_ID", job.job_id.clone());
+    set("TORCHELASTIC_RESTART_COUNT", "0".into());
+    set("TORCHELASTIC_MAX_RESTARTS", "0".into());
     set("MASTER_ADDR", job.master_addr.clone());
     set("MASTER_PORT", job.master_port.to_string());
+    if !job.ifaces.is_empty() {
+        // PyTorch's gloo backend takes a comma list, as NCCL does
+        set("GLOO_SOCKET_IFNAME", job.ifaces.join(","));
+    }
+    // several ranks on one host: one thread each unless the caller says
+    // otherwise (torchrun's default; see `caller_defaults`)
+    if info.local_size > 1 {
+        set(OMP_NUM_THREADS, "1".into());
+    }
+    // JAX's launcher convention (jax.distributed.initialize reads these)
+    set("JAX_NUM_PROCESSES", info.size.to_string());
+    set("JAX_PROCESS_ID", info.rank.to_string());
 
     set("KOLO_NODE_ID", node_id.to_string());
     set("KOLO_NODE_RANK", info.node_rank.to_string());
@@ -103,6 +123,22 @@ pub fn rank_env(
         set("CUDA_VISIBLE_DEVICES", devices.to_string());
     }
     env
+}
+
+/// Set by kolo as a default only: the caller's own value wins.
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
+/// Puts back the caller's value of every variable kolo only sets as a
+/// default (`OMP_NUM_THREADS`); true if a default stayed.
+pub fn caller_defaults(env: &mut BTreeMap<String, String>, caller: impl Fn(&str) -> Option<String>) -> bool {
+    match (env.contains_key(OMP_NUM_THREADS), caller(OMP_NUM_THREADS)) {
+        (true, Some(value)) => {
+            env.insert(OMP_NUM_THREADS.into(), value);
+            false
+        }
+        (kept, None) => kept,
+        (false, Some(_)) => false,
+    }
 }
 
 /// Whether a variable of the caller's environment is passed on to workers
@@ -135,8 +171,16 @@ mod tests {
 
     #[test]
     fn horovod_and_torch_names() {
-        let info =
-            RankInfo { rank: 3, size: 4, local_rank: 1, local_size: 2, cross_rank: 1, cross_size: 2, node_rank: 1 };
+        let info = RankInfo {
+            rank: 3,
+            size: 4,
+            local_rank: 1,
+            local_size: 2,
+            cross_rank: 1,
+            cross_size: 2,
+            node_rank: 1,
+            num_nodes: 2,
+        };
         let env = rank_env(&info, "b", &job(), Some("0,1"));
         let get = |k: &str| env.get(k).map(String::as_str);
         assert_eq!(get("HOROVOD_RANK"), Some("3"));
@@ -162,6 +206,22 @@ mod tests {
         assert_eq!(get("GROUP_RANK"), Some("1"));
         assert_eq!(get("MASTER_ADDR"), Some("10.0.0.2"));
         assert_eq!(get("MASTER_PORT"), Some("29500"));
+        assert_eq!(get("GROUP_WORLD_SIZE"), Some("2"));
+        assert_eq!(get("ROLE_NAME"), Some("default"));
+        assert_eq!(get("ROLE_RANK"), Some("3"));
+        assert_eq!(get("ROLE_WORLD_SIZE"), Some("4"));
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), Some("j"));
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("0"));
+        assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), Some("0"));
+        assert_eq!(get("GLOO_SOCKET_IFNAME"), Some("eth0,eth1"));
+        assert_eq!(get("JAX_NUM_PROCESSES"), Some("4"));
+        assert_eq!(get("JAX_PROCESS_ID"), Some("3"));
+        assert_eq!(get("OMP_NUM_THREADS"), Some("1"));
+        let mut env = env.clone();
+        assert!(!caller_defaults(&mut env, |_| Some("8".into())));
+        assert_eq!(env["OMP_NUM_THREADS"], "8");
+        let alone = RankInfo { local_size: 1, local_rank: 0, ..info.clone() };
+        assert!(!rank_env(&alone, "b", &job(), None).contains_key("OMP_NUM_THREADS"));
         assert_eq!(get("KOLO_RANK"), Some("3"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
         let elastic = rank_env(&info, "b", &JobEnv { elastic: true, ..job() }, None);

@@ -17,7 +17,7 @@ mod slurm;
 /// `-H host:10000000` must be an error, not an out-of-memory kill.
 pub const MAX_PROCESSES: u32 = 65536;
 
-pub use env::{forwards_caller_var, rank_env, JobEnv, ENV_SECRET};
+pub use env::{caller_defaults, forwards_caller_var, rank_env, JobEnv, ENV_SECRET, OMP_NUM_THREADS};
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
 pub use placement::{
     cuda_visible_devices, place, resolve_gpus_per_worker, HostResources, PlacedWorker, Placement, WorkerResources,

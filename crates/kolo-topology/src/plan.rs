@@ -76,10 +76,18 @@ impl Plan {
     }
 
     /// Every variable kolo sets for `rank`, with the job-wide values of
-    /// `job` and the caller's `extra` variables on top.
-    pub fn env(&self, rank: usize, job: &JobEnv, extra: &[(String, String)]) -> BTreeMap<String, String> {
+    /// `job` and the caller's `extra` variables on top; `caller` looks up
+    /// the caller's environment, whose values win over kolo's defaults.
+    pub fn env(
+        &self,
+        rank: usize,
+        job: &JobEnv,
+        extra: &[(String, String)],
+        caller: impl Fn(&str) -> Option<String>,
+    ) -> BTreeMap<String, String> {
         let w = &self.workers[rank];
         let mut env = rank_env(&w.ranks, &w.host.node_id, job, w.visible_devices.as_deref());
+        crate::caller_defaults(&mut env, caller);
         env.extend(extra.iter().cloned());
         env
     }
@@ -123,12 +131,14 @@ mod tests {
         hs[1].gpus = vec![0, 1];
         let need = WorkerResources { cpus: 1, gpus: 2 };
         let plan = Plan::new(Placement::Pack { num_workers: 3 }, need, &hs).unwrap();
-        let env = plan.env(1, &JobEnv::placeholder(), &[("EXTRA".into(), "x".into())]);
+        let env = plan.env(1, &JobEnv::placeholder(), &[("EXTRA".into(), "x".into())], |_| None);
         assert_eq!(env["HOROVOD_RANK"], "1");
         assert_eq!(env["HOROVOD_HOSTNAME"], "a");
         assert_eq!(env["CUDA_VISIBLE_DEVICES"], "0,1,2,3");
         assert_eq!(env["EXTRA"], "x");
-        assert_eq!(plan.env(2, &JobEnv::placeholder(), &[])["CUDA_VISIBLE_DEVICES"], "0,1");
+        assert_eq!(env["OMP_NUM_THREADS"], "1");
+        assert_eq!(plan.env(2, &JobEnv::placeholder(), &[], |_| None)["CUDA_VISIBLE_DEVICES"], "0,1");
+        assert!(!plan.env(2, &JobEnv::placeholder(), &[], |_| None).contains_key("OMP_NUM_THREADS"));
         assert_eq!(plan.workers[1].gpus, [2, 3]);
         assert_eq!(plan.node_representatives(), [0, 2]);
     }

@@ -15,6 +15,8 @@ pub struct RankInfo {
     pub cross_size: u32,
     /// Index of the rank's node in registration order (torchrun's GROUP_RANK).
     pub node_rank: u32,
+    /// How many nodes the job spans (torchrun's GROUP_WORLD_SIZE).
+    pub num_nodes: u32,
 }
 
 /// Registers workers (hostname, node id, world rank) and derives local and
@@ -90,6 +92,7 @@ impl Coordinator {
                     cross_rank: cross_ranks[rank as usize],
                     cross_size: cross_sizes[local_rank],
                     node_rank: node_rank as u32,
+                    num_nodes: self.nodes.len() as u32,
                 });
             }
         }

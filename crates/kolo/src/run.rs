@@ -156,7 +156,7 @@ fn checked_name(name: &str, flag: &str) -> Result<String> {
 }
 
 /// Values chosen when the job starts, shown as such by `--dry-run`.
-const CHOSEN_AT_START: [&str; 8] = [
+const CHOSEN_AT_START: [&str; 9] = [
     "HOROVOD_GLOO_RENDEZVOUS_ADDR",
     "HOROVOD_GLOO_RENDEZVOUS_PORT",
     "KOLO_RENDEZVOUS_ADDR",
@@ -164,6 +164,7 @@ const CHOSEN_AT_START: [&str; 8] = [
     "MASTER_ADDR",
     "MASTER_PORT",
     "KOLO_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
     "KOLO_SECRET",
 ];
 const IFACE_VARS: [&str; 3] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "KOLO_IFACES"];
@@ -185,7 +186,7 @@ async fn dry_run(spec: &LaunchSpec) -> Result<i32> {
     let job = JobEnv { timeout_s: spec.start_timeout.as_secs(), ifaces, ..JobEnv::placeholder() };
     for (rank, worker) in plan.workers.iter().enumerate() {
         let i = &worker.ranks;
-        let mut env = plan.env(rank, &job, &spec.extra_env);
+        let mut env = plan.env(rank, &job, &spec.extra_env, |name| std::env::var(name).ok());
         env.insert(ENV_SECRET.into(), String::new());
         for key in CHOSEN_AT_START {
             if let Some(value) = env.get_mut(key) {

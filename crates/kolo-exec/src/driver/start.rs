@@ -160,7 +160,7 @@ impl Executor {
                 pid: hello.body.pid,
                 gpus: planned.gpus.clone(),
                 ranks: planned.ranks.clone(),
-                env: plan.env(rank, &job, extra_env),
+                env: plan.env(rank, &job, extra_env, |name| std::env::var(name).ok()),
             };
             let (reader, writer) = hello.stream.into_split();
             let link = Arc::new(Link::new(info, writer, command_janitor.clone(), settings.kill_grace));
@@ -169,6 +169,16 @@ impl Executor {
             background.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));
             watched.push((link.clone(), reading));
             links.push(link);
+        }
+        if links.iter().any(|l| l.info.env.get(kolo_topology::OMP_NUM_THREADS).map(String::as_str) == Some("1"))
+            && std::env::var_os(kolo_topology::OMP_NUM_THREADS).is_none()
+            && !extra_env.iter().any(|(k, _)| k == kolo_topology::OMP_NUM_THREADS)
+        {
+            // as torchrun does: say so once, since it changes performance
+            tracing::warn!(
+                "OMP_NUM_THREADS=1 for ranks that share a host, so they do not oversubscribe its cores; \
+                 set OMP_NUM_THREADS (or -x OMP_NUM_THREADS=N) to choose another"
+            );
         }
         let liveness = Liveness { timeout: settings.heartbeat_timeout };
         background.spawn(watch_heartbeats(watched, liveness, event_tx, stopping.clone()));
