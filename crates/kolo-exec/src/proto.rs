@@ -163,6 +163,11 @@ pub enum ToWorker {
     Stop,
     /// Open a listener for interface probes and list this host's interfaces.
     ProbeListen,
+    /// Find `count` ports free on this host (rank 0's: the frameworks'
+    /// coordinators listen there) and list its interfaces.
+    ReservePorts {
+        count: u8,
+    },
     /// Probe these (interface, address, port) of worker `index`'s listener.
     Probe {
         index: u32,
@@ -198,6 +203,10 @@ pub enum ToDriver {
         result: Result<Vec<u8>, String>,
     },
     /// The probe listener's port and this host's interfaces with their IPv4 addresses.
+    PortsReserved {
+        ports: Vec<u16>,
+        interfaces: Vec<(String, Vec<String>)>,
+    },
     ProbeReady {
         port: u16,
         interfaces: Vec<(String, Vec<String>)>,

@@ -22,6 +22,8 @@ pub struct JobEnv {
     /// torchrun's store address: the host of rank 0 and a port free there.
     pub master_addr: String,
     pub master_port: u16,
+    /// JAX's coordinator: rank 0's host and another port free there.
+    pub jax_coordinator_port: u16,
     pub elastic: bool,
     pub job_id: String,
 }
@@ -37,6 +39,7 @@ impl JobEnv {
             timeout_s: 30,
             master_addr: "127.0.0.1".into(),
             master_port: 0,
+            jax_coordinator_port: 0,
             elastic: false,
             job_id: "dry-run".into(),
         }
@@ -110,6 +113,7 @@ pub fn rank_env(
         set(OMP_NUM_THREADS, "1".into());
     }
     // JAX's launcher convention (jax.distributed.initialize reads these)
+    set("JAX_COORDINATOR_ADDRESS", join_host_port(&job.master_addr, job.jax_coordinator_port));
     set("JAX_NUM_PROCESSES", info.size.to_string());
     set("JAX_PROCESS_ID", info.rank.to_string());
 
@@ -123,6 +127,15 @@ pub fn rank_env(
         set("CUDA_VISIBLE_DEVICES", devices.to_string());
     }
     env
+}
+
+/// `host:port`, with IPv6 addresses in brackets.
+fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 /// Set by kolo as a default only: the caller's own value wins.
@@ -164,6 +177,7 @@ mod tests {
             timeout_s: 30,
             master_addr: "10.0.0.2".into(),
             master_port: 29500,
+            jax_coordinator_port: 29501,
             elastic: false,
             job_id: "j".into(),
         }
@@ -214,6 +228,7 @@ mod tests {
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("0"));
         assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), Some("0"));
         assert_eq!(get("GLOO_SOCKET_IFNAME"), Some("eth0,eth1"));
+        assert_eq!(get("JAX_COORDINATOR_ADDRESS"), Some("10.0.0.2:29501"));
         assert_eq!(get("JAX_NUM_PROCESSES"), Some("4"));
         assert_eq!(get("JAX_PROCESS_ID"), Some("3"));
         assert_eq!(get("OMP_NUM_THREADS"), Some("1"));

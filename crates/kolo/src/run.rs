@@ -156,13 +156,14 @@ fn checked_name(name: &str, flag: &str) -> Result<String> {
 }
 
 /// Values chosen when the job starts, shown as such by `--dry-run`.
-const CHOSEN_AT_START: [&str; 9] = [
+const CHOSEN_AT_START: [&str; 10] = [
     "HOROVOD_GLOO_RENDEZVOUS_ADDR",
     "HOROVOD_GLOO_RENDEZVOUS_PORT",
     "KOLO_RENDEZVOUS_ADDR",
     "KOLO_RENDEZVOUS_PORT",
     "MASTER_ADDR",
     "MASTER_PORT",
+    "JAX_COORDINATOR_ADDRESS",
     "KOLO_JOB_ID",
     "TORCHELASTIC_RUN_ID",
     "KOLO_SECRET",

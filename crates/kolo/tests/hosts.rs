@@ -403,3 +403,20 @@ fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
     });
     assert_nothing_left();
 }
+
+/// Launched from h1 onto h2 and h3: rank 0 is on h2, and every rank must
+/// reach MASTER_ADDR:MASTER_PORT there (where PyTorch's rank 0 opens its
+/// store), not the driver's host.
+#[test]
+#[ignore = "needs the test hosts"]
+fn rank_zero_away_from_the_driver_is_reachable_at_master_addr() {
+    let cfg = ssh_config();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/rank0_reachable.py");
+    let script = script.to_string_lossy().into_owned();
+    let out = kolo_in_h1(&["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "--", "python3", &script]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("rank 0 on h2 served 3 ranks at 10.77.0.12:"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("reached rank 0 at 10.77.0.12:")).count(), 3, "{text}");
+    assert_nothing_left();
+}

@@ -181,7 +181,10 @@ pub(crate) async fn read_worker(
         };
         match message {
             ToDriver::CommandStarted { pid } => link.command_started(pid),
-            ToDriver::Heartbeat | ToDriver::ProbeReady { .. } | ToDriver::ProbeResult { .. } => {}
+            ToDriver::Heartbeat
+            | ToDriver::ProbeReady { .. }
+            | ToDriver::ProbeResult { .. }
+            | ToDriver::PortsReserved { .. } => {}
             ToDriver::Output { stderr, data } => {
                 if data.len() > MAX_OUTPUT_CHUNK {
                     break format!("it sent {} bytes of output at once, over the limit", data.len());

@@ -135,13 +135,18 @@ impl Executor {
             }
         };
         self.nic_report = report;
+        // torch's store and JAX's coordinator live with rank 0, wherever it
+        // runs: its address on the shared interface and ports free there
+        let deadline = Instant::now() + settings.start_timeout;
+        let (master_addr, ports) = rank0_ports(&plan, &mut hellos, &nics, deadline).await?;
         let job = JobEnv {
             rendezvous_addr: server.addr().ip().to_string(),
             rendezvous_port: server.addr().port(),
             ifaces: nics,
             timeout_s: settings.start_timeout.as_secs().max(1),
-            master_addr: driver_ip.to_string(),
-            master_port: free_port(driver_ip)?,
+            master_addr,
+            master_port: ports[0],
+            jax_coordinator_port: ports[1],
             elastic: false,
             job_id: random_hex(8),
         };
@@ -510,8 +515,33 @@ async fn detect_nics(
     Ok((common, pairs))
 }
 
-fn free_port(ip: std::net::IpAddr) -> Result<u16, ExecError> {
-    let io = |source| ExecError::Io { what: "finding a free port".into(), source };
-    let listener = std::net::TcpListener::bind(SocketAddr::new(ip, 0)).map_err(io)?;
-    Ok(listener.local_addr().map_err(io)?.port())
+/// Rank 0's address on the first shared interface (loopback when the job
+/// stays on one host or no shared interface has an address there) and two
+/// ports free on its host, asked of rank 0's agent.
+async fn rank0_ports(
+    plan: &Plan,
+    hellos: &mut [Hello],
+    nics: &[String],
+    deadline: Instant,
+) -> Result<(String, [u16; 2]), ExecError> {
+    let host = plan.workers[0].host.hostname.clone();
+    let ask = proto::encode(&ToWorker::ReservePorts { count: 2 })
+        .map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
+    let stream = &mut hellos[0].stream;
+    stream.write_all(&ask).await.map_err(|e| ExecError::Nics(format!("host {host}: {e}")))?;
+    let (ports, interfaces) = await_reply(stream, deadline, "port reservation", &host, |m| match m {
+        ToDriver::PortsReserved { ports, interfaces } => Some((ports, interfaces)),
+        _ => None,
+    })
+    .await?;
+    let [a, b] = ports[..] else {
+        return Err(ExecError::Nics(format!("host {host} found no free ports for rank 0")));
+    };
+    let multi_node = plan.node_representatives().len() > 1;
+    let address = nics
+        .iter()
+        .filter(|_| multi_node)
+        .find_map(|nic| interfaces.iter().find(|(name, _)| name == nic).and_then(|(_, addrs)| addrs.first().cloned()))
+        .unwrap_or_else(|| "127.0.0.1".to_string());
+    Ok((address, [a, b]))
 }

@@ -405,6 +405,13 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
                 ToDriver::ProbeReady { port: 0, interfaces: Vec::new() }
             }
         },
+        ToWorker::ReservePorts { count } => {
+            // bound together so they differ, released for the frameworks
+            let listeners: Vec<std::net::TcpListener> =
+                (0..count).filter_map(|_| std::net::TcpListener::bind("0.0.0.0:0").ok()).collect();
+            let ports = listeners.iter().filter_map(|l| l.local_addr().ok()).map(|a| a.port()).collect();
+            ToDriver::PortsReserved { ports, interfaces: crate::nics::interfaces() }
+        }
         ToWorker::Probe { index, targets, timeout_ms } => ToDriver::ProbeResult {
             results: crate::nics::probe(index, &targets, &agent.secret, Duration::from_millis(timeout_ms)),
         },
