@@ -4,7 +4,7 @@
 //! silent workers lost.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,7 +13,6 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
 use super::WorkerInfo;
-use crate::guard::Guard;
 use crate::output::{Chunk, Stream};
 use crate::policy::{Cause, Liveness};
 use crate::proto::{self, ToDriver, ToWorker};
@@ -51,20 +50,10 @@ pub(crate) struct Link {
     /// The reader waits for room in the output queue: the driver is not
     /// listening to this worker, so its silence means nothing.
     held_back: AtomicBool,
-    /// On the driver's host: the janitor that also guards the command, and
-    /// the command's process group (0 until it started).
-    command_janitor: Option<std::sync::Weak<Guard>>,
-    command_group: AtomicU32,
-    kill_grace: Duration,
 }
 
 impl Link {
-    pub fn new(
-        info: WorkerInfo,
-        writer: OwnedWriteHalf,
-        command_janitor: Option<std::sync::Weak<Guard>>,
-        kill_grace: Duration,
-    ) -> Link {
+    pub fn new(info: WorkerInfo, writer: OwnedWriteHalf) -> Link {
         Link {
             info,
             writer: tokio::sync::Mutex::new(writer),
@@ -74,24 +63,6 @@ impl Link {
             last_heard_ms: AtomicU64::new(0),
             epoch: std::time::Instant::now(),
             held_back: AtomicBool::new(false),
-            command_janitor,
-            command_group: AtomicU32::new(0),
-            kill_grace,
-        }
-    }
-
-    /// The command's process group, once it started, when the driver guards it.
-    pub fn guarded_group(&self) -> Option<u32> {
-        self.command_janitor.as_ref()?;
-        Some(self.command_group.load(Ordering::Relaxed)).filter(|&g| g != 0)
-    }
-
-    fn command_started(&self, pid: u32) {
-        if let Some(janitor) = &self.command_janitor {
-            self.command_group.store(pid, Ordering::Relaxed);
-            if let Some(janitor) = janitor.upgrade() {
-                let _ = janitor.watch_group(pid);
-            }
         }
     }
 
@@ -139,11 +110,6 @@ impl Link {
         }
         *lost = Some(reason.to_string());
         drop(lost);
-        // a lost agent on this host cannot end its command: the driver does
-        if let Some(group) = self.guarded_group() {
-            let grace = self.kill_grace;
-            std::thread::spawn(move || crate::process::stop_group(group, grace));
-        }
         let message = format!("worker {} was lost: {reason}", self.describe());
         for (_, tx) in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = tx.send(Err(CallError::Lost(reason.to_string())));
@@ -180,8 +146,8 @@ pub(crate) async fn read_worker(
             Err(e) => break format!("it sent an unreadable message: {e}"),
         };
         match message {
-            ToDriver::CommandStarted { pid } => link.command_started(pid),
             ToDriver::Heartbeat
+            | ToDriver::CommandStarted { .. }
             | ToDriver::ProbeReady { .. }
             | ToDriver::ProbeResult { .. }
             | ToDriver::PortsReserved { .. } => {}

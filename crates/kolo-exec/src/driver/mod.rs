@@ -240,7 +240,7 @@ impl Executor {
     /// writes out the workers' last output.
     pub async fn shutdown(&mut self) {
         let Some(mut running) = self.running.take() else {
-            self.stop_engine(&[]).await;
+            self.stop_engine().await;
             return;
         };
         running.stopping.store(true, Ordering::Relaxed);
@@ -255,17 +255,15 @@ impl Executor {
         if tokio::time::timeout(limit, drain).await.is_err() {
             running.readers.abort_all();
         }
-        let groups: Vec<u32> = running.links.iter().filter_map(|l| l.guarded_group()).collect();
-        self.stop_engine(&groups).await;
+        self.stop_engine().await;
         drop(running.links);
         running.server.stop().await;
         running.output.finish().await;
     }
 
     /// Kills what is left of the workers, waits for them briefly, and lets
-    /// the janitor go when nothing is left for it (else it ends the rest
-    /// once this process is gone: `groups` are commands it guards).
-    async fn stop_engine(&mut self, groups: &[u32]) {
+    /// the janitor go (nothing is left for it).
+    async fn stop_engine(&mut self) {
         if let Some(engine) = self.engine() {
             engine.kill_all();
         }
@@ -276,9 +274,7 @@ impl Executor {
         if let Some(janitor) = self.janitor.take() {
             // the engine's resources go with the engine (scancel, files):
             // drop it first, then the janitor has nothing to do
-            let done =
-                self.engine().is_none_or(|e| e.all_exited()) && !groups.iter().any(|&g| crate::process::group_alive(g));
-            if let (true, Ok(janitor)) = (done, Arc::try_unwrap(janitor)) {
+            if let (true, Ok(janitor)) = (self.engine().is_none_or(|e| e.all_exited()), Arc::try_unwrap(janitor)) {
                 Guard::reap(janitor.release());
             }
         }

@@ -61,7 +61,7 @@ impl Executor {
                 Ok(())
             }
             Err(e) => {
-                self.stop_engine(&[]).await;
+                self.stop_engine().await;
                 Err(e)
             }
         }
@@ -72,9 +72,6 @@ impl Executor {
         // 1. the plan (asks the engine for hosts the first time)
         let plan = self.plan().await?.clone();
         let n = plan.len();
-        let local = self.engine.as_ref().is_some_and(|e| e.on_driver_host());
-        // agents elsewhere guard their commands themselves
-        let agent_guards = command && !local;
         check_descriptors(n)?;
         // 2. workers, told where to dial back
         let driver_ip = self.with_engine_blocking(|engine| Ok(engine.driver_addr())).await?;
@@ -99,7 +96,7 @@ impl Executor {
                     (worker::env::INDEX.into(), index.to_string()),
                 ]
                 .into_iter()
-                .chain(agent_guards.then(|| (worker::env::GUARD.to_string(), "1".to_string())))
+                .chain(command.then(|| (worker::env::GUARD.to_string(), "1".to_string())))
                 .collect(),
                 host: w.host.clone(),
                 program: program.clone(),
@@ -110,8 +107,6 @@ impl Executor {
         let janitor = Guard::spawn(GuardOptions { grace: settings.kill_grace + Duration::from_secs(1), silence: None })
             .map_err(|source| ExecError::Io { what: "starting the janitor process".into(), source })?;
         let janitor = self.janitor.insert(Arc::new(janitor)).clone();
-        // on this host, the janitor also guards the ranks' commands
-        let command_janitor = local.then(|| Arc::downgrade(&janitor));
         self.with_engine_blocking(move |engine| engine.spawn(launches, &janitor)).await?;
         tracing::debug!(workers = n, %control, "workers spawned");
 
@@ -168,7 +163,7 @@ impl Executor {
                 env: plan.env(rank, &job, extra_env, |name| std::env::var(name).ok()),
             };
             let (reader, writer) = hello.stream.into_split();
-            let link = Arc::new(Link::new(info, writer, command_janitor.clone(), settings.kill_grace));
+            let link = Arc::new(Link::new(info, writer));
             let reading =
                 readers.spawn(read_worker(link.clone(), reader, output.queue(), event_tx.clone(), stopping.clone()));
             background.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));

@@ -54,10 +54,6 @@ impl Engine for LocalEngine {
         vec!["lo".into()]
     }
 
-    fn on_driver_host(&self) -> bool {
-        true
-    }
-
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         for w in workers {
             let mut command = Command::new(&w.program);

@@ -46,12 +46,6 @@ pub trait Engine: Send {
     fn driver_addr(&self) -> IpAddr;
     /// Interfaces the workers share when nothing better is known.
     fn default_nics(&self) -> Vec<String>;
-    /// Whether every worker runs on the driver's own host. Then the driver
-    /// (and its janitor, if the driver is killed) ends the workers'
-    /// commands itself; elsewhere each agent forks a guard for that.
-    fn on_driver_host(&self) -> bool {
-        false
-    }
     /// Starts the worker processes; whatever must not outlive the driver
     /// (process groups, files, an allocation) is registered with `janitor`,
     /// which cleans it up even if the driver is killed.

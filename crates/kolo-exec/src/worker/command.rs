@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
+use crate::guard::{Guard, GuardOptions};
 use crate::proto::ToDriver;
 
 use super::{pump, Agent};
@@ -22,18 +23,20 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         let _ = agent.send(&ToDriver::CommandStartFailed { message: "empty command".into(), code: 127 });
         return;
     };
-    // the guard, when this agent has one (engines whose workers run on
-    // other hosts than the driver's): from the moment the command exists,
-    // something outside this process knows to end it. It waits out twice
-    // the heartbeat timeout: the driver notices a stopped agent first and
-    // says so; the guard is for when nobody else is left to act. On the
-    // driver's own host, the driver and its janitor end the command.
+    // the guard first: from the moment the command exists, something
+    // outside this process knows to end it. It waits out twice the
+    // heartbeat timeout: the driver notices a stopped agent first and says
+    // so; the guard is for when nobody else is left to act
     let silence = Some(agent.heartbeat_timeout * 2);
     let early = agent.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
-    let guard = match early.map(|guard| guard.arm(agent.kill_grace, silence).map(|()| guard)).transpose() {
+    let guard = match early {
+        Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| guard),
+        None => Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }).map(Arc::new),
+    };
+    let guard = match guard {
         Ok(guard) => guard,
         Err(e) => {
-            let message = format!("cannot arm the guard process: {e}");
+            let message = format!("cannot start the guard process: {e}");
             let _ = agent.send(&ToDriver::CommandStartFailed { message, code: 126 });
             return;
         }
@@ -48,25 +51,24 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     }
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
     command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    if let Some(guard_pipe) = guard.as_ref().and_then(|g| g.pipe_fd()) {
-        // SAFETY: the hook runs between fork and exec and only calls getpid
-        // and write (async-signal-safe): the child registers its own group
-        // with the guard before the program starts, so there is no moment
-        // when a killed agent leaves an unguarded command
-        unsafe {
-            command.pre_exec(move || {
-                let pid = libc::getpid() as u32;
-                let mut record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
-                record[3..].copy_from_slice(&pid.to_be_bytes());
-                libc::write(guard_pipe, record.as_ptr().cast(), record.len());
-                Ok(())
-            });
-        }
+    let guard_pipe = guard.pipe_fd().unwrap_or(-1);
+    // SAFETY: the hook runs between fork and exec and only calls getpid and
+    // write (async-signal-safe): the child registers its own group with
+    // the guard before the program starts, so there is no moment when a
+    // killed agent leaves an unguarded command
+    unsafe {
+        command.pre_exec(move || {
+            let pid = libc::getpid() as u32;
+            let mut record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
+            record[3..].copy_from_slice(&pid.to_be_bytes());
+            libc::write(guard_pipe, record.as_ptr().cast(), record.len());
+            Ok(())
+        });
     }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
-            if let Some(guard) = guard.and_then(|g| Arc::try_unwrap(g).ok()) {
+            if let Ok(guard) = Arc::try_unwrap(guard) {
                 guard.release();
             }
             let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
@@ -75,10 +77,10 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             return;
         }
     };
-    if let Some(guard) = &guard {
+    {
         // beats from a thread of their own: they stop only when this whole
         // process is stopped or hung, never when the driver is slow
-        let (guard, interval) = (Arc::downgrade(guard), agent.heartbeat_interval);
+        let (guard, interval) = (Arc::downgrade(&guard), agent.heartbeat_interval);
         let _ = std::thread::Builder::new().name("kolo-guard-beat".into()).spawn(move || {
             while guard.upgrade().is_some_and(|g| g.beat().is_ok()) {
                 std::thread::sleep(interval);

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use crate::guard::Guard;
-use crate::process::{signal_group, stop_group};
+use crate::process::{group_alive, signal_group};
 use crate::proto::{
     self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
 };
@@ -40,9 +40,8 @@ pub mod env {
     pub const INDEX_FROM_SLURM: &str = "SLURM_PROCID";
     /// Set when the secret comes on the first line of stdin instead.
     pub const SECRET_ON_STDIN: &str = "KOLO_WORKER_SECRET_ON_STDIN";
-    /// Set for command jobs on other hosts than the driver's: the agent
-    /// forks its guard first thing, while it is still one small thread
-    /// (the cheapest fork there is).
+    /// Set for command jobs: the agent forks its guard first thing, while
+    /// it is still one small thread (the cheapest fork there is).
     pub const GUARD: &str = "KOLO_WORKER_GUARD";
 }
 
@@ -85,7 +84,7 @@ struct Agent {
 /// A started command: its process group and the guard watching over it.
 struct Running {
     group: u32,
-    guard: Option<Arc<Guard>>,
+    guard: Arc<Guard>,
 }
 
 /// The agent's own stdout/stderr, redirected into pipes that are forwarded.
@@ -116,7 +115,7 @@ impl Agent {
         if let Some(running) = self.command.lock().unwrap_or_else(|p| p.into_inner()).take() {
             stop_group(running.group, grace);
             // the group is gone: the guard has nothing left to do
-            if let Some(guard) = running.guard.and_then(|g| Arc::try_unwrap(g).ok()) {
+            if let Ok(guard) = Arc::try_unwrap(running.guard) {
                 guard.release();
             }
         }
@@ -134,6 +133,18 @@ impl Agent {
         }
         std::process::exit(code)
     }
+}
+
+/// SIGTERM to the group, SIGKILL to what is left of it after `grace`.
+fn stop_group(group: u32, grace: Duration) {
+    if !signal_group(group, Signal::SIGTERM) {
+        return;
+    }
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline && group_alive(group) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    signal_group(group, Signal::SIGKILL);
 }
 
 fn connect(driver: &str) -> io::Result<TcpStream> {
