@@ -244,13 +244,19 @@ pub fn control_tag(
     kolo_auth::tag(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce)
 }
 
-/// Constant-time comparison of two tags.
-pub fn tags_match(a: &Tag, b: &Tag) -> bool {
-    subtle::ConstantTimeEq::ct_eq(&a[..], &b[..]).into()
-}
-
-pub fn random_nonce() -> Nonce {
-    kolo_auth::nonce()
+/// Whether `claimed` is `role`'s control proof (compared in constant time
+/// by kolo-auth).
+pub fn control_verifies(
+    secret: &Secret,
+    role: Role,
+    nonces: (&Nonce, &Nonce),
+    version: u32,
+    index: u32,
+    body: &[u8],
+    claimed: &Tag,
+) -> bool {
+    let (driver_nonce, worker_nonce) = nonces;
+    kolo_auth::verify(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce, claimed)
 }
 
 pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
@@ -339,16 +345,16 @@ mod tests {
     fn tags_depend_on_secret_role_and_nonces() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
         let (s, x) = (Secret::new("s").unwrap(), Secret::new("x").unwrap());
-        let worker = |s: &Secret, n: (&Nonce, &Nonce), version, index, body: &[u8]| {
-            control_tag(s, Role::Dialer, n, version, index, body)
+        let t = control_tag(&s, Role::Dialer, (&a, &b), 2, 0, b"body");
+        let dialer = |s: &Secret, n: (&Nonce, &Nonce), version, index, body: &[u8]| {
+            control_verifies(s, Role::Dialer, n, version, index, body, &t)
         };
-        let t = worker(&s, (&a, &b), 2, 0, b"body");
-        assert!(tags_match(&t, &worker(&s, (&a, &b), 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker(&x, (&a, &b), 2, 0, b"body")));
-        assert!(!tags_match(&t, &control_tag(&s, Role::Listener, (&a, &b), 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker(&s, (&b, &a), 2, 0, b"body")));
-        assert!(!tags_match(&t, &worker(&s, (&a, &b), 3, 0, b"body")));
-        assert!(!tags_match(&t, &worker(&s, (&a, &b), 2, 1, b"body")));
-        assert!(!tags_match(&t, &worker(&s, (&a, &b), 2, 0, b"bodz")));
+        assert!(dialer(&s, (&a, &b), 2, 0, b"body"));
+        assert!(!dialer(&x, (&a, &b), 2, 0, b"body"));
+        assert!(!control_verifies(&s, Role::Listener, (&a, &b), 2, 0, b"body", &t));
+        assert!(!dialer(&s, (&b, &a), 2, 0, b"body"));
+        assert!(!dialer(&s, (&a, &b), 3, 0, b"body"));
+        assert!(!dialer(&s, (&a, &b), 2, 1, b"body"));
+        assert!(!dialer(&s, (&a, &b), 2, 0, b"bodz"));
     }
 }

@@ -363,7 +363,7 @@ async fn handshake(
 ) -> Result<Hello, Refusal> {
     let quiet = |why: String| Refusal::Quiet(why);
     stream.set_nodelay(true).map_err(|e| quiet(e.to_string()))?;
-    let nonce = proto::random_nonce();
+    let nonce = kolo_auth::nonce();
     let challenge = Challenge { magic: MAGIC, version: PROTOCOL_VERSION, nonce };
     stream.write_all(&challenge.frame()).await.map_err(|e| quiet(e.to_string()))?;
     let frame = proto::read_frame_async(&mut stream, proto::MAX_PREAUTH_FRAME)
@@ -374,8 +374,7 @@ async fn handshake(
         return Err(Refusal::Logged("not a kolo worker".into()));
     }
     let nonces = (&nonce, &header.nonce);
-    let expected = proto::control_tag(secret, proto::Role::Dialer, nonces, header.version, header.index, body);
-    if !proto::tags_match(&header.tag, &expected) {
+    if !proto::control_verifies(secret, proto::Role::Dialer, nonces, header.version, header.index, body, &header.tag) {
         return Err(Refusal::Logged(format!(
             "a peer claiming to be worker {} does not know the job secret",
             header.index

@@ -245,7 +245,7 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> 
     if challenge.magic != MAGIC {
         return Err("not a kolo driver".into());
     }
-    let nonce = proto::random_nonce();
+    let nonce = kolo_auth::nonce();
     let body = HelloBody {
         hostname: real_hostname(),
         pid: std::process::id(),
@@ -278,8 +278,7 @@ fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> 
         .map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
     let nonces = (&challenge.nonce, &nonce);
-    let expected = proto::control_tag(secret, proto::Role::Listener, nonces, PROTOCOL_VERSION, index, &body);
-    if !proto::tags_match(&welcome.tag, &expected) {
+    if !proto::control_verifies(secret, proto::Role::Listener, nonces, PROTOCOL_VERSION, index, &body, &welcome.tag) {
         return Err("the driver could not prove it knows the job secret".into());
     }
     Ok(welcome)
