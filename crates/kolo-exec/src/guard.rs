@@ -50,6 +50,17 @@ pub struct Guard {
     pid: libc::pid_t,
 }
 
+/// Registers process groups with a guard from elsewhere than its owner.
+pub(crate) struct GroupWriter(OwnedFd);
+
+impl GroupWriter {
+    pub fn watch_group(&self, pgid: u32) -> io::Result<()> {
+        let mut record = [GROUP, 0, 4, 0, 0, 0, 0];
+        record[3..].copy_from_slice(&pgid.to_be_bytes());
+        write_all(self.0.as_raw_fd(), &record)
+    }
+}
+
 /// The guard's memory, allocated before the fork.
 struct State {
     grace_ms: i64,
@@ -173,6 +184,14 @@ impl Guard {
     /// and exec.
     pub(crate) fn pipe_fd(&self) -> Option<std::os::fd::RawFd> {
         self.pipe.as_ref().map(|p| p.as_raw_fd())
+    }
+
+    /// A second writer of group records, for another thread to register
+    /// groups while this guard lives (records are too small to interleave).
+    pub(crate) fn group_writer(&self) -> io::Result<GroupWriter> {
+        use std::os::fd::AsFd;
+        let pipe = self.pipe.as_ref().ok_or_else(|| io::Error::other("the guard was released"))?;
+        Ok(GroupWriter(pipe.as_fd().try_clone_to_owned()?))
     }
 
     /// Waits for a released guard to exit.

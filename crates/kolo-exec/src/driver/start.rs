@@ -85,6 +85,8 @@ impl Executor {
             None => std::env::current_exe()
                 .map_err(|source| ExecError::Io { what: "finding this program".into(), source })?,
         };
+        // agents guard their commands themselves where the engine does not
+        let agent_guards = command && !self.engine().is_some_and(|e| e.guards_commands());
         let launches: Vec<WorkerLaunch> = plan
             .workers
             .iter()
@@ -96,12 +98,13 @@ impl Executor {
                     (worker::env::INDEX.into(), index.to_string()),
                 ]
                 .into_iter()
-                .chain(command.then(|| (worker::env::GUARD.to_string(), "1".to_string())))
+                .chain(agent_guards.then(|| (worker::env::GUARD.to_string(), "1".to_string())))
                 .collect(),
                 host: w.host.clone(),
                 program: program.clone(),
                 args: Vec::new(),
                 secret: settings.secret().to_string(),
+                kill_grace: settings.kill_grace,
             })
             .collect();
         let janitor = Guard::spawn(GuardOptions { grace: settings.kill_grace + Duration::from_secs(1), silence: None })

@@ -1,9 +1,13 @@
 //! The local engine: worker processes on this machine.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::net::IpAddr;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kolo_topology::{HostResources, HostSpec};
@@ -11,7 +15,8 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::{Engine, WorkerLaunch};
-use crate::guard::Guard;
+use crate::guard::{GroupWriter, Guard};
+use crate::process;
 use crate::{worker, ExecError};
 
 /// Processes on this machine. Every host of its list is a node here: hosts
@@ -20,6 +25,9 @@ use crate::{worker, ExecError};
 pub struct LocalEngine {
     hosts: Vec<HostSpec>,
     children: Vec<(u32, Child)>,
+    /// Threads still watching or ending commands (`CommandWatch`): the
+    /// workers are not all gone before they are done.
+    watching: Arc<AtomicUsize>,
 }
 
 impl LocalEngine {
@@ -33,7 +41,7 @@ impl LocalEngine {
 
     /// Simulated nodes: each host's slots are its CPUs, `gpus=N` its GPU ids 0..N.
     pub fn with_hosts(hosts: Vec<HostSpec>) -> Self {
-        LocalEngine { hosts, children: Vec::new() }
+        LocalEngine { hosts, children: Vec::new(), watching: Arc::new(AtomicUsize::new(0)) }
     }
 }
 
@@ -55,6 +63,8 @@ impl Engine for LocalEngine {
     }
 
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
+        let mut registries = Vec::with_capacity(workers.len());
+        let grace = workers.first().map_or(Duration::ZERO, |w| w.kill_grace);
         for w in workers {
             let mut command = Command::new(&w.program);
             command.args(&w.args);
@@ -64,10 +74,11 @@ impl Engine for LocalEngine {
                 }
             }
             command.envs(w.env.iter().map(|(k, v)| (k, v)));
-            command.env(worker::env::SECRET_ON_STDIN, "1");
+            command.env(worker::env::SECRET_ON_STDIN, "1").env(worker::env::GROUPS_ON_STDOUT, "1");
             // the worker's own output goes to the driver over the protocol;
-            // what it prints before that (a crash at start) reaches our stderr
-            command.stdin(Stdio::piped()).stdout(Stdio::null()).stderr(Stdio::inherit());
+            // what it prints before that (a crash at start) reaches our
+            // stderr; its stdout carries its command's process group
+            command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
             command.process_group(0);
             let mut child = command.spawn().map_err(|source| ExecError::Io {
                 what: format!("starting worker {} ({})", w.index, w.program.display()),
@@ -79,9 +90,22 @@ impl Engine for LocalEngine {
                 let _ = writeln!(stdin, "{}", w.secret);
             }
             let _ = janitor.watch_group(child.id());
+            if let Some(stdout) = child.stdout.take() {
+                registries.push(OwnedFd::from(stdout));
+            }
             self.children.push((w.index, child));
         }
+        let watch =
+            CommandWatch { registries, janitor: janitor.group_writer().ok(), grace, busy: Busy::enter(&self.watching) };
+        std::thread::Builder::new()
+            .name("kolo-command-watch".into())
+            .spawn(move || watch.run())
+            .map_err(|source| ExecError::Io { what: "starting the command watcher".into(), source })?;
         Ok(())
+    }
+
+    fn guards_commands(&self) -> bool {
+        true
     }
 
     fn exited(&mut self) -> Vec<(u32, String)> {
@@ -96,12 +120,106 @@ impl Engine for LocalEngine {
 
     fn all_exited(&mut self) -> bool {
         self.children.iter_mut().all(|(_, child)| matches!(child.try_wait(), Ok(Some(_))))
+            && self.watching.load(Ordering::Acquire) == 0
     }
 
     fn kill_all(&mut self) {
         for (_, child) in &mut self.children {
             if matches!(child.try_wait(), Ok(None)) {
                 let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+/// Ends the commands of agents that die: each agent's command registers
+/// its process group on the agent's stdout before it runs (and the agent
+/// says when the group is gone; `worker::group_record`), so when an agent's stdout closes with a
+/// group still registered, the agent died (or was killed, stopped) without
+/// ending it, and this does. The janitor learns the groups too, for when
+/// the driver itself is killed.
+struct CommandWatch {
+    registries: Vec<OwnedFd>,
+    janitor: Option<GroupWriter>,
+    grace: Duration,
+    busy: Busy,
+}
+
+/// Counts a thread as busy while it lives.
+struct Busy(Arc<AtomicUsize>);
+
+impl Busy {
+    fn enter(count: &Arc<AtomicUsize>) -> Busy {
+        count.fetch_add(1, Ordering::AcqRel);
+        Busy(count.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl CommandWatch {
+    fn run(self) {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut open: Vec<(OwnedFd, Vec<u8>, HashSet<u32>, bool)> =
+            self.registries.into_iter().map(|fd| (fd, Vec::new(), HashSet::new(), true)).collect();
+        while !open.is_empty() {
+            let ready: Vec<bool> = {
+                let mut fds: Vec<PollFd> =
+                    open.iter().map(|(fd, ..)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)).collect();
+                if let Err(e) = poll(&mut fds, PollTimeout::NONE) {
+                    if e == nix::errno::Errno::EINTR {
+                        continue;
+                    }
+                    return;
+                }
+                fds.iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect()
+            };
+            let mut closed = Vec::new();
+            for (at, (fd, pending, groups, trusted)) in open.iter_mut().enumerate().filter(|(at, _)| ready[*at]) {
+                let mut buf = [0u8; 512];
+                match nix::unistd::read(fd.as_fd(), &mut buf) {
+                    Ok(0) | Err(_) => closed.push(at),
+                    Ok(n) => {
+                        pending.extend_from_slice(&buf[..n]);
+                        let whole = pending.len() / 8 * 8;
+                        for record in pending[..whole].chunks(8) {
+                            if record[..4] != worker::GROUP_TAG {
+                                // not an agent's record: trust nothing more from it
+                                *trusted = false;
+                            }
+                            if !*trusted {
+                                break;
+                            }
+                            let group = u32::from_be_bytes([record[4], record[5], record[6], record[7]]);
+                            if group & worker::GROUP_GONE != 0 {
+                                groups.remove(&(group & !worker::GROUP_GONE));
+                            } else if group > 1 && groups.len() < 64 {
+                                groups.insert(group);
+                                if let Some(janitor) = &self.janitor {
+                                    let _ = janitor.watch_group(group);
+                                }
+                            }
+                        }
+                        pending.drain(..whole);
+                        if !*trusted {
+                            pending.clear();
+                        }
+                    }
+                }
+            }
+            for at in closed.into_iter().rev() {
+                let (_, _, groups, _) = open.swap_remove(at);
+                if !groups.is_empty() {
+                    let (grace, busy) = (self.grace, Busy::enter(&self.busy.0));
+                    std::thread::spawn(move || {
+                        groups.into_iter().for_each(|group| process::stop_group(group, grace));
+                        drop(busy);
+                    });
+                }
             }
         }
     }
@@ -114,5 +232,95 @@ impl Drop for LocalEngine {
         for (_, child) in &mut self.children {
             let _ = child.wait();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+    use std::time::Instant;
+
+    /// A process group (a shell and its background sleeper), as a rank's
+    /// command would be.
+    fn command_group() -> Child {
+        let child = Command::new("sh").args(["-c", "sleep 1000 & wait"]).process_group(0).spawn().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while running_members(child.id()) < 2 {
+            assert!(Instant::now() < deadline, "the shell did not start its sleeper");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child
+    }
+
+    fn watch(records: &[u8]) -> (Arc<AtomicUsize>, std::thread::JoinHandle<()>) {
+        let (read, write) = nix::unistd::pipe().unwrap();
+        nix::unistd::write(&write, records).unwrap();
+        // the agent's end closes: it died
+        drop(write);
+        let watching = Arc::new(AtomicUsize::new(0));
+        let watch = CommandWatch {
+            registries: vec![read],
+            janitor: None,
+            grace: Duration::from_secs(1),
+            busy: Busy::enter(&watching),
+        };
+        (watching.clone(), std::thread::spawn(move || watch.run()))
+    }
+
+    /// Processes of the group that still run (a zombie has ended: this
+    /// sandbox's init may not reap the sleeper once its shell is gone).
+    fn running_members(pgid: u32) -> usize {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read_to_string(e.ok()?.path().join("stat")).ok())
+            .filter(|stat| {
+                let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
+                fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string()
+            })
+            .count()
+    }
+
+    fn wait_idle(watching: &AtomicUsize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while watching.load(Ordering::Acquire) != 0 {
+            assert!(Instant::now() < deadline, "the watcher did not finish");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_dead_agents_registered_command_group_is_ended() {
+        let mut group = command_group();
+        let (watching, thread) = watch(&worker::group_record(group.id()));
+        thread.join().unwrap();
+        wait_idle(&watching);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while running_members(group.id()) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let left = running_members(group.id());
+        process::signal_group(group.id(), Signal::SIGKILL);
+        group.wait().unwrap();
+        assert_eq!(left, 0, "the command's group outlived its agent");
+    }
+
+    #[test]
+    fn a_group_its_agent_reported_gone_and_garbage_are_left_alone() {
+        let (mut gone, mut garbage) = (command_group(), command_group());
+        let mut records = worker::group_record(gone.id()).to_vec();
+        records.extend_from_slice(&worker::group_record(gone.id() | worker::GROUP_GONE));
+        // what a runtime might print on the agent's stdout before the agent runs
+        records.extend_from_slice(format!("hello {}\n", garbage.id()).as_bytes());
+        records.extend_from_slice(&worker::group_record(garbage.id()));
+        let (watching, thread) = watch(&records);
+        thread.join().unwrap();
+        wait_idle(&watching);
+        let alive = (running_members(gone.id()) == 2, running_members(garbage.id()) == 2);
+        for child in [&mut gone, &mut garbage] {
+            process::signal_group(child.id(), Signal::SIGKILL);
+            child.wait().unwrap();
+        }
+        assert_eq!(alive, (true, true), "a group was ended that its agent had not left behind");
     }
 }

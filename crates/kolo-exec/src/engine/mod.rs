@@ -32,6 +32,8 @@ pub struct WorkerLaunch {
     /// The job secret: each engine passes it out of sight of `ps` and of
     /// the environment where it can (stdin), and says so where it cannot.
     pub secret: String,
+    /// Between SIGTERM and SIGKILL when a command must be ended.
+    pub kill_grace: Duration,
 }
 
 /// What an engine does. The driver calls these off its async runtime
@@ -50,6 +52,12 @@ pub trait Engine: Send {
     /// (process groups, files, an allocation) is registered with `janitor`,
     /// which cleans it up even if the driver is killed.
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError>;
+    /// Whether the engine itself ends the command of an agent that dies or
+    /// stops (it learns each command's process group before the command
+    /// runs); agents of other engines fork a guard for that.
+    fn guards_commands(&self) -> bool {
+        false
+    }
     /// Workers whose process ended, with how.
     fn exited(&mut self) -> Vec<(u32, String)>;
     /// Whether every worker process has ended.

@@ -1,11 +1,11 @@
 //! The OS command a worker runs (what `kolo run` starts in every rank): its
-//! own process group, output pumped to the driver, exit reported. A guard
-//! process ends the group if the agent dies or stops, so no rank outlives
-//! its agent.
+//! own process group, output pumped to the driver, exit reported. If the
+//! agent dies or stops, its guard process ends the group, or on the
+//! driver's own host the driver does, so no rank outlives its agent.
 
 use std::fs::File;
 use std::io;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc};
@@ -16,6 +16,14 @@ use crate::proto::ToDriver;
 
 use super::{pump, Agent};
 
+/// How a command registers its group: a guard's record, or the driver's
+/// (`super::group_record`).
+#[derive(Clone, Copy)]
+enum RegistryRecord {
+    Guard,
+    Driver,
+}
+
 pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String, String)]) {
     use std::os::unix::ffi::OsStrExt;
     let args: Vec<&std::ffi::OsStr> = argv.iter().map(|a| std::ffi::OsStr::from_bytes(a)).collect();
@@ -23,15 +31,18 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         let _ = agent.send(&ToDriver::CommandStartFailed { message: "empty command".into(), code: 127 });
         return;
     };
-    // the guard first: from the moment the command exists, something
-    // outside this process knows to end it. It waits out twice the
-    // heartbeat timeout: the driver notices a stopped agent first and says
-    // so; the guard is for when nobody else is left to act
+    // the guard, where this agent has one: from the moment the command
+    // exists, something outside this process knows to end it. It waits out
+    // twice the heartbeat timeout: the driver notices a stopped agent first
+    // and says so; the guard is for when nobody else is left to act. Where
+    // the driver guards commands (its own host), the command registers its
+    // group with the driver instead, also before it runs
     let silence = Some(agent.heartbeat_timeout * 2);
     let early = agent.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
     let guard = match early {
-        Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| guard),
-        None => Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }).map(Arc::new),
+        Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| Some(guard)),
+        None if agent.group_registry.is_some() => Ok(None),
+        None => Guard::spawn(GuardOptions { grace: agent.kill_grace, silence }).map(|g| Some(Arc::new(g))),
     };
     let guard = match guard {
         Ok(guard) => guard,
@@ -51,24 +62,34 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     }
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
     command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
-    let guard_pipe = guard.pipe_fd().unwrap_or(-1);
+    // the child registers its own group, with the guard or the driver,
+    // before the program starts: there is no moment when a killed agent
+    // leaves an unguarded command
+    let (registry_fd, record) = match (&guard, &agent.group_registry) {
+        (Some(guard), _) => (guard.pipe_fd().unwrap_or(-1), RegistryRecord::Guard),
+        (None, Some(registry)) => (registry.as_raw_fd(), RegistryRecord::Driver),
+        (None, None) => (-1, RegistryRecord::Driver),
+    };
     // SAFETY: the hook runs between fork and exec and only calls getpid and
-    // write (async-signal-safe): the child registers its own group with
-    // the guard before the program starts, so there is no moment when a
-    // killed agent leaves an unguarded command
+    // write (async-signal-safe)
     unsafe {
         command.pre_exec(move || {
             let pid = libc::getpid() as u32;
-            let mut record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
-            record[3..].copy_from_slice(&pid.to_be_bytes());
-            libc::write(guard_pipe, record.as_ptr().cast(), record.len());
+            let mut guard_record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
+            guard_record[3..].copy_from_slice(&pid.to_be_bytes());
+            let driver_record = super::group_record(pid);
+            let bytes = match record {
+                RegistryRecord::Guard => &guard_record[..],
+                RegistryRecord::Driver => &driver_record[..],
+            };
+            libc::write(registry_fd, bytes.as_ptr().cast(), bytes.len());
             Ok(())
         });
     }
     let mut child = match command.spawn() {
         Ok(child) => child,
         Err(e) => {
-            if let Ok(guard) = Arc::try_unwrap(guard) {
+            if let Some(guard) = guard.and_then(|g| Arc::try_unwrap(g).ok()) {
                 guard.release();
             }
             let code = if e.kind() == io::ErrorKind::PermissionDenied { 126 } else { 127 };
@@ -77,10 +98,10 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             return;
         }
     };
-    {
+    if let Some(guard) = &guard {
         // beats from a thread of their own: they stop only when this whole
         // process is stopped or hung, never when the driver is slow
-        let (guard, interval) = (Arc::downgrade(&guard), agent.heartbeat_interval);
+        let (guard, interval) = (Arc::downgrade(guard), agent.heartbeat_interval);
         let _ = std::thread::Builder::new().name("kolo-guard-beat".into()).spawn(move || {
             while guard.upgrade().is_some_and(|g| g.beat().is_ok()) {
                 std::thread::sleep(interval);

@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use crate::guard::Guard;
-use crate::process::{group_alive, signal_group};
+use crate::process::{signal_group, stop_group};
 use crate::proto::{
     self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
 };
@@ -43,6 +43,10 @@ pub mod env {
     /// Set for command jobs: the agent forks its guard first thing, while
     /// it is still one small thread (the cheapest fork there is).
     pub const GUARD: &str = "KOLO_WORKER_GUARD";
+    /// Set by an engine that guards commands itself (the local engine):
+    /// the agent's stdout is a pipe to the driver, on which each command
+    /// says "my group is N" before it runs, and the agent "N is gone".
+    pub const GROUPS_ON_STDOUT: &str = "KOLO_WORKER_GROUPS_ON_STDOUT";
 }
 
 /// Serves as a worker and exits if this process was started as one;
@@ -71,6 +75,9 @@ struct Agent {
     command: Mutex<Option<Running>>,
     /// The guard forked at start (command jobs), until a command takes it.
     guard: Mutex<Option<Arc<Guard>>>,
+    /// Where commands register their process groups with the driver
+    /// (`env::GROUPS_ON_STDOUT`).
+    group_registry: Option<OwnedFd>,
     started: Instant,
     last_heard_ms: AtomicU64,
     kill_grace: Duration,
@@ -81,10 +88,25 @@ struct Agent {
     own_output: Mutex<Option<OwnOutput>>,
 }
 
-/// A started command: its process group and the guard watching over it.
+/// A started command: its process group and the guard watching over it
+/// (none where the driver does).
 struct Running {
     group: u32,
-    guard: Arc<Guard>,
+    guard: Option<Arc<Guard>>,
+}
+
+/// Records on the group registry: this tag, then a process group
+/// (big-endian) with `GROUP_GONE` set once the group is gone. The tag keeps
+/// anything else written to the agent's stdout (by a runtime starting up
+/// before the agent) from passing for a record.
+pub(crate) const GROUP_TAG: [u8; 4] = *b"kolo";
+pub(crate) const GROUP_GONE: u32 = 1 << 31;
+
+pub(crate) fn group_record(group: u32) -> [u8; 8] {
+    let mut record = [0u8; 8];
+    record[..4].copy_from_slice(&GROUP_TAG);
+    record[4..].copy_from_slice(&group.to_be_bytes());
+    record
 }
 
 /// The agent's own stdout/stderr, redirected into pipes that are forwarded.
@@ -115,8 +137,11 @@ impl Agent {
         if let Some(running) = self.command.lock().unwrap_or_else(|p| p.into_inner()).take() {
             stop_group(running.group, grace);
             // the group is gone: the guard has nothing left to do
-            if let Ok(guard) = Arc::try_unwrap(running.guard) {
+            if let Some(guard) = running.guard.and_then(|g| Arc::try_unwrap(g).ok()) {
                 guard.release();
+            }
+            if let Some(registry) = &self.group_registry {
+                let _ = nix::unistd::write(registry, &group_record(running.group | GROUP_GONE));
             }
         }
         let _ = io::stdout().flush();
@@ -133,18 +158,6 @@ impl Agent {
         }
         std::process::exit(code)
     }
-}
-
-/// SIGTERM to the group, SIGKILL to what is left of it after `grace`.
-fn stop_group(group: u32, grace: Duration) {
-    if !signal_group(group, Signal::SIGTERM) {
-        return;
-    }
-    let deadline = Instant::now() + grace;
-    while Instant::now() < deadline && group_alive(group) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    signal_group(group, Signal::SIGKILL);
 }
 
 fn connect(driver: &str) -> io::Result<TcpStream> {
@@ -204,12 +217,19 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
 
     let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    // taken before fd 1 is pointed elsewhere; close-on-exec, so a command
+    // holds it only until it runs
+    let group_registry = match std::env::var_os(env::GROUPS_ON_STDOUT) {
+        Some(_) => Some(io::stdout().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?),
+        None => None,
+    };
     let agent = Arc::new(Agent {
         index,
         secret: Arc::new(secret),
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
         command: Mutex::new(None),
         guard: Mutex::new(guard.map(Arc::new)),
+        group_registry,
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
