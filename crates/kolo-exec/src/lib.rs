@@ -57,7 +57,7 @@ mod registry;
 mod settings;
 mod worker;
 
-pub use driver::{CallHandle, Executor, Failure, JobOutcome, WorkerInfo};
+pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, WorkerInfo};
 pub use engine::{
     is_this_machine, Engine, EngineChoice, LocalEngine, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };

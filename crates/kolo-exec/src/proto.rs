@@ -18,7 +18,7 @@ use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Frames larger than this are refused (a task's arguments or result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
@@ -189,6 +189,13 @@ pub enum ToDriver {
     CommandStartFailed {
         message: String,
         code: i32,
+    },
+    /// The command failed and left an error report (PyTorch's error file,
+    /// written by `@record`): the exception and its traceback. Sent before
+    /// `CommandExited`.
+    CommandError {
+        message: String,
+        traceback: String,
     },
     /// The command ended: its exit code, or the signal that killed it.
     CommandExited {

@@ -13,6 +13,9 @@
 //! 408 for a slow body, 503 past the connection cap.
 
 //!
+//! [`TorchStoreServer`] serves the same job's store to PyTorch, in the
+//! wire protocol of c10d's `TCPStore`.
+//!
 //! Features: `server` (the server, on tokio and hyper) and `async-client`
 //! (the async [`Client`], likewise), both default. Without them the crate
 //! is the [`BlockingClient`] over `std::net` alone, for workers that must
@@ -24,6 +27,8 @@ mod client;
 mod config;
 #[cfg(feature = "server")]
 mod server;
+#[cfg(feature = "server")]
+mod torch_store;
 
 pub use blocking::BlockingClient;
 #[cfg(feature = "async-client")]
@@ -31,6 +36,8 @@ pub use client::Client;
 pub use config::ClientConfig;
 #[cfg(feature = "server")]
 pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
+#[cfg(feature = "server")]
+pub use torch_store::{TorchStoreConfig, TorchStoreServer};
 
 /// The header that carries the job secret (the server's, without the server).
 #[cfg(not(feature = "server"))]

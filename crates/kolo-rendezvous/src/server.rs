@@ -340,7 +340,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
 
 /// A burst of failed accepts: logged once when it starts and once when it ends.
 #[derive(Default)]
-struct AcceptFailures {
+pub(crate) struct AcceptFailures {
     count: u64,
     delay: Duration,
 }
@@ -350,7 +350,7 @@ impl AcceptFailures {
     const MAX_DELAY: Duration = Duration::from_millis(100);
 
     /// Counts a failure and says how long to wait before the next accept.
-    fn failed(&mut self, e: &std::io::Error) -> Duration {
+    pub(crate) fn failed(&mut self, e: &std::io::Error) -> Duration {
         if self.count == 0 {
             let errno = e.raw_os_error().map(nix::errno::Errno::from_raw);
             if matches!(errno, Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)) {
@@ -373,7 +373,7 @@ impl AcceptFailures {
         self.delay
     }
 
-    fn recovered(&mut self) {
+    pub(crate) fn recovered(&mut self) {
         if self.count > 0 {
             tracing::info!("rendezvous server accepting again after {} failed accepts", self.count);
             *self = AcceptFailures::default();

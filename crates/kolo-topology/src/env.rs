@@ -19,10 +19,12 @@ pub struct JobEnv {
     pub ifaces: Vec<String>,
     /// Gloo's rendezvous timeout (horovodrun passes its start timeout).
     pub timeout_s: u64,
-    /// torchrun's store address: the host of rank 0 and a port free there.
+    /// torchrun's store: the driver serves it (as torchrun's agent does) at
+    /// an address every rank reaches.
     pub master_addr: String,
     pub master_port: u16,
-    /// JAX's coordinator: rank 0's host and another port free there.
+    /// JAX's coordinator runs in rank 0: its host and a port free there.
+    pub jax_coordinator_addr: String,
     pub jax_coordinator_port: u16,
     pub elastic: bool,
     pub job_id: String,
@@ -39,6 +41,7 @@ impl JobEnv {
             timeout_s: 30,
             master_addr: "127.0.0.1".into(),
             master_port: 0,
+            jax_coordinator_addr: "127.0.0.1".into(),
             jax_coordinator_port: 0,
             elastic: false,
             job_id: "dry-run".into(),
@@ -103,6 +106,8 @@ pub fn rank_env(
     set("TORCHELASTIC_MAX_RESTARTS", "0".into());
     set("MASTER_ADDR", job.master_addr.clone());
     set("MASTER_PORT", job.master_port.to_string());
+    // every rank, rank 0 included, is a client of the store kolo serves
+    set("TORCHELASTIC_USE_AGENT_STORE", "True".into());
     if !job.ifaces.is_empty() {
         // PyTorch's gloo backend takes a comma list, as NCCL does
         set("GLOO_SOCKET_IFNAME", job.ifaces.join(","));
@@ -113,7 +118,7 @@ pub fn rank_env(
         set(OMP_NUM_THREADS, "1".into());
     }
     // JAX's launcher convention (jax.distributed.initialize reads these)
-    set("JAX_COORDINATOR_ADDRESS", join_host_port(&job.master_addr, job.jax_coordinator_port));
+    set("JAX_COORDINATOR_ADDRESS", join_host_port(&job.jax_coordinator_addr, job.jax_coordinator_port));
     set("JAX_NUM_PROCESSES", info.size.to_string());
     set("JAX_PROCESS_ID", info.rank.to_string());
 
@@ -175,8 +180,9 @@ mod tests {
             rendezvous_port: 4000,
             ifaces: vec!["eth0".into(), "eth1".into()],
             timeout_s: 30,
-            master_addr: "10.0.0.2".into(),
+            master_addr: "10.0.0.1".into(),
             master_port: 29500,
+            jax_coordinator_addr: "10.0.0.2".into(),
             jax_coordinator_port: 29501,
             elastic: false,
             job_id: "j".into(),
@@ -218,7 +224,8 @@ mod tests {
         assert_eq!(get("LOCAL_RANK"), Some("1"));
         assert_eq!(get("LOCAL_WORLD_SIZE"), Some("2"));
         assert_eq!(get("GROUP_RANK"), Some("1"));
-        assert_eq!(get("MASTER_ADDR"), Some("10.0.0.2"));
+        assert_eq!(get("MASTER_ADDR"), Some("10.0.0.1"));
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("True"));
         assert_eq!(get("MASTER_PORT"), Some("29500"));
         assert_eq!(get("GROUP_WORLD_SIZE"), Some("2"));
         assert_eq!(get("ROLE_NAME"), Some("default"));

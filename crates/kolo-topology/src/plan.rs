@@ -87,6 +87,20 @@ impl Plan {
     ) -> BTreeMap<String, String> {
         let w = &self.workers[rank];
         let mut env = rank_env(&w.ranks, &w.host.node_id, job, w.visible_devices.as_deref());
+        if let Some(visible) = &w.visible_devices {
+            // JAX numbers the devices CUDA_VISIBLE_DEVICES shows: this
+            // worker's GPUs are their positions in that list
+            let shown: Vec<&str> = visible.split(',').collect();
+            let own: Vec<String> = w
+                .gpus
+                .iter()
+                .filter_map(|g| shown.iter().position(|s| *s == g.to_string()))
+                .map(|p| p.to_string())
+                .collect();
+            if !own.is_empty() {
+                env.insert("JAX_LOCAL_DEVICE_IDS".into(), own.join(","));
+            }
+        }
         crate::caller_defaults(&mut env, caller);
         env.extend(extra.iter().cloned());
         env
@@ -140,6 +154,10 @@ mod tests {
         assert_eq!(plan.env(2, &JobEnv::placeholder(), &[], |_| None)["CUDA_VISIBLE_DEVICES"], "0,1");
         assert!(!plan.env(2, &JobEnv::placeholder(), &[], |_| None).contains_key("OMP_NUM_THREADS"));
         assert_eq!(plan.workers[1].gpus, [2, 3]);
+        assert_eq!(
+            plan.env(1, &JobEnv::placeholder(), &[], |_| None).get("JAX_LOCAL_DEVICE_IDS").map(String::as_str),
+            Some("2,3")
+        );
         assert_eq!(plan.node_representatives(), [0, 2]);
     }
 

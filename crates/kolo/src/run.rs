@@ -20,7 +20,14 @@ pub async fn run(args: RunArgs) -> Result<i32> {
     let outcome = run_job(spec, stop_signal()).await?;
     if let Some(f) = &outcome.failure {
         tell(&format!("kolo: rank {} on host {} {}; it failed first, so the job was stopped", f.rank, f.host, f.cause));
-        if !f.stderr_tail.is_empty() {
+        if let Some(error) = &f.error {
+            // the rank's own account (PyTorch's error file): the traceback
+            // says more than the last lines of stderr
+            tell(&format!("kolo: rank {} raised {}", f.rank, error.message));
+            for line in error.traceback.lines() {
+                tell(&format!("kolo:   {line}"));
+            }
+        } else if !f.stderr_tail.is_empty() {
             tell(&format!("kolo: last lines of rank {}'s stderr:", f.rank));
             for line in &f.stderr_tail {
                 tell(&format!("kolo:   {line}"));

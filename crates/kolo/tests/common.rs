@@ -76,3 +76,24 @@ pub fn pids_in(dir: &Path) -> Vec<i32> {
     }
     pids
 }
+
+/// The Python that has `module` (PyTorch's `torch`, `jax`): `KOLO_TEST_PYTHON`
+/// or `python3`. Without it the test is skipped with a line saying so,
+/// unless `KOLO_REQUIRE_FRAMEWORKS` is set (CI installs them), where that
+/// is a failure.
+pub fn python_with(module: &str) -> Option<String> {
+    let python = std::env::var("KOLO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let found = Command::new(&python).args(["-c", &format!("import {module}")]).output();
+    if found.is_ok_and(|o| o.status.success()) {
+        return Some(python);
+    }
+    let why = format!("{python} cannot import {module} (set KOLO_TEST_PYTHON; .ci/run installs it)");
+    assert!(std::env::var_os("KOLO_REQUIRE_FRAMEWORKS").is_none(), "{why}");
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// A file of this repository, by its path from the root.
+pub fn repo_file(path: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path).to_string_lossy().into_owned()
+}

@@ -405,11 +405,11 @@ fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
 }
 
 /// Launched from h1 onto h2 and h3: rank 0 is on h2, and every rank must
-/// reach MASTER_ADDR:MASTER_PORT there (where PyTorch's rank 0 opens its
-/// store), not the driver's host.
+/// reach JAX_COORDINATOR_ADDRESS there (where JAX's process 0 opens its
+/// coordinator), not the driver's host.
 #[test]
 #[ignore = "needs the test hosts"]
-fn rank_zero_away_from_the_driver_is_reachable_at_master_addr() {
+fn rank_zero_away_from_the_driver_is_reachable_at_the_jax_coordinator() {
     let cfg = ssh_config();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/rank0_reachable.py");
     let script = script.to_string_lossy().into_owned();
@@ -418,5 +418,42 @@ fn rank_zero_away_from_the_driver_is_reachable_at_master_addr() {
     let text = stdout(&out);
     assert!(text.contains("rank 0 on h2 served 3 ranks at 10.77.0.12:"), "{text}");
     assert_eq!(text.lines().filter(|l| l.contains("reached rank 0 at 10.77.0.12:")).count(), 3, "{text}");
+    assert_nothing_left();
+}
+
+/// PyTorch DDP launched from h1 onto h2 and h3 (rank 0 on h2): every rank,
+/// rank 0 included, uses the store kolo serves on h1.
+#[test]
+#[ignore = "needs the test hosts"]
+fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
+    let Some(python) = python_with("torch") else { return };
+    let cfg = ssh_config();
+    let script = repo_file("examples/ddp.py");
+    let out = kolo_in_h1(&["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "--", &python, &script]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("rank 0/4 on h2"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("store 10.77.0.11:")).count(), 4, "{text}");
+    let params: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
+    assert_eq!(params.len(), 1, "{text}");
+    assert_nothing_left();
+}
+
+/// JAX's no-argument initialize across hosts, process 0 on h2.
+#[test]
+#[ignore = "needs the test hosts"]
+fn jax_across_hosts_with_process_zero_away_from_the_driver() {
+    let Some(python) = python_with("jax") else { return };
+    let cfg = ssh_config();
+    let script = repo_file("examples/jax_check.py");
+    let args = ["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "-x", "JAX_PLATFORMS=cpu", "--", &python];
+    let mut args = args.to_vec();
+    args.push(&script);
+    let out = kolo_in_h1(&args);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("process 0/4 on h2"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("gathered [0, 1, 2, 3]")).count(), 4, "{text}");
     assert_nothing_left();
 }

@@ -18,6 +18,8 @@ pub struct Failure {
     pub host: String,
     pub cause: Cause,
     pub stderr_tail: Vec<String>,
+    /// What the rank reported of its exception, where it did (`@record`).
+    pub error: Option<super::link::RankError>,
 }
 
 /// How a command job ended.
@@ -75,6 +77,11 @@ impl Executor {
                     host: running.links[*rank as usize].info.hostname.clone(),
                     cause: cause.clone(),
                     stderr_tail: running.output.stderr_tail(*rank as usize),
+                    error: running.links[*rank as usize]
+                        .command_error
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clone(),
                 })
             }
             None => None,

@@ -50,6 +50,16 @@ pub(crate) struct Link {
     /// The reader waits for room in the output queue: the driver is not
     /// listening to this worker, so its silence means nothing.
     held_back: AtomicBool,
+    /// The exception the command reported before it exited, if any.
+    pub command_error: Mutex<Option<RankError>>,
+}
+
+/// A failed rank's own account of its failure (PyTorch's error file).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankError {
+    /// The exception, as `Type: message`.
+    pub message: String,
+    pub traceback: String,
 }
 
 impl Link {
@@ -63,6 +73,7 @@ impl Link {
             last_heard_ms: AtomicU64::new(0),
             epoch: std::time::Instant::now(),
             held_back: AtomicBool::new(false),
+            command_error: Mutex::new(None),
         }
     }
 
@@ -162,6 +173,9 @@ pub(crate) async fn read_worker(
             }
             ToDriver::CommandStartFailed { message, code } => {
                 let _ = events.send(Ended { rank, cause: Cause::StartFailed { message, code } });
+            }
+            ToDriver::CommandError { message, traceback } => {
+                *link.command_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(RankError { message, traceback });
             }
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;

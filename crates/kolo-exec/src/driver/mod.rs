@@ -17,6 +17,7 @@ mod start;
 
 pub use calls::CallHandle;
 pub use command::{Failure, JobOutcome};
+pub use link::RankError;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -25,7 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kolo_rendezvous::RendezvousServer;
+use kolo_rendezvous::{RendezvousServer, TorchStoreServer};
 use kolo_topology::{HostSpec, Plan, RankInfo, TopologyError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
@@ -57,6 +58,7 @@ pub struct WorkerInfo {
 struct Running {
     links: Vec<Arc<Link>>,
     server: RendezvousServer,
+    torch_store: TorchStoreServer,
     output: OutputWriter,
     events: mpsc::UnboundedReceiver<Ended>,
     /// One reader per worker; they end when the workers' connections do.
@@ -258,6 +260,7 @@ impl Executor {
         self.stop_engine().await;
         drop(running.links);
         running.server.stop().await;
+        running.torch_store.stop().await;
         running.output.finish().await;
     }
 

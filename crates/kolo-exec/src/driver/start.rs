@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kolo_rendezvous::{RendezvousServer, ServerConfig};
+use kolo_rendezvous::{RendezvousServer, ServerConfig, TorchStoreConfig, TorchStoreServer};
 use kolo_topology::{JobEnv, Plan};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -133,18 +133,25 @@ impl Executor {
             }
         };
         self.nic_report = report;
-        // torch's store and JAX's coordinator live with rank 0, wherever it
-        // runs: its address on the shared interface and ports free there
+        // torch's store is the driver's, like torchrun's agent's, open to
+        // the job's hosts only (its protocol has no secret)
+        let mut store_config = TorchStoreConfig::new(SocketAddr::new(driver_ip, 0));
+        let peers = hellos.iter().filter_map(|h| h.stream.peer_addr().ok()).map(|a| a.ip().to_canonical());
+        store_config.allowed_peers = Some(peers.collect());
+        let torch_store = TorchStoreServer::start(store_config).await?;
+        // JAX's coordinator lives in rank 0, wherever it runs: its address
+        // on the shared interface and a port free there
         let deadline = Instant::now() + settings.start_timeout;
-        let (master_addr, ports) = rank0_ports(&plan, &mut hellos, &nics, deadline).await?;
+        let (jax_coordinator_addr, jax_coordinator_port) = rank0_port(&plan, &mut hellos, &nics, deadline).await?;
         let job = JobEnv {
             rendezvous_addr: server.addr().ip().to_string(),
             rendezvous_port: server.addr().port(),
             ifaces: nics,
             timeout_s: settings.start_timeout.as_secs().max(1),
-            master_addr,
-            master_port: ports[0],
-            jax_coordinator_port: ports[1],
+            master_addr: torch_store.addr().ip().to_string(),
+            master_port: torch_store.addr().port(),
+            jax_coordinator_addr,
+            jax_coordinator_port,
             elastic: false,
             job_id: random_hex(8),
         };
@@ -195,7 +202,7 @@ impl Executor {
             vars.push((kolo_topology::ENV_SECRET.into(), settings.secret().to_string()));
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
-        Ok(Running { links, server, output, events, readers, background, stopping })
+        Ok(Running { links, server, torch_store, output, events, readers, background, stopping })
     }
 
     async fn accept_workers(
@@ -513,16 +520,16 @@ async fn detect_nics(
 }
 
 /// Rank 0's address on the first shared interface (loopback when the job
-/// stays on one host or no shared interface has an address there) and two
-/// ports free on its host, asked of rank 0's agent.
-async fn rank0_ports(
+/// stays on one host or no shared interface has an address there) and a
+/// port free on its host, asked of rank 0's agent.
+async fn rank0_port(
     plan: &Plan,
     hellos: &mut [Hello],
     nics: &[String],
     deadline: Instant,
-) -> Result<(String, [u16; 2]), ExecError> {
+) -> Result<(String, u16), ExecError> {
     let host = plan.workers[0].host.hostname.clone();
-    let ask = proto::encode(&ToWorker::ReservePorts { count: 2 })
+    let ask = proto::encode(&ToWorker::ReservePorts { count: 1 })
         .map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
     let stream = &mut hellos[0].stream;
     stream.write_all(&ask).await.map_err(|e| ExecError::Nics(format!("host {host}: {e}")))?;
@@ -531,8 +538,8 @@ async fn rank0_ports(
         _ => None,
     })
     .await?;
-    let [a, b] = ports[..] else {
-        return Err(ExecError::Nics(format!("host {host} found no free ports for rank 0")));
+    let [port] = ports[..] else {
+        return Err(ExecError::Nics(format!("host {host} found no free port for rank 0")));
     };
     let multi_node = plan.node_representatives().len() > 1;
     let address = nics
@@ -540,5 +547,5 @@ async fn rank0_ports(
         .filter(|_| multi_node)
         .find_map(|nic| interfaces.iter().find(|(name, _)| name == nic).and_then(|(_, addrs)| addrs.first().cloned()))
         .unwrap_or_else(|| "127.0.0.1".to_string());
-    Ok((address, [a, b]))
+    Ok((address, port))
 }

@@ -62,6 +62,40 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     }
     command.args(rest).envs(env.iter().map(|(k, v)| (k, v)));
     command.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).process_group(0);
+    // a private directory for what kolo gives the rank: torchrun's error
+    // file (`@record` writes a failing rank's exception there, and the
+    // driver's report shows it) unless the caller chose one, and the
+    // Python hook that lets JAX find the job; gone with the command
+    let rank_dir = {
+        use std::os::unix::fs::PermissionsExt;
+        let private = std::fs::Permissions::from_mode(0o700);
+        tempfile::Builder::new().prefix("kolo-rank-").permissions(private).tempdir().ok()
+    };
+    let lookup = |name: &str| {
+        env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
+    };
+    let mut error_file = false;
+    if let Some(dir) = &rank_dir {
+        if let Some(guard) = &guard {
+            let _ = guard.remove_path(dir.path());
+        }
+        if lookup(ERROR_FILE_VAR).is_none() {
+            error_file = true;
+            command.env(ERROR_FILE_VAR, dir.path().join("error.json"));
+            if let Some(guard) = &guard {
+                let _ = guard.remove_path(&dir.path().join("error.json"));
+            }
+        }
+        if lookup("KOLO_PYTHON_HOOKS").as_deref() != Some("0") {
+            if let Some(hooks) = write_python_hooks(dir.path(), guard.as_deref()) {
+                let path = match lookup("PYTHONPATH").filter(|p| !p.is_empty()) {
+                    Some(rest) => format!("{}:{rest}", hooks.display()),
+                    None => hooks.display().to_string(),
+                };
+                command.env("PYTHONPATH", path);
+            }
+        }
+    }
     // the child registers its own group, with the guard or the driver,
     // before the program starts: there is no moment when a killed agent
     // leaves an unguarded command
@@ -135,6 +169,68 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             Ok(s) => (s.code(), s.signal()),
             Err(_) => (None, None),
         };
+        if code != Some(0) {
+            if let Some((message, traceback)) =
+                rank_dir.as_ref().filter(|_| error_file).and_then(|d| read_error_file(d.path()))
+            {
+                let _ = agent.send(&ToDriver::CommandError { message, traceback });
+            }
+        }
+        drop(rank_dir);
         let _ = agent.send(&ToDriver::CommandExited { code, signal });
     });
+}
+
+/// torchrun's variable naming the file `@record` writes a failure into.
+const ERROR_FILE_VAR: &str = "TORCHELASTIC_ERROR_FILE";
+
+/// The exception and traceback of an error file, each cut to a bound (the
+/// file is the rank's, so it is read with care).
+fn read_error_file(dir: &std::path::Path) -> Option<(String, String)> {
+    use std::io::Read;
+    const MAX_FILE: u64 = 1 << 20;
+    const MAX_MESSAGE: usize = 4 << 10;
+    const MAX_TRACEBACK: usize = 64 << 10;
+    let mut text = String::new();
+    File::open(dir.join("error.json")).ok()?.take(MAX_FILE).read_to_string(&mut text).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    // {"message": {"message": "...", "extraInfo": {"py_callstack": "..."}}},
+    // or a bare message string in torch's newer form
+    let report = json.get("message")?;
+    let (message, traceback) = match report {
+        serde_json::Value::String(message) => (message.clone(), String::new()),
+        report => (
+            report.get("message").and_then(|m| m.as_str()).unwrap_or_default().to_string(),
+            report.pointer("/extraInfo/py_callstack").and_then(|t| t.as_str()).unwrap_or_default().to_string(),
+        ),
+    };
+    Some((truncate(message, MAX_MESSAGE), truncate(traceback, MAX_TRACEBACK)))
+}
+
+/// Keeps the end of `text` (a traceback's last lines matter most).
+fn truncate(text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("...{}", &text[start..])
+}
+
+/// The `sitecustomize` that registers kolo's JAX cluster environment (see
+/// the file): written into `dir/python`, whose path it returns.
+fn write_python_hooks(dir: &std::path::Path, guard: Option<&Guard>) -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let hooks = dir.join("python");
+    let file = hooks.join("sitecustomize.py");
+    if let Some(guard) = guard {
+        let _ = guard.remove_path(&hooks);
+        let _ = guard.remove_path(&file);
+    }
+    std::fs::create_dir(&hooks).ok()?;
+    let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).ok()?;
+    std::io::Write::write_all(&mut out, include_bytes!("sitecustomize.py")).ok()?;
+    Some(hooks)
 }
