@@ -17,9 +17,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
 def main():
-    started = time.perf_counter()
+    entered = time.time()
     dist.init_process_group("gloo")
-    init_s = time.perf_counter() - started
+    init_s = time.time() - entered
     rank, size = dist.get_rank(), dist.get_world_size()
     assert rank == int(os.environ["RANK"]) and size == int(os.environ["WORLD_SIZE"])
 
@@ -43,7 +43,7 @@ def main():
     dist.all_gather(gathered, flat)
     assert all(torch.equal(g, flat) for g in gathered), "parameters differ between ranks"
     print(
-        f"rank {rank}/{size} on {socket.gethostname()}: init {init_s:.3f} s, "
+        f"rank {rank}/{size} on {socket.gethostname()}: init {init_s:.3f} s (from {entered:.3f}), "
         f"params {flat.sum().item():.6f}, store {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         flush=True,
     )
