@@ -457,3 +457,17 @@ fn jax_across_hosts_with_process_zero_away_from_the_driver() {
     assert_eq!(text.lines().filter(|l| l.contains("gathered [0, 1, 2, 3]")).count(), 4, "{text}");
     assert_nothing_left();
 }
+
+/// PyTorch DDP through the Slurm engine: the store is the driver's there too.
+#[test]
+#[ignore = "needs the test hosts"]
+fn pytorch_ddp_under_slurm() {
+    let Some(python) = python_with("torch") else { return };
+    let kolo = env!("CARGO_BIN_EXE_kolo");
+    let script = repo_file("examples/ddp.py");
+    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", kolo, "run", "--", &python, &script]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("store 10.77.0.11:")).count(), 4, "{text}");
+    assert_nothing_left();
+}

@@ -142,7 +142,8 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             }
         });
     }
-    *agent.command.lock().unwrap_or_else(|p| p.into_inner()) = Some(super::Running { group: child.id(), guard });
+    *agent.command.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some(super::Running { group: child.id(), guard, dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()) });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
     let (done_tx, done_rx) = mpsc::channel();
     let outputs: [(Option<OwnedFd>, bool); 2] =

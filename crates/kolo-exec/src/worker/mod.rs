@@ -93,6 +93,8 @@ struct Agent {
 struct Running {
     group: u32,
     guard: Option<Arc<Guard>>,
+    /// The command's private directory (error file, Python hook).
+    dir: Option<std::path::PathBuf>,
 }
 
 /// Records on the group registry: this tag, then a process group
@@ -142,6 +144,10 @@ impl Agent {
             }
             if let Some(registry) = &self.group_registry {
                 let _ = nix::unistd::write(registry, &group_record(running.group | GROUP_GONE));
+            }
+            // exiting ends the thread that would have removed it
+            if let Some(dir) = &running.dir {
+                let _ = std::fs::remove_dir_all(dir);
             }
         }
         let _ = io::stdout().flush();
