@@ -263,7 +263,7 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
 
 async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
     let (read, mut write) = stream.into_split();
-    let mut conn = Connection { read: BufReader::with_capacity(64 << 10, read), shared: &shared, reserved: 0 };
+    let mut conn = Connection { read: BufReader::with_capacity(4 << 10, read), shared: &shared, reserved: 0 };
     let result = conn.run(&mut write).await;
     conn.release();
     match result {
