@@ -32,6 +32,8 @@ pub struct Settings {
     pub output: OutputOptions,
     /// The program started in worker mode (default: this binary).
     pub worker_program: Option<PathBuf>,
+    /// Arguments of the worker program (an interpreter's module to run).
+    pub worker_args: Vec<String>,
     /// The rendezvous server refuses requests without the job secret.
     pub rendezvous_require_secret: bool,
     secret: String,
@@ -49,6 +51,7 @@ impl Default for Settings {
             kill_grace: Duration::from_secs(5),
             output: OutputOptions::default(),
             worker_program: None,
+            worker_args: Vec::new(),
             rendezvous_require_secret: false,
             secret: random_hex(32),
         }

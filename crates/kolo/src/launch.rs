@@ -39,6 +39,8 @@ pub struct LaunchSpec {
     pub nics: Option<Vec<String>>,
     /// The program started as the worker agent (default: this binary).
     pub worker_program: Option<std::path::PathBuf>,
+    /// Its arguments (`python -m kolo._worker`).
+    pub worker_args: Vec<String>,
 }
 
 /// The Executor for a launch: its engine chosen (host names are looked up
@@ -71,6 +73,7 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
     settings.rendezvous_require_secret = spec.require_secret;
     settings.nics = spec.nics.clone();
     settings.worker_program = spec.worker_program.clone();
+    settings.worker_args = spec.worker_args.clone();
     // one slot = one CPU: packing fills the hosts in order, as horovodrun does
     let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
     Ok(Executor::with_engine(settings, request, engine)?)

@@ -12,8 +12,12 @@ use crate::cli::{EngineArg, NicsArgs, RendezvousArgs, RunArgs};
 use crate::launch::{run_job, LaunchSpec};
 use crate::out::{say, tell, Said};
 
-pub async fn run(args: RunArgs) -> Result<i32> {
-    let spec = launch_spec(&args)?;
+pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
+    let mut spec = launch_spec(&args)?;
+    if spec.worker_program.is_none() {
+        spec.worker_program = worker.program;
+        spec.worker_args = worker.args;
+    }
     if args.dry_run {
         return dry_run(&spec).await;
     }
@@ -104,6 +108,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             None => None,
         },
         worker_program: args.worker_program.clone(),
+        worker_args: Vec::new(),
         slurm: kolo_exec::SlurmOptions {
             nodes: args.slurm_nodes,
             partition: args.slurm_partition.clone(),

@@ -102,7 +102,7 @@ impl Executor {
                 .collect(),
                 host: w.host.clone(),
                 program: program.clone(),
-                args: Vec::new(),
+                args: settings.worker_args.iter().map(Into::into).collect(),
                 secret: settings.secret().to_string(),
                 kill_grace: settings.kill_grace,
             })
