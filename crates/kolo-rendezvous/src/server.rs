@@ -244,31 +244,69 @@ impl Drop for Reservation<'_> {
     }
 }
 
+/// Binds a listening socket (address reuse on), for a server.
+pub(crate) fn listen(bind: SocketAddr, backlog: u32) -> Result<(tokio::net::TcpListener, SocketAddr), RendezvousError> {
+    let bind_err = |source| RendezvousError::Bind { addr: bind, source };
+    let socket = if bind.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(bind_err)?;
+    socket.set_reuseaddr(true).map_err(bind_err)?;
+    socket.bind(bind).map_err(bind_err)?;
+    let listener = socket.listen(backlog).map_err(bind_err)?;
+    let addr = listener.local_addr().map_err(bind_err)?;
+    Ok((listener, addr))
+}
+
+/// A server's accept loop on the current runtime: `stop` ends it and waits
+/// for its connections to close; dropping aborts it.
+pub(crate) struct Serving {
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Serving {
+    /// Spawns `serve`, which must return once its receiver says stop.
+    pub(crate) fn spawn<F>(serve: impl FnOnce(watch::Receiver<bool>) -> F) -> Serving
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let (stop, stopped) = watch::channel(false);
+        Serving { stop, task: Some(tokio::spawn(serve(stopped))) }
+    }
+
+    pub(crate) async fn stop(mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
 /// A running rendezvous server; stopped by [`RendezvousServer::stop`] or on drop.
 pub struct RendezvousServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
-    stop: watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    serving: Serving,
 }
 
 impl RendezvousServer {
     /// Binds and starts serving on the current tokio runtime; scopes are
     /// sized from `plan` (which may be empty and set later with `init`).
     pub async fn start(config: ServerConfig, plan: &[Slot]) -> Result<Self, RendezvousError> {
-        let bind_err = |source| RendezvousError::Bind { addr: config.bind, source };
-        let socket = if config.bind.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(bind_err)?;
-        socket.set_reuseaddr(true).map_err(bind_err)?;
-        socket.bind(config.bind).map_err(bind_err)?;
-        let listener = socket.listen(config.backlog).map_err(bind_err)?;
-        let addr = listener.local_addr().map_err(bind_err)?;
+        let (listener, addr) = listen(config.bind, config.backlog)?;
         let mut store = Store::default();
         store.init(plan);
         let shared = Arc::new(Shared { store: Mutex::new(store), config });
-        let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(accept_loop(listener, shared.clone(), stopped));
+        let serving = Serving::spawn(|stopped| accept_loop(listener, shared.clone(), stopped));
         tracing::debug!(%addr, "rendezvous server listening");
-        Ok(RendezvousServer { addr, shared, stop, task: Some(task) })
+        Ok(RendezvousServer { addr, shared, serving })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -281,20 +319,8 @@ impl RendezvousServer {
     }
 
     /// Stops accepting, closes every connection and waits for the tasks to end.
-    pub async fn stop(mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for RendezvousServer {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
+    pub async fn stop(self) {
+        self.serving.stop().await;
     }
 }
 
@@ -323,15 +349,11 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
                     at_cap = false;
                     connections.spawn(serve_connection(stream, shared.clone()));
                 }
-                Err(e) => {
-                    // out of descriptors or similar: back off instead of spinning,
-                    // longer while it lasts; timeouts free descriptors meanwhile
-                    let delay = failures.failed(&e);
-                    tokio::select! {
-                        _ = stopped.changed() => break,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                }
+                // out of descriptors or similar: back off instead of spinning,
+                // longer while it lasts; timeouts free descriptors meanwhile
+                Err(e) => if !failures.back_off(&e, &mut stopped).await {
+                    break;
+                },
             },
         }
     }
@@ -349,8 +371,18 @@ impl AcceptFailures {
     const FIRST_DELAY: Duration = Duration::from_millis(5);
     const MAX_DELAY: Duration = Duration::from_millis(100);
 
+    /// Counts a failure and waits before the next accept; false when told
+    /// to stop meanwhile.
+    pub(crate) async fn back_off(&mut self, e: &std::io::Error, stopped: &mut watch::Receiver<bool>) -> bool {
+        let delay = self.failed(e);
+        tokio::select! {
+            _ = stopped.changed() => false,
+            _ = tokio::time::sleep(delay) => true,
+        }
+    }
+
     /// Counts a failure and says how long to wait before the next accept.
-    pub(crate) fn failed(&mut self, e: &std::io::Error) -> Duration {
+    fn failed(&mut self, e: &std::io::Error) -> Duration {
         if self.count == 0 {
             let errno = e.raw_os_error().map(nix::errno::Errno::from_raw);
             if matches!(errno, Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)) {

@@ -19,11 +19,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpSocket, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 
-use crate::server::AcceptFailures;
+use crate::server::{listen, AcceptFailures, Serving};
 use crate::RendezvousError;
 
 /// The first request's magic number (VALIDATE).
@@ -98,26 +98,19 @@ impl TorchStoreConfig {
 /// A running store server; stopped by [`TorchStoreServer::stop`] or on drop.
 pub struct TorchStoreServer {
     addr: SocketAddr,
-    stop: watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    serving: Serving,
 }
 
 impl TorchStoreServer {
     /// Binds and serves on the current tokio runtime.
     pub async fn start(config: TorchStoreConfig) -> Result<Self, RendezvousError> {
-        let bind_err = |source| RendezvousError::Bind { addr: config.bind, source };
-        let socket = if config.bind.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }.map_err(bind_err)?;
-        socket.set_reuseaddr(true).map_err(bind_err)?;
-        socket.bind(config.bind).map_err(bind_err)?;
-        let listener = socket.listen(1024).map_err(bind_err)?;
-        let addr = listener.local_addr().map_err(bind_err)?;
+        let (listener, addr) = listen(config.bind, 1024)?;
         let (changed, _) = watch::channel(0u64);
         let shared =
             Arc::new(Shared { store: Mutex::new(Store::default()), changed, config, faults: AtomicU64::new(0) });
-        let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(accept_loop(listener, shared, stopped));
+        let serving = Serving::spawn(|stopped| accept_loop(listener, shared, stopped));
         tracing::debug!(%addr, "torch store listening");
-        Ok(TorchStoreServer { addr, stop, task: Some(task) })
+        Ok(TorchStoreServer { addr, serving })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -125,20 +118,8 @@ impl TorchStoreServer {
     }
 
     /// Stops accepting, closes every connection and waits for the tasks to end.
-    pub async fn stop(mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
-    }
-}
-
-impl Drop for TorchStoreServer {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
+    pub async fn stop(self) {
+        self.serving.stop().await;
     }
 }
 
@@ -248,13 +229,9 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
                     let _ = stream.set_nodelay(true);
                     connections.spawn(serve(stream, peer, shared.clone()));
                 }
-                Err(e) => {
-                    let delay = failures.failed(&e);
-                    tokio::select! {
-                        _ = stopped.changed() => break,
-                        _ = tokio::time::sleep(delay) => {}
-                    }
-                }
+                Err(e) => if !failures.back_off(&e, &mut stopped).await {
+                    break;
+                },
             },
         }
     }

@@ -11,10 +11,14 @@ fn lines_with(text: &str, marker: &str) -> usize {
     text.lines().filter(|l| l.contains(marker)).count()
 }
 
-fn ddp(hosts: Option<&str>) {
-    let Some(python) = python_with("torch") else { return };
-    let script = repo_file("examples/ddp.py");
+/// Runs `script` on 4 ranks with the Python that has `module` (on two
+/// simulated nodes when `hosts` says so); its stdout, or `None` when that
+/// Python is missing (skipped).
+fn four_ranks(module: &str, script: &str, extra: &[&str], hosts: Option<&str>) -> Option<String> {
+    let python = python_with(module)?;
+    let script = repo_file(script);
     let mut args = vec!["run", "-np", "4"];
+    args.extend(extra);
     if let Some(hosts) = hosts {
         args.extend(["--engine", "local", "-H", hosts, "--nics", "lo"]);
     }
@@ -22,6 +26,11 @@ fn ddp(hosts: Option<&str>) {
     let out = run(&args);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
+    Some(text)
+}
+
+fn ddp(hosts: Option<&str>) {
+    let Some(text) = four_ranks("torch", "examples/ddp.py", &[], hosts) else { return };
     assert_eq!(lines_with(&text, "/4 on "), 4, "{text}");
     // the same parameters on every rank (the script checks; so does this)
     let params: std::collections::HashSet<&str> =
@@ -60,16 +69,7 @@ fn a_rank_raising_under_record_has_its_traceback_in_the_report() {
 }
 
 fn jax(hosts: Option<&str>) {
-    let Some(python) = python_with("jax") else { return };
-    let script = repo_file("examples/jax_check.py");
-    let mut args = vec!["run", "-np", "4", "-x", "JAX_PLATFORMS=cpu"];
-    if let Some(hosts) = hosts {
-        args.extend(["--engine", "local", "-H", hosts, "--nics", "lo"]);
-    }
-    args.extend(["--", &python, &script]);
-    let out = run(&args);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let Some(text) = four_ranks("jax", "examples/jax_check.py", &["-x", "JAX_PLATFORMS=cpu"], hosts) else { return };
     assert_eq!(lines_with(&text, "gathered [0, 1, 2, 3]"), 4, "{text}");
 }
 

@@ -421,41 +421,42 @@ fn rank_zero_away_from_the_driver_is_reachable_at_the_jax_coordinator() {
     assert_nothing_left();
 }
 
-/// PyTorch DDP launched from h1 onto h2 and h3 (rank 0 on h2): every rank,
-/// rank 0 included, uses the store kolo serves on h1.
+/// Runs `script` on 4 ranks launched from h1 onto h2 and h3 (rank 0 on
+/// h2) with the Python that has `module`; its stdout, or `None` when that
+/// Python is missing (skipped).
+fn across_hosts(module: &str, script: &str, extra: &[&str]) -> Option<String> {
+    let python = python_with(module)?;
+    let (cfg, script) = (ssh_config(), repo_file(script));
+    let mut args = vec!["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg];
+    args.extend(extra);
+    args.extend(["--", &python, &script]);
+    let out = kolo_in_h1(&args);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_nothing_left();
+    Some(text)
+}
+
+/// PyTorch DDP from h1 onto h2 and h3: every rank, rank 0 (on h2) included,
+/// uses the store kolo serves on h1.
 #[test]
 #[ignore = "needs the test hosts"]
 fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
-    let Some(python) = python_with("torch") else { return };
-    let cfg = ssh_config();
-    let script = repo_file("examples/ddp.py");
-    let out = kolo_in_h1(&["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "--", &python, &script]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let Some(text) = across_hosts("torch", "examples/ddp.py", &[]) else { return };
     assert!(text.contains("rank 0/4 on h2"), "{text}");
     assert_eq!(text.lines().filter(|l| l.contains("store 10.77.0.11:")).count(), 4, "{text}");
     let params: std::collections::HashSet<&str> =
         text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
     assert_eq!(params.len(), 1, "{text}");
-    assert_nothing_left();
 }
 
 /// JAX's no-argument initialize across hosts, process 0 on h2.
 #[test]
 #[ignore = "needs the test hosts"]
 fn jax_across_hosts_with_process_zero_away_from_the_driver() {
-    let Some(python) = python_with("jax") else { return };
-    let cfg = ssh_config();
-    let script = repo_file("examples/jax_check.py");
-    let args = ["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "-x", "JAX_PLATFORMS=cpu", "--", &python];
-    let mut args = args.to_vec();
-    args.push(&script);
-    let out = kolo_in_h1(&args);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let Some(text) = across_hosts("jax", "examples/jax_check.py", &["-x", "JAX_PLATFORMS=cpu"]) else { return };
     assert!(text.contains("process 0/4 on h2"), "{text}");
     assert_eq!(text.lines().filter(|l| l.contains("gathered [0, 1, 2, 3]")).count(), 4, "{text}");
-    assert_nothing_left();
 }
 
 /// PyTorch DDP through the Slurm engine: the store is the driver's there too.
