@@ -2,8 +2,10 @@
 
 The `kolo` command installed with this package is kolo's Rust command line
 (`kolo run -np 4 -- python train.py`); its workers are this Python running
-kolo's Rust worker agent."""
+kolo's Rust worker agent. `kolo.Executor` is horovod.ray's RayExecutor API:
+`from kolo import Executor as RayExecutor`."""
 
 from ._kolo import __version__
+from .executor import Executor, Handle, Settings, WorkerError, get
 
-__all__ = ["__version__"]
+__all__ = ["__version__", "Executor", "Handle", "Settings", "WorkerError", "get"]

@@ -66,7 +66,7 @@ pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;
 pub use proto::PROTOCOL_VERSION;
-pub use registry::{build_id, Executable, Function, Registry, Task, UserError, WorkerContext};
+pub use registry::{build_id, set_build_id, Executable, Function, Registry, Task, UserError, WorkerContext};
 pub use settings::{Settings, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
 

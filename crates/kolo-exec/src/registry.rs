@@ -30,6 +30,11 @@ impl WorkerContext {
         self.env.get(name).map(String::as_str)
     }
 
+    /// Every variable kolo set for this worker.
+    pub fn vars(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.env.iter().map(|(k, v)| (k.as_str(), v.as_str()))
+    }
+
     fn number(&self, name: &str) -> u32 {
         self.env(name).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
@@ -96,8 +101,10 @@ pub struct Registry {
 static BUILD_ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// Records this program's build id (from its registry); `serve_if_worker`
-/// does it, in the driver as in the workers.
-pub(crate) fn set_build_id(id: String) {
+/// does it, in the driver as in the workers. A driver that never calls
+/// `serve_if_worker` (one embedded in another language) calls this with
+/// the registry its workers serve.
+pub fn set_build_id(id: String) {
     let _ = BUILD_ID.set(id);
 }
 

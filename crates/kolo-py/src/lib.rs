@@ -1,8 +1,64 @@
 //! `kolo._kolo`, the extension module of kolo's Python package. It adds no
-//! logic of its own: the `kolo` command is the Rust binary's `main`, and a
-//! Python worker agent is kolo-exec's agent.
+//! logic of its own: the `kolo` command is the Rust binary's `main`, a
+//! Python worker agent is kolo-exec's agent, and `kolo.Executor` drives
+//! kolo-exec's Executor. Python objects cross as pickled bytes; the worker
+//! side calls into `kolo._remote` with the GIL held only for the call.
 
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use serde::{Deserialize, Serialize};
+
+use kolo_exec::{Executable, Executor, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+
+/// The Python state in each worker (what `start(executable_cls)` made).
+struct PyWorker {
+    state: Py<PyAny>,
+    /// `kolo._remote.call`, looked up once.
+    call: Py<PyAny>,
+}
+
+impl Executable for PyWorker {
+    const NAME: &'static str = "kolo.python";
+    /// Pickled `(cls, args, kwargs)`, or empty for none.
+    type Args = Vec<u8>;
+    fn create(args: Vec<u8>, ctx: &WorkerContext) -> Result<Self, UserError> {
+        // Python's os.environ is a copy taken at start: it learns the
+        // rank's variables from here
+        let env: Vec<(String, String)> = ctx.vars().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Python::with_gil(|py| {
+            let remote = py.import("kolo._remote")?;
+            let state = remote.call_method1("create", (PyBytes::new(py, &args), env))?;
+            Ok(PyWorker { state: state.unbind(), call: remote.getattr("call")?.unbind() })
+        })
+        .map_err(|e: PyErr| e.to_string().into())
+    }
+}
+
+/// A pickled call; its answer is pickled too (a value, or the exception
+/// with its traceback: Python errors travel as answers).
+#[derive(Serialize, Deserialize)]
+struct PyCall {
+    payload: Vec<u8>,
+}
+
+impl Task<PyWorker> for PyCall {
+    const NAME: &'static str = "kolo.python.call";
+    type Output = Vec<u8>;
+    fn run(self, worker: &mut PyWorker, _: &WorkerContext) -> Result<Vec<u8>, UserError> {
+        Python::with_gil(|py| {
+            let answer = worker.call.bind(py).call1((worker.state.bind(py), PyBytes::new(py, &self.payload)))?;
+            answer.extract::<Vec<u8>>()
+        })
+        .map_err(|e: PyErr| e.to_string().into())
+    }
+}
+
+/// What a Python worker can run: the same in the driver (its build id) and
+/// in the agents.
+fn registry() -> Registry {
+    Registry::new().executable::<PyWorker>().task::<PyWorker, PyCall>()
+}
 
 /// Runs kolo's command line (`argv[0]` is the program's name) and returns
 /// its exit code; workers are started as `worker_program worker_args...`
@@ -12,14 +68,133 @@ use pyo3::prelude::*;
 fn main(py: Python<'_>, argv: Vec<String>, worker_program: Option<String>, worker_args: Vec<String>) -> i32 {
     let worker = kolo::WorkerProgram { program: worker_program.map(Into::into), args: worker_args };
     // kolo blocks on its own runtime; Python's other threads keep running
-    py.allow_threads(|| kolo::main(argv.into_iter().map(Into::into).collect(), worker))
+    py.allow_threads(|| {
+        kolo_exec::serve_if_worker(registry());
+        kolo::main(argv.into_iter().map(Into::into).collect(), worker)
+    })
 }
 
 /// Serves as a worker agent and exits, if this process was started as one;
 /// returns at once otherwise.
 #[pyfunction]
 fn serve_worker(py: Python<'_>) {
-    py.allow_threads(|| kolo_exec::serve_if_worker(kolo_exec::Registry::new()));
+    py.allow_threads(|| kolo_exec::serve_if_worker(registry()));
+}
+
+fn error(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// kolo-exec's Executor on its own runtime, for `kolo.Executor`.
+#[pyclass]
+struct Driver {
+    inner: std::sync::Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
+}
+
+impl Driver {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        work: impl FnOnce(&tokio::runtime::Runtime, &mut Executor) -> Result<T, kolo_exec::ExecError> + Send,
+    ) -> PyResult<T> {
+        py.allow_threads(|| {
+            let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let (runtime, executor) = inner.as_mut().ok_or_else(|| error("the executor was shut down"))?;
+            work(runtime, executor).map_err(error)
+        })
+    }
+}
+
+#[pymethods]
+impl Driver {
+    /// `hosts` is kolo's `-H` list (`h1:2,h2:2`); `colocated` places
+    /// `workers_per_host` on each of `num_hosts` distinct hosts.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args))]
+    fn new(
+        num_workers: Option<u32>,
+        num_hosts: Option<u32>,
+        workers_per_host: u32,
+        cpus_per_worker: u32,
+        gpus_per_worker: u32,
+        hosts: Option<String>,
+        engine: Option<String>,
+        start_timeout_s: f64,
+        worker_program: String,
+        worker_args: Vec<String>,
+    ) -> PyResult<Self> {
+        let request = match (num_workers, num_hosts) {
+            (Some(n), None) => WorkerRequest::pack(n),
+            (None, Some(h)) => WorkerRequest::colocated(h, workers_per_host),
+            _ => return Err(error("give num_workers or num_hosts, not both")),
+        }
+        .cpus_per_worker(cpus_per_worker)
+        .gpus_per_worker(gpus_per_worker);
+        let mut settings = Settings::default();
+        if !(start_timeout_s.is_finite() && start_timeout_s > 0.0) {
+            return Err(error(format!("timeout_s must be a positive number of seconds, got {start_timeout_s}")));
+        }
+        settings.start_timeout = std::time::Duration::from_secs_f64(start_timeout_s);
+        settings.worker_program = Some(worker_program.into());
+        settings.worker_args = worker_args;
+        let host_list = match &hosts {
+            Some(list) => kolo_topology::parse_host_list(list).map_err(error)?,
+            None => Vec::new(),
+        };
+        let executor = match engine.as_deref() {
+            None | Some("local") if host_list.is_empty() => Executor::new(settings, request),
+            None => Executor::on_hosts(settings, request, host_list),
+            Some("local") => {
+                Executor::with_engine(settings, request, Box::new(kolo_exec::LocalEngine::with_hosts(host_list)))
+            }
+            Some("ssh") => {
+                let ssh = settings.ssh.clone();
+                Executor::with_engine(settings, request, Box::new(kolo_exec::SshEngine::new(host_list, ssh)))
+            }
+            Some("slurm") => kolo_exec::SlurmEngine::from_allocation()
+                .and_then(|slurm| Executor::with_engine(settings, request, Box::new(slurm))),
+            Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh or slurm"))),
+        }
+        .map_err(error)?;
+        // the workers are `python -m kolo._worker` with this registry
+        kolo_exec::set_build_id(registry().build_id());
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(error)?;
+        Ok(Driver { inner: std::sync::Mutex::new(Some((runtime, executor))) })
+    }
+
+    /// Starts the workers and creates each one's state from `args`.
+    fn start(&self, py: Python<'_>, args: Vec<u8>, env: Vec<(String, String)>) -> PyResult<()> {
+        self.with(py, |rt, ex| rt.block_on(ex.start::<PyWorker>(&args, &env)))
+    }
+
+    /// Runs the pickled call on every worker; the answers in rank order.
+    fn execute(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Vec<Py<PyBytes>>> {
+        let call = PyCall { payload };
+        let answers = self.with(py, |rt, ex| rt.block_on(ex.execute::<PyWorker, PyCall>(&call)))?;
+        Ok(answers.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
+    }
+
+    /// Runs the pickled call on rank 0 only.
+    fn execute_single(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Py<PyBytes>> {
+        let call = PyCall { payload };
+        let answer = self.with(py, |rt, ex| rt.block_on(ex.execute_single::<PyWorker, PyCall>(&call)))?;
+        Ok(PyBytes::new(py, &answer).unbind())
+    }
+
+    /// `(rank, host)` of every worker, in rank order.
+    fn workers(&self, py: Python<'_>) -> PyResult<Vec<(u32, String)>> {
+        self.with(py, |_, ex| Ok(ex.workers().into_iter().map(|w| (w.rank, w.hostname)).collect()))
+    }
+
+    /// Stops the workers; the driver cannot be used afterwards.
+    fn shutdown(&self, py: Python<'_>) {
+        py.allow_threads(|| {
+            if let Some((runtime, mut executor)) = self.inner.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                runtime.block_on(executor.shutdown());
+            }
+        })
+    }
 }
 
 #[pymodule]
@@ -27,5 +202,6 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
+    m.add_class::<Driver>()?;
     Ok(())
 }

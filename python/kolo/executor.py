@@ -1,0 +1,194 @@
+"""`kolo.Executor`: horovod.ray's `RayExecutor` API over kolo's Rust
+Executor, so that `from kolo import Executor as RayExecutor` is the whole
+migration. The workers are this Python running kolo's Rust agent; functions,
+classes and results travel with cloudpickle."""
+
+import concurrent.futures
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import cloudpickle
+
+from . import _kolo
+
+
+class WorkerError(Exception):
+    """An exception raised in a worker: its rank, host and traceback."""
+
+    def __init__(self, rank: int, host: str, message: str, remote_traceback: str, exception=None):
+        super().__init__(f"rank {rank} on host {host} raised {message}\n\nremote traceback:\n{remote_traceback}")
+        self.rank, self.host, self.message = rank, host, message
+        self.remote_traceback = remote_traceback
+        self.exception = exception
+
+
+@dataclass
+class Settings:
+    """What `Executor.create_settings` makes (horovod.ray's names)."""
+
+    timeout_s: float = 30
+    ssh_identity_file: Optional[str] = None
+    ssh_str: Optional[str] = None
+    placement_group_timeout_s: float = 100
+    nics: Optional[set] = None
+
+
+class Handle:
+    """One rank's answer to `run_remote`, as Ray's object ref would be."""
+
+    def __init__(self, future: "concurrent.futures.Future", rank: int):
+        self._future, self._rank = future, rank
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        return self._future.result(timeout)[self._rank]
+
+
+def get(handles):
+    """The values of `run_remote`'s handles (for `ray.get(refs)`)."""
+    if isinstance(handles, Handle):
+        return handles.result()
+    return [h.result() for h in handles]
+
+
+def _no_callbacks(callbacks):
+    if callbacks:
+        raise NotImplementedError("callbacks (values reported by rank 0 while fn runs) are not supported yet")
+
+
+class Executor:
+    """Runs functions on a set of worker processes placed by kolo's engines."""
+
+    @staticmethod
+    def create_settings(timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100, nics=None):
+        return Settings(timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics)
+
+    def __init__(
+        self,
+        settings: Optional[Settings] = None,
+        num_workers: Optional[int] = None,
+        num_hosts: Optional[int] = None,
+        num_workers_per_host: int = 1,
+        cpus_per_worker: int = 1,
+        use_gpu: bool = False,
+        gpus_per_worker: Optional[int] = None,
+        use_current_placement_group: bool = True,
+        engine: Optional[str] = None,
+        hosts: Optional[str] = None,
+    ):
+        if num_workers is None and num_hosts is None:
+            raise ValueError("Either `num_workers` or `num_hosts` must be set.")
+        if num_workers is not None and num_hosts is not None:
+            raise ValueError("Both `num_workers` and `num_hosts` cannot be set.")
+        if gpus_per_worker and not use_gpu:
+            raise ValueError("gpus_per_worker is set, but use_gpu is False. use_gpu must be True if gpus_per_worker is set.")
+        if use_gpu and gpus_per_worker is not None and gpus_per_worker < 1:
+            raise ValueError(f"gpus_per_worker must be at least 1 with use_gpu, got {gpus_per_worker}")
+        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if engine not in (None, "local", "ssh", "slurm"):
+            raise ValueError(f"engine must be 'local', 'ssh' or 'slurm', got {engine!r}")
+        self.settings = settings or Settings()
+        self._request = dict(
+            num_workers=num_workers,
+            num_hosts=num_hosts,
+            workers_per_host=num_workers_per_host,
+            cpus_per_worker=cpus_per_worker,
+            gpus_per_worker=(gpus_per_worker or 1) if use_gpu else 0,
+            hosts=hosts,
+            engine=engine,
+        )
+        self._driver = None
+        self._workers: List[tuple] = []
+        self._pool = None
+
+    # lifecycle
+
+    def start(self, executable_cls=None, executable_args=None, executable_kwargs=None, extra_env_vars=None):
+        """Starts the workers and, if given, `executable_cls(*args, **kwargs)` in each."""
+        if self._driver is not None:
+            raise RuntimeError("this executor was started already")
+        driver = _kolo.Driver(
+            start_timeout_s=float(self.settings.timeout_s),
+            worker_program=sys.executable,
+            worker_args=["-m", "kolo._worker"],
+            **self._request,
+        )
+        # the driver's import path goes along, so that what pickles by
+        # reference (classes and functions of the caller's modules) imports
+        # in the workers as it does here
+        executable = cloudpickle.dumps((executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {})))
+        args = pickle.dumps((list(sys.path), executable))
+        env = [(str(k), str(v)) for k, v in (extra_env_vars or {}).items()]
+        try:
+            driver.start(args, env)
+        except BaseException:
+            driver.shutdown()
+            raise
+        self._driver = driver
+        self._workers = driver.workers()
+
+    def shutdown(self):
+        """Stops every worker; nothing of the job is left."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._driver is not None:
+            self._driver.shutdown()
+            self._driver = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # calls
+
+    def execute(self, fn: Callable, callbacks=None) -> list:
+        """`fn(executable)` on every worker; the results in rank order."""
+        _no_callbacks(callbacks)
+        return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {}))))
+
+    def run(self, fn: Callable, args=None, kwargs=None, callbacks=None) -> list:
+        """`fn(*args, **kwargs)` on every worker; the results in rank order."""
+        _no_callbacks(callbacks)
+        payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
+        return self._answers(self._running().execute(payload))
+
+    def run_remote(self, fn: Callable, args=None, kwargs=None) -> List[Handle]:
+        """Like `run`, but returns a handle per rank at once (`kolo.get`)."""
+        payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
+        driver = self._running()
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kolo-run-remote")
+        future = self._pool.submit(lambda: self._answers(driver.execute(payload)))
+        return [Handle(future, rank) for rank in range(len(self._workers))]
+
+    def execute_single(self, fn: Callable) -> Any:
+        """`fn(executable)` on rank 0 only."""
+        return self._answer(0, self._running().execute_single(cloudpickle.dumps(("execute", fn, (), {}))))
+
+    # helpers
+
+    def _running(self):
+        if self._driver is None:
+            raise RuntimeError("the executor is not running: call start() first")
+        return self._driver
+
+    def _answer(self, rank: int, answer: bytes):
+        ok, value = cloudpickle.loads(answer)
+        if ok:
+            return value
+        message, remote_traceback, exception = value
+        host = self._workers[rank][1] if rank < len(self._workers) else "?"
+        cause = cloudpickle.loads(exception) if exception is not None else None
+        raise WorkerError(rank, host, message, remote_traceback, cause)
+
+    def _answers(self, answers) -> list:
+        return [self._answer(rank, answer) for rank, answer in enumerate(answers)]
+
+
+__all__ = ["Executor", "Settings", "WorkerError", "Handle", "get"]

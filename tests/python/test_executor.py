@@ -1,0 +1,163 @@
+"""kolo.Executor against horovod.ray's RayExecutor behaviour: the cases of
+Horovod's test/single/test_ray.py that need no Ray, on real worker processes
+(this Python running kolo's agent) of the local engine."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import kolo
+from kolo import Executor as RayExecutor
+
+
+def env_of(names):
+    return lambda: {n: os.environ.get(n) for n in names}
+
+
+@pytest.fixture
+def settings():
+    return RayExecutor.create_settings(timeout_s=30)
+
+
+def test_colocated_two_hosts_by_two_workers_get_local_and_cross_ranks(settings):
+    with RayExecutor(settings, num_hosts=2, num_workers_per_host=2, engine="local", hosts="node-a:2,node-b:2") as ex:
+        ex.start()
+        names = ["HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE"]
+        ranks = ex.run(env_of(names + ["HOROVOD_HOSTNAME"]))
+    got = [tuple(r[n] for n in names) for r in ranks]
+    assert got == [("0", "0", "0", "2", "2"), ("1", "1", "0", "2", "2"), ("2", "0", "1", "2", "2"), ("3", "1", "1", "2", "2")]
+    assert [r["HOROVOD_HOSTNAME"] for r in ranks] == ["node-a", "node-a", "node-b", "node-b"]
+
+
+def test_pack_four_workers(settings):
+    with RayExecutor(settings, num_workers=4, hosts="localhost:4") as ex:
+        ex.start()
+        sizes = ex.run(env_of(["WORLD_SIZE", "HOROVOD_SIZE"]))
+    assert sizes == [{"WORLD_SIZE": "4", "HOROVOD_SIZE": "4"}] * 4
+
+
+def test_an_infeasible_request_names_what_was_asked_and_what_there_is(settings):
+    ex = RayExecutor(settings, num_workers=5, hosts="localhost:4")
+    with pytest.raises(RuntimeError, match="5 workers.*available"):
+        ex.start()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(), "Either `num_workers` or `num_hosts` must be set"),
+        (dict(num_workers=2, num_hosts=1), "Both `num_workers` and `num_hosts` cannot be set"),
+        (dict(num_workers=2, gpus_per_worker=1), "use_gpu must be True"),
+        (dict(num_workers=0), "num_workers must be a positive integer"),
+        (dict(num_workers=2, engine="ray-someday"), "engine must be"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_fix(settings, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RayExecutor(settings, **kwargs)
+
+
+class Counter:
+    def __init__(self, start, step=1):
+        self.value, self.step = start, step
+
+    def bump(self):
+        self.value += self.step
+        return self.value
+
+
+def test_the_executable_keeps_its_state_across_execute_calls(settings):
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start(Counter, executable_args=[10], executable_kwargs={"step": 5})
+        assert ex.execute(lambda c: c.bump()) == [15, 15]
+        assert ex.execute(lambda c: c.bump()) == [20, 20]
+        assert ex.execute_single(lambda c: c.value) == 20
+
+
+def test_run_with_args_and_kwargs_run_remote_and_extra_env(settings):
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start(extra_env_vars={"KOLO_TEST_VAR": "here"})
+        assert ex.run(lambda a, b=0: (a, b, os.environ["KOLO_TEST_VAR"]), args=[1], kwargs={"b": 2}) == [(1, 2, "here")] * 2
+        handles = ex.run_remote(lambda x: int(os.environ["RANK"]) * x, args=[3])
+        assert kolo.get(handles) == [0, 3]
+        assert handles[1].result(timeout=30) == 3
+
+
+def test_an_exception_in_a_worker_names_its_rank_and_host_and_leaves_the_executor_usable(settings):
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+
+        def fails_on_rank_one():
+            if os.environ["RANK"] == "1":
+                raise KeyError("missing shard")
+            return "ok"
+
+        with pytest.raises(kolo.WorkerError) as raised:
+            ex.run(fails_on_rank_one)
+        assert raised.value.rank == 1 and raised.value.host == "localhost"
+        assert "KeyError: 'missing shard'" in raised.value.message
+        assert "fails_on_rank_one" in raised.value.remote_traceback
+        assert isinstance(raised.value.exception, KeyError)
+        assert ex.run(lambda: "still here") == ["still here"] * 2
+
+
+def test_a_worker_that_dies_raises_instead_of_hanging(settings):
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            ex.run(lambda: os._exit(3) if os.environ["RANK"] == "1" else 0)
+
+
+def test_callbacks_are_refused_until_supported(settings):
+    with RayExecutor(settings, num_workers=1, hosts="localhost:1") as ex:
+        ex.start()
+        with pytest.raises(NotImplementedError, match="callbacks"):
+            ex.run(lambda: 0, callbacks=[print])
+
+
+def test_worker_output_reaches_the_driver_with_rank_prefixes_and_nothing_is_left(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        from kolo import Executor
+        with Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2") as ex:
+            ex.start()
+            pids = ex.run(lambda: (print("hello from", os.environ["RANK"], flush=True), os.getpid())[1])
+        print("workers", *pids)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "[0]<stdout>:hello from 0" in out.stdout and "[1]<stdout>:hello from 1" in out.stdout, out.stdout
+    pids = [int(p) for p in out.stdout.split("workers", 1)[1].split()]
+    for pid in pids:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        assert state in ("gone", "Z"), f"worker {pid} is still running"
+
+
+def test_pytorch_ddp_through_executor_run():
+    torch = pytest.importorskip("torch")
+
+    def train():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(dist.get_rank())
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        total = sum(p.detach().sum().item() for p in model.parameters())
+        dist.destroy_process_group()
+        return total
+
+    with RayExecutor(RayExecutor.create_settings(), num_workers=4, hosts="localhost:4") as ex:
+        ex.start()
+        results = ex.run(train)
+    assert len(results) == 4 and len(set(results)) == 1, results
