@@ -110,8 +110,14 @@ class Executor:
         """Starts the workers and, if given, `executable_cls(*args, **kwargs)` in each."""
         if self._driver is not None:
             raise RuntimeError("this executor was started already")
+        s = self.settings
+        if s.ssh_str is not None:
+            raise NotImplementedError("ssh_str (a key's text) is not supported: pass ssh_identity_file, a path")
         driver = _kolo.Driver(
-            start_timeout_s=float(self.settings.timeout_s),
+            start_timeout_s=float(s.timeout_s),
+            placement_timeout_s=float(s.placement_group_timeout_s),
+            nics=sorted(s.nics) if s.nics else None,
+            ssh_identity_file=s.ssh_identity_file,
             worker_program=sys.executable,
             worker_args=["-m", "kolo._worker"],
             **self._request,

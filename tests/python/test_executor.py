@@ -111,6 +111,18 @@ def test_a_worker_that_dies_raises_instead_of_hanging(settings):
             ex.run(lambda: os._exit(3) if os.environ["RANK"] == "1" else 0)
 
 
+def test_settings_reach_the_job_and_unknown_interfaces_are_named():
+    settings = RayExecutor.create_settings(timeout_s=30, nics={"lo"})
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        assert ex.run(lambda: os.environ["HOROVOD_GLOO_IFACE"]) == ["lo", "lo"]
+    bad = RayExecutor.create_settings(nics={"no-such-nic0"})
+    with pytest.raises(RuntimeError, match="no-such-nic0"):
+        RayExecutor(bad, num_workers=1, hosts="localhost:1").start()
+    with pytest.raises(NotImplementedError, match="ssh_identity_file"):
+        RayExecutor(RayExecutor.create_settings(ssh_str="KEY"), num_workers=1).start()
+
+
 def test_callbacks_are_refused_until_supported(settings):
     with RayExecutor(settings, num_workers=1, hosts="localhost:1") as ex:
         ex.start()

@@ -111,7 +111,7 @@ impl Driver {
     /// `workers_per_host` on each of `num_hosts` distinct hosts.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args))]
+    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args, placement_timeout_s=100.0, nics=None, ssh_identity_file=None))]
     fn new(
         num_workers: Option<u32>,
         num_hosts: Option<u32>,
@@ -123,6 +123,9 @@ impl Driver {
         start_timeout_s: f64,
         worker_program: String,
         worker_args: Vec<String>,
+        placement_timeout_s: f64,
+        nics: Option<Vec<String>>,
+        ssh_identity_file: Option<String>,
     ) -> PyResult<Self> {
         let request = match (num_workers, num_hosts) {
             (Some(n), None) => WorkerRequest::pack(n),
@@ -136,6 +139,12 @@ impl Driver {
             return Err(error(format!("timeout_s must be a positive number of seconds, got {start_timeout_s}")));
         }
         settings.start_timeout = std::time::Duration::from_secs_f64(start_timeout_s);
+        if !(placement_timeout_s.is_finite() && placement_timeout_s > 0.0) {
+            return Err(error(format!("placement_group_timeout_s must be positive, got {placement_timeout_s}")));
+        }
+        settings.placement_timeout = std::time::Duration::from_secs_f64(placement_timeout_s);
+        settings.nics = nics;
+        settings.ssh.identity_file = ssh_identity_file.map(Into::into);
         settings.worker_program = Some(worker_program.into());
         settings.worker_args = worker_args;
         let host_list = match &hosts {
