@@ -173,3 +173,42 @@ def test_pytorch_ddp_through_executor_run():
         ex.start()
         results = ex.run(train)
     assert len(results) == 4 and len(set(results)) == 1, results
+
+
+def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, time
+        from kolo import Executor
+        ex = Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2")
+        ex.start()
+        print("workers", *ex.run(os.getpid), flush=True)
+        marker = os.environ["MARKER"]
+        try:
+            ex.run(lambda: (open(marker + os.environ["RANK"], "w").close(), time.sleep(600)))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            raise
+    """))
+    marker = str(tmp_path / "started-")
+    env = dict(os.environ, MARKER=marker)
+    driver = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    first = driver.stdout.readline()
+    assert first.startswith("workers"), first + driver.stderr.read()
+    pids = [int(p) for p in first.split()[1:]]
+    # Ctrl-C while the long call runs in both workers
+    deadline = time.monotonic() + 30
+    while not all(os.path.exists(marker + str(rank)) for rank in range(2)):
+        assert time.monotonic() < deadline, "the workers never started the call"
+        time.sleep(0.01)
+    driver.send_signal(signal.SIGINT)
+    out, err = driver.communicate(timeout=30)
+    assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
+    for pid in pids:
+        alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, f"worker {pid} outlived the interrupted driver"

@@ -91,16 +91,46 @@ struct Driver {
     inner: std::sync::Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
 }
 
+/// Waits for `work` with the GIL released, looking for Python's signals
+/// (Ctrl-C) every 100 ms: a call into the workers may take as long as the
+/// user's function does.
+fn interruptible<T>(
+    runtime: &tokio::runtime::Runtime,
+    work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+) -> PyResult<T> {
+    runtime.block_on(async {
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                done = &mut work => return done.map_err(error),
+                _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {
+                    Python::with_gil(|py| py.check_signals())?;
+                }
+            }
+        }
+    })
+}
+
 impl Driver {
     fn with<T: Send>(
         &self,
         py: Python<'_>,
-        work: impl FnOnce(&tokio::runtime::Runtime, &mut Executor) -> Result<T, kolo_exec::ExecError> + Send,
+        work: impl FnOnce(&tokio::runtime::Runtime, &mut Executor) -> PyResult<T> + Send,
     ) -> PyResult<T> {
         py.allow_threads(|| {
             let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let (runtime, executor) = inner.as_mut().ok_or_else(|| error("the executor was shut down"))?;
-            work(runtime, executor).map_err(error)
+            let result = work(runtime, executor);
+            // interrupted (Ctrl-C): nothing of the job outlives the call
+            if result
+                .as_ref()
+                .is_err_and(|e| Python::with_gil(|py| e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)))
+            {
+                if let Some((runtime, mut executor)) = inner.take() {
+                    runtime.block_on(executor.shutdown());
+                }
+            }
+            result
         })
     }
 }
@@ -174,20 +204,20 @@ impl Driver {
 
     /// Starts the workers and creates each one's state from `args`.
     fn start(&self, py: Python<'_>, args: Vec<u8>, env: Vec<(String, String)>) -> PyResult<()> {
-        self.with(py, |rt, ex| rt.block_on(ex.start::<PyWorker>(&args, &env)))
+        self.with(py, |rt, ex| interruptible(rt, ex.start::<PyWorker>(&args, &env)))
     }
 
     /// Runs the pickled call on every worker; the answers in rank order.
     fn execute(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Vec<Py<PyBytes>>> {
         let call = PyCall { payload };
-        let answers = self.with(py, |rt, ex| rt.block_on(ex.execute::<PyWorker, PyCall>(&call)))?;
+        let answers = self.with(py, |rt, ex| interruptible(rt, ex.execute::<PyWorker, PyCall>(&call)))?;
         Ok(answers.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
     }
 
     /// Runs the pickled call on rank 0 only.
     fn execute_single(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Py<PyBytes>> {
         let call = PyCall { payload };
-        let answer = self.with(py, |rt, ex| rt.block_on(ex.execute_single::<PyWorker, PyCall>(&call)))?;
+        let answer = self.with(py, |rt, ex| interruptible(rt, ex.execute_single::<PyWorker, PyCall>(&call)))?;
         Ok(PyBytes::new(py, &answer).unbind())
     }
 
