@@ -164,12 +164,10 @@ impl Drop for Busy {
 impl CommandWatch {
     fn run(self) {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        let mut open: Vec<(OwnedFd, Vec<u8>, HashSet<u32>, bool)> =
-            self.registries.into_iter().map(|fd| (fd, Vec::new(), HashSet::new(), true)).collect();
+        let mut open: Vec<Registered> = self.registries.into_iter().map(Registered::new).collect();
         while !open.is_empty() {
             let ready: Vec<bool> = {
-                let mut fds: Vec<PollFd> =
-                    open.iter().map(|(fd, ..)| PollFd::new(fd.as_fd(), PollFlags::POLLIN)).collect();
+                let mut fds: Vec<PollFd> = open.iter().map(|r| PollFd::new(r.fd.as_fd(), PollFlags::POLLIN)).collect();
                 if let Err(e) = poll(&mut fds, PollTimeout::NONE) {
                     if e == nix::errno::Errno::EINTR {
                         continue;
@@ -179,40 +177,39 @@ impl CommandWatch {
                 fds.iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect()
             };
             let mut closed = Vec::new();
-            for (at, (fd, pending, groups, trusted)) in open.iter_mut().enumerate().filter(|(at, _)| ready[*at]) {
+            for (at, Registered { fd, pending, groups, trusted, dirs }) in
+                open.iter_mut().enumerate().filter(|(at, _)| ready[*at])
+            {
                 let mut buf = [0u8; 512];
                 match nix::unistd::read(fd.as_fd(), &mut buf) {
                     Ok(0) | Err(_) => closed.push(at),
                     Ok(n) => {
                         pending.extend_from_slice(&buf[..n]);
-                        let whole = pending.len() / 8 * 8;
-                        for record in pending[..whole].chunks(8) {
-                            if record[..4] != worker::GROUP_TAG {
-                                // not an agent's record: trust nothing more from it
-                                *trusted = false;
-                            }
-                            if !*trusted {
-                                break;
-                            }
-                            let group = u32::from_be_bytes([record[4], record[5], record[6], record[7]]);
-                            if group & worker::GROUP_GONE != 0 {
-                                groups.remove(&(group & !worker::GROUP_GONE));
-                            } else if group > 1 && groups.len() < 64 {
-                                groups.insert(group);
-                                if let Some(janitor) = &self.janitor {
-                                    let _ = janitor.watch_group(group);
+                        for record in take_records(pending, trusted) {
+                            match record {
+                                Record::Group(group) if groups.len() < 64 => {
+                                    groups.insert(group);
+                                    if let Some(janitor) = &self.janitor {
+                                        let _ = janitor.watch_group(group);
+                                    }
                                 }
+                                Record::Group(_) => {}
+                                Record::Gone(group) => {
+                                    groups.remove(&group);
+                                }
+                                Record::Dir(dir) if dirs.len() < 64 => dirs.push(dir),
+                                Record::Dir(_) => {}
                             }
-                        }
-                        pending.drain(..whole);
-                        if !*trusted {
-                            pending.clear();
                         }
                     }
                 }
             }
             for at in closed.into_iter().rev() {
-                let (_, _, groups, _) = open.swap_remove(at);
+                let Registered { groups, dirs, .. } = open.swap_remove(at);
+                // what a dead agent leaves of its ranks' private directories
+                for dir in dirs {
+                    let _ = std::fs::remove_dir_all(dir);
+                }
                 if !groups.is_empty() {
                     let (grace, busy) = (self.grace, Busy::enter(&self.busy.0));
                     std::thread::spawn(move || {
@@ -223,6 +220,76 @@ impl CommandWatch {
             }
         }
     }
+}
+
+/// One agent's registry as the watcher reads it.
+struct Registered {
+    fd: OwnedFd,
+    /// Bytes of a record not yet whole.
+    pending: Vec<u8>,
+    groups: HashSet<u32>,
+    /// False once it sent something that is not a record.
+    trusted: bool,
+    dirs: Vec<std::path::PathBuf>,
+}
+
+impl Registered {
+    fn new(fd: OwnedFd) -> Self {
+        Registered { fd, pending: Vec::new(), groups: HashSet::new(), trusted: true, dirs: Vec::new() }
+    }
+}
+
+/// What an agent says on its registry (`worker::group_record`,
+/// `worker::dir_record`).
+#[derive(Debug, PartialEq)]
+enum Record {
+    Group(u32),
+    Gone(u32),
+    /// A rank's private directory, removed if the agent dies.
+    Dir(std::path::PathBuf),
+}
+
+/// The whole records at the front of `pending` (the rest waits for more
+/// bytes). Anything that is not a record makes the agent untrusted for
+/// good: nothing more it says counts.
+fn take_records(pending: &mut Vec<u8>, trusted: &mut bool) -> Vec<Record> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut records = Vec::new();
+    let mut at = 0;
+    while *trusted && pending.len() - at >= 8 {
+        let (tag, value) =
+            (&pending[at..at + 4], u32::from_be_bytes(pending[at + 4..at + 8].try_into().unwrap_or_default()));
+        if tag == worker::GROUP_TAG {
+            records.push(if value & worker::GROUP_GONE != 0 {
+                Record::Gone(value & !worker::GROUP_GONE)
+            } else {
+                Record::Group(value)
+            });
+            at += 8;
+            continue;
+        }
+        if tag == worker::DIR_TAG && (value as usize) <= worker::MAX_DIR_RECORD {
+            let end = at + 8 + value as usize;
+            if pending.len() < end {
+                break;
+            }
+            let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&pending[at + 8..end]));
+            // only what an agent makes: a rank's directory, by its absolute path
+            let named = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("kolo-rank-"));
+            if path.is_absolute() && named {
+                records.push(Record::Dir(path.to_path_buf()));
+            }
+            at = end;
+            continue;
+        }
+        *trusted = false;
+    }
+    if *trusted {
+        pending.drain(..at);
+    } else {
+        pending.clear();
+    }
+    records
 }
 
 impl Drop for LocalEngine {
@@ -303,6 +370,39 @@ mod tests {
         process::signal_group(group.id(), Signal::SIGKILL);
         group.wait().unwrap();
         assert_eq!(left, 0, "the command's group outlived its agent");
+    }
+
+    #[test]
+    fn a_dead_agents_rank_directory_is_removed_and_other_paths_are_not() {
+        let base = tempfile::tempdir().unwrap();
+        let rank_dir = base.path().join("kolo-rank-test");
+        std::fs::create_dir_all(rank_dir.join("python")).unwrap();
+        std::fs::write(rank_dir.join("python/sitecustomize.py"), "").unwrap();
+        let other = base.path().join("precious");
+        std::fs::create_dir(&other).unwrap();
+        let mut records = worker::dir_record(&rank_dir).unwrap();
+        records.extend(worker::dir_record(&other).unwrap());
+        records.extend(worker::dir_record(std::path::Path::new("kolo-rank-relative")).unwrap());
+        let (watching, thread) = watch(&records);
+        thread.join().unwrap();
+        wait_idle(&watching);
+        assert!(!rank_dir.exists(), "the rank's directory outlived its agent");
+        assert!(other.exists(), "a path that is no rank's directory was removed");
+    }
+
+    #[test]
+    fn records_split_anywhere_are_read_whole() {
+        let mut bytes = worker::group_record(42).to_vec();
+        bytes.extend(worker::dir_record(std::path::Path::new("/tmp/kolo-rank-x")).unwrap());
+        bytes.extend(worker::group_record(42 | worker::GROUP_GONE));
+        for split in 0..bytes.len() {
+            let (mut pending, mut trusted, mut got) = (bytes[..split].to_vec(), true, Vec::new());
+            got.extend(take_records(&mut pending, &mut trusted));
+            pending.extend_from_slice(&bytes[split..]);
+            got.extend(take_records(&mut pending, &mut trusted));
+            let want = [Record::Group(42), Record::Dir("/tmp/kolo-rank-x".into()), Record::Gone(42)];
+            assert_eq!(got, want, "split at {split}");
+        }
     }
 
     #[test]

@@ -79,6 +79,10 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         if let Some(guard) = &guard {
             let _ = guard.remove_path(dir.path());
         }
+        // on the driver's host the driver removes it if this agent dies
+        if let (Some(registry), Some(record)) = (&agent.group_registry, super::dir_record(dir.path())) {
+            let _ = nix::unistd::write(registry, &record);
+        }
         if lookup(ERROR_FILE_VAR).is_none() {
             error_file = true;
             command.env(ERROR_FILE_VAR, dir.path().join("error.json"));

@@ -104,6 +104,23 @@ struct Running {
 pub(crate) const GROUP_TAG: [u8; 4] = *b"kolo";
 pub(crate) const GROUP_GONE: u32 = 1 << 31;
 
+/// A rank's private directory: this tag, the path's length (big-endian)
+/// and the path, in one write no longer than a pipe writes whole.
+pub(crate) const DIR_TAG: [u8; 4] = *b"kdir";
+pub(crate) const MAX_DIR_RECORD: usize = 4096 - 8;
+
+pub(crate) fn dir_record(dir: &std::path::Path) -> Option<Vec<u8>> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = dir.as_os_str().as_bytes();
+    if path.len() > MAX_DIR_RECORD {
+        return None;
+    }
+    let mut record = DIR_TAG.to_vec();
+    record.extend_from_slice(&(path.len() as u32).to_be_bytes());
+    record.extend_from_slice(path);
+    Some(record)
+}
+
 pub(crate) fn group_record(group: u32) -> [u8; 8] {
     let mut record = [0u8; 8];
     record[..4].copy_from_slice(&GROUP_TAG);

@@ -81,6 +81,20 @@ def _kolo_chain():
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
+def _kolo_forget_bytecode():
+    # Python cached this file's bytecode beside it as it imported it; the
+    # directory is the rank's, removed file by file when its agent dies
+    import importlib.util
+
+    try:
+        cached = importlib.util.cache_from_source(os.path.abspath(__file__))
+        os.remove(cached)
+        os.rmdir(os.path.dirname(cached))
+    except (OSError, NotImplementedError, ValueError):
+        pass
+
+
+_kolo_forget_bytecode()
 if "KOLO_JOB_ID" in os.environ and os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
     _kolo_watch_jax()
 _kolo_chain()
