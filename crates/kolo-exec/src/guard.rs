@@ -363,6 +363,14 @@ unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
         any |= libc::killpg(g, libc::SIGTERM) == 0;
         libc::killpg(g, libc::SIGCONT);
     }
+    // the files first: a batch system ending the whole step (Slurm kills
+    // this process with the rest) must not cut the clean-up short
+    for slot in state.paths[..state.path_count].iter().rev() {
+        let path = slot.as_ptr().cast::<libc::c_char>();
+        if libc::unlink(path) != 0 {
+            libc::rmdir(path);
+        }
+    }
     if any {
         let deadline = now_ms() + state.grace_ms;
         while now_ms() < deadline && groups.iter().any(|&g| libc::killpg(g, 0) == 0) {
@@ -374,12 +382,6 @@ unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
     }
     if state.command_len > 0 {
         run_command(&state.command[..state.command_len]);
-    }
-    for slot in state.paths[..state.path_count].iter().rev() {
-        let path = slot.as_ptr().cast::<libc::c_char>();
-        if libc::unlink(path) != 0 {
-            libc::rmdir(path);
-        }
     }
     libc::_exit(0)
 }
