@@ -9,7 +9,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde::{Deserialize, Serialize};
 
-use kolo_exec::{Executable, Executor, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+use kolo_exec::{
+    EngineChoice, Executable, Executor, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest,
+};
 
 /// The Python state in each worker (what `start(executable_cls)` made).
 struct PyWorker {
@@ -181,19 +183,21 @@ impl Driver {
             Some(list) => kolo_topology::parse_host_list(list).map_err(error)?,
             None => Vec::new(),
         };
-        let executor = match engine.as_deref() {
-            None | Some("local") if host_list.is_empty() => Executor::new(settings, request),
-            None => Executor::on_hosts(settings, request, host_list),
-            Some("local") => {
-                Executor::with_engine(settings, request, Box::new(kolo_exec::LocalEngine::with_hosts(host_list)))
-            }
-            Some("ssh") => {
-                let ssh = settings.ssh.clone();
-                Executor::with_engine(settings, request, Box::new(kolo_exec::SshEngine::new(host_list, ssh)))
-            }
-            Some("slurm") => kolo_exec::SlurmEngine::from_allocation()
-                .and_then(|slurm| Executor::with_engine(settings, request, Box::new(slurm))),
+        let choice = match engine.as_deref() {
+            None => EngineChoice::Auto,
+            Some("local") => EngineChoice::Local,
+            Some("ssh") => EngineChoice::Ssh,
+            Some("slurm") => EngineChoice::Slurm,
             Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh or slurm"))),
+        };
+        let executor = if host_list.is_empty() && matches!(choice, EngineChoice::Auto | EngineChoice::Local) {
+            // no host list: this machine
+            Executor::new(settings, request)
+        } else {
+            let (np, ssh) = (request.num_workers(), settings.ssh.clone());
+            choice
+                .engine(host_list, np, ssh, kolo_exec::SlurmOptions::default())
+                .and_then(|engine| Executor::with_engine(settings, request, engine))
         }
         .map_err(error)?;
         // the workers are `python -m kolo._worker` with this registry

@@ -6,10 +6,7 @@ use std::ffi::OsString;
 use std::future::Future;
 use std::time::Duration;
 
-use kolo_exec::{
-    EngineChoice, Executor, JobOutcome, LocalEngine, OutputOptions, Settings, SlurmEngine, SlurmOptions, SshEngine,
-    SshOptions, WorkerRequest,
-};
+use kolo_exec::{EngineChoice, Executor, JobOutcome, OutputOptions, Settings, SlurmOptions, SshOptions, WorkerRequest};
 use kolo_topology::{total_slots, HostSpec, TopologyError};
 use nix::sys::signal::Signal;
 
@@ -59,12 +56,7 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
     if choice != EngineChoice::Slurm && spec.np > available {
         return Err(TopologyError::NotEnoughSlots { requested: spec.np, available }.into());
     }
-    let engine: Box<dyn kolo_exec::Engine> = match choice {
-        EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
-        EngineChoice::Slurm => Box::new(SlurmEngine::allocate(np, spec.slurm.clone())),
-        EngineChoice::Ssh => Box::new(SshEngine::new(hosts, spec.ssh.clone())),
-        _ => Box::new(LocalEngine::with_hosts(hosts)),
-    };
+    let engine = choice.engine(hosts, np, spec.ssh.clone(), spec.slurm.clone())?;
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
     settings.placement_timeout = spec.placement_timeout;

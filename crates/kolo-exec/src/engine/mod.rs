@@ -89,6 +89,24 @@ impl EngineChoice {
             other => other,
         }
     }
+
+    /// The engine this choice stands for, resolved with `resolve` first:
+    /// Slurm's allocation when inside one, else one asked for, sized for
+    /// `np` workers (`slurm`'s options).
+    pub fn engine(
+        self,
+        hosts: Vec<HostSpec>,
+        np: u32,
+        ssh: SshOptions,
+        slurm: SlurmOptions,
+    ) -> Result<Box<dyn Engine>, ExecError> {
+        Ok(match self.resolve(&hosts) {
+            EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
+            EngineChoice::Slurm => Box::new(SlurmEngine::allocate(np, slurm)),
+            EngineChoice::Ssh => Box::new(SshEngine::new(hosts, ssh)),
+            _ => Box::new(LocalEngine::with_hosts(hosts)),
+        })
+    }
 }
 
 /// Whether `host` names this machine: `localhost`, its host name, or one
