@@ -6,6 +6,6 @@ kolo's Rust worker agent. `kolo.Executor` is horovod.ray's RayExecutor API:
 `from kolo import Executor as RayExecutor`."""
 
 from ._kolo import __version__
-from .executor import Executor, Handle, Settings, WorkerError, get
+from .executor import Executor, Handle, Settings, WorkerError, get, report
 
-__all__ = ["__version__", "Executor", "Handle", "Settings", "WorkerError", "get"]
+__all__ = ["__version__", "Executor", "Handle", "Settings", "WorkerError", "get", "report"]

@@ -4,8 +4,11 @@ migration. The workers are this Python running kolo's Rust agent; functions,
 classes and results travel with cloudpickle."""
 
 import concurrent.futures
+import os
 import pickle
 import sys
+import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -33,6 +36,8 @@ class Settings:
     ssh_str: Optional[str] = None
     placement_group_timeout_s: float = 100
     nics: Optional[set] = None
+    # kolo's: an ssh client config for the ssh engine (`ssh -F`)
+    ssh_config_file: Optional[str] = None
 
 
 class Handle:
@@ -52,17 +57,58 @@ def get(handles):
     return [h.result() for h in handles]
 
 
-def _no_callbacks(callbacks):
-    if callbacks:
-        raise NotImplementedError("callbacks (values reported by rank 0 while fn runs) are not supported yet")
+def _write_key(path: str, text: str) -> None:
+    """A private key file, private from its creation (ssh refuses others)."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+_warned_unreported = False
+
+
+def report(value, chief_only: bool = True) -> None:
+    """In a worker, while `execute`/`run` runs: hands `value` to the
+    driver's callbacks (horovod.ray's `ray_logger.log`). With `chief_only`,
+    only rank 0's values go; others' calls do nothing."""
+    global _warned_unreported
+    if chief_only and os.environ.get("HOROVOD_RANK") != "0":
+        return
+    if not _kolo.report(cloudpickle.dumps(value)) and not _warned_unreported:
+        _warned_unreported = True
+        warnings.warn("kolo.report called outside a call of kolo.Executor: the value goes nowhere", stacklevel=2)
+
+
+def _on_report(callbacks):
+    """What hands each reported value to every callback, or None."""
+    if not callbacks:
+        return None
+    callbacks = list(callbacks)
+    for callback in callbacks:
+        if not callable(callback):
+            raise TypeError(f"each callback must be callable, got {callback!r}")
+
+    def on_report(_rank, data):
+        value = cloudpickle.loads(data)
+        for callback in callbacks:
+            callback(value)
+
+    return on_report
 
 
 class Executor:
     """Runs functions on a set of worker processes placed by kolo's engines."""
 
     @staticmethod
-    def create_settings(timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100, nics=None):
-        return Settings(timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics)
+    def create_settings(
+        timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100, nics=None, ssh_config_file=None
+    ):
+        """horovod.ray's settings. `ssh_str` is a private key's text: as
+        upstream, it is written to `ssh_identity_file` (0600) if that file
+        does not exist; without `ssh_identity_file` it lives in a private
+        temporary file only while `start` connects to the hosts."""
+        if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
+            _write_key(ssh_identity_file, ssh_str)
+        return Settings(timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics, ssh_config_file)
 
     def __init__(
         self,
@@ -111,13 +157,22 @@ class Executor:
         if self._driver is not None:
             raise RuntimeError("this executor was started already")
         s = self.settings
-        if s.ssh_str is not None:
-            raise NotImplementedError("ssh_str (a key's text) is not supported: pass ssh_identity_file, a path")
+        if not (s.ssh_str and not s.ssh_identity_file):
+            return self._start(s.ssh_identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars)
+        # the ssh engine connects during start only: the key goes after it
+        with tempfile.TemporaryDirectory(prefix="kolo-ssh-") as private:  # 0700
+            key_file = os.path.join(private, "key")
+            _write_key(key_file, s.ssh_str)
+            self._start(key_file, executable_cls, executable_args, executable_kwargs, extra_env_vars)
+
+    def _start(self, identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars):
+        s = self.settings
         driver = _kolo.Driver(
             start_timeout_s=float(s.timeout_s),
             placement_timeout_s=float(s.placement_group_timeout_s),
             nics=sorted(s.nics) if s.nics else None,
-            ssh_identity_file=s.ssh_identity_file,
+            ssh_identity_file=identity_file,
+            ssh_config_file=s.ssh_config_file,
             worker_program=sys.executable,
             worker_args=["-m", "kolo._worker"],
             **self._request,
@@ -154,15 +209,17 @@ class Executor:
     # calls
 
     def execute(self, fn: Callable, callbacks=None) -> list:
-        """`fn(executable)` on every worker; the results in rank order."""
-        _no_callbacks(callbacks)
-        return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {}))))
+        """`fn(executable)` on every worker; the results in rank order. Each
+        callback gets every value rank 0 reports (`kolo.report`) meanwhile."""
+        on_report = _on_report(callbacks)
+        return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {})), on_report))
 
     def run(self, fn: Callable, args=None, kwargs=None, callbacks=None) -> list:
-        """`fn(*args, **kwargs)` on every worker; the results in rank order."""
-        _no_callbacks(callbacks)
+        """`fn(*args, **kwargs)` on every worker; the results in rank order.
+        Callbacks as for `execute`."""
+        on_report = _on_report(callbacks)
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
-        return self._answers(self._running().execute(payload))
+        return self._answers(self._running().execute(payload, on_report))
 
     def run_remote(self, fn: Callable, args=None, kwargs=None) -> List[Handle]:
         """Like `run`, but returns a handle per rank at once (`kolo.get`)."""
@@ -197,4 +254,4 @@ class Executor:
         return [self._answer(rank, answer) for rank, answer in enumerate(answers)]
 
 
-__all__ = ["Executor", "Settings", "WorkerError", "Handle", "get"]
+__all__ = ["Executor", "Settings", "WorkerError", "Handle", "get", "report"]

@@ -119,15 +119,50 @@ def test_settings_reach_the_job_and_unknown_interfaces_are_named():
     bad = RayExecutor.create_settings(nics={"no-such-nic0"})
     with pytest.raises(RuntimeError, match="no-such-nic0"):
         RayExecutor(bad, num_workers=1, hosts="localhost:1").start()
-    with pytest.raises(NotImplementedError, match="ssh_identity_file"):
-        RayExecutor(RayExecutor.create_settings(ssh_str="KEY"), num_workers=1).start()
 
 
-def test_callbacks_are_refused_until_supported(settings):
-    with RayExecutor(settings, num_workers=1, hosts="localhost:1") as ex:
+def train_and_report(steps, chief_only=True):
+    for step in range(steps):
+        kolo.report({"rank": int(os.environ["RANK"]), "step": step}, chief_only=chief_only)
+    return steps
+
+
+def test_callbacks_get_rank_zeros_reports_in_order_while_fn_runs(settings):
+    seen, also_seen = [], []
+    with RayExecutor(settings, num_workers=3, hosts="localhost:3") as ex:
+        ex.start(executable_cls=dict)
+        assert ex.run(train_and_report, args=[50], callbacks=[seen.append, also_seen.append]) == [50] * 3
+        assert seen == [{"rank": 0, "step": s} for s in range(50)] and also_seen == seen
+        # every rank's values, when the worker asks
+        seen.clear()
+        ex.execute(lambda _: train_and_report(5, chief_only=False), callbacks=[seen.append])
+        for rank in range(3):
+            assert [v["step"] for v in seen if v["rank"] == rank] == list(range(5))
+        # no callbacks: reports go nowhere, the call is unaffected
+        assert ex.run(train_and_report, kwargs={"steps": 200}) == [200] * 3
+
+
+def test_a_raising_callback_fails_the_call_after_it_ended_and_the_executor_goes_on(settings):
+    calls = []
+
+    def fussy(value):
+        calls.append(value)
+        raise KeyError("the callback's own bug")
+
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
         ex.start()
-        with pytest.raises(NotImplementedError, match="callbacks"):
-            ex.run(lambda: 0, callbacks=[print])
+        with pytest.raises(KeyError, match="the callback's own bug"):
+            ex.run(train_and_report, args=[10], callbacks=[fussy])
+        assert len(calls) == 1
+        assert ex.run(lambda: 7) == [7, 7]
+        with pytest.raises(TypeError, match="callable"):
+            ex.run(lambda: 0, callbacks=["not a function"])
+
+
+def test_report_outside_a_worker_call_warns_once():
+    kolo.report("ignored: not rank 0")
+    with pytest.warns(UserWarning, match="outside a call"):
+        kolo.report("nowhere", chief_only=False)
 
 
 def test_worker_output_reaches_the_driver_with_rank_prefixes_and_nothing_is_left(tmp_path):
@@ -212,3 +247,12 @@ def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
     for pid in pids:
         alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
         assert not alive, f"worker {pid} outlived the interrupted driver"
+
+
+def test_ssh_str_goes_to_the_identity_file_privately_and_never_over_an_existing_one(tmp_path):
+    key = tmp_path / "id_kolo"
+    settings = RayExecutor.create_settings(ssh_identity_file=str(key), ssh_str="KEY TEXT")
+    assert settings.ssh_identity_file == str(key)
+    assert key.read_text() == "KEY TEXT\n" and key.stat().st_mode & 0o777 == 0o600
+    RayExecutor.create_settings(ssh_identity_file=str(key), ssh_str="ANOTHER KEY")
+    assert key.read_text() == "KEY TEXT\n"

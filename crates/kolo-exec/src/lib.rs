@@ -57,7 +57,7 @@ mod registry;
 mod settings;
 mod worker;
 
-pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, WorkerInfo};
+pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, Report, WorkerInfo};
 pub use engine::{
     is_this_machine, Engine, EngineChoice, LocalEngine, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
@@ -66,7 +66,10 @@ pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;
 pub use proto::PROTOCOL_VERSION;
-pub use registry::{build_id, set_build_id, Executable, Function, Registry, Task, UserError, WorkerContext};
+pub use registry::{
+    build_id, set_build_id, Executable, Function, Registry, ReportError, Reporter, Task, UserError, WorkerContext,
+    MAX_REPORT,
+};
 pub use settings::{Settings, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
 

@@ -18,7 +18,7 @@ use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// Frames larger than this are refused (a task's arguments or result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
@@ -208,6 +208,11 @@ pub enum ToDriver {
     Done {
         id: u64,
         result: Result<Vec<u8>, String>,
+    },
+    /// A value the running call `id` reports (callbacks), before its `Done`.
+    Report {
+        id: u64,
+        data: Vec<u8>,
     },
     /// The probe listener's port and this host's interfaces with their IPv4 addresses.
     PortsReserved {

@@ -18,11 +18,74 @@ pub type UserError = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Clone, Debug, Default)]
 pub struct WorkerContext {
     env: BTreeMap<String, String>,
+    reporter: Option<Reporter>,
+}
+
+/// The largest value a worker may report at once; reports are progress
+/// (metrics, a step count), not results.
+pub const MAX_REPORT: usize = 8 << 20;
+
+/// Why a report did not reach the driver.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("no call is running: values are reported while a task or function runs")]
+    NoCall,
+    #[error("the reported value is {0} bytes, over the limit of {MAX_REPORT}")]
+    TooLarge(usize),
+    #[error("cannot encode the reported value: {0}")]
+    Encode(#[from] postcard::Error),
+    #[error("cannot reach the driver: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Sends values to the driver while a call runs (horovod.ray's callbacks:
+/// the driver hands each to the caller as it arrives). Clone it to report
+/// from other threads of the call.
+#[derive(Clone)]
+pub struct Reporter {
+    send: std::sync::Arc<dyn Fn(Vec<u8>) -> Result<(), ReportError> + Send + Sync>,
+}
+
+impl std::fmt::Debug for Reporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reporter")
+    }
+}
+
+impl Reporter {
+    pub(crate) fn new(send: impl Fn(Vec<u8>) -> Result<(), ReportError> + Send + Sync + 'static) -> Self {
+        Reporter { send: std::sync::Arc::new(send) }
+    }
+
+    /// Sends `value` to the driver, in order with the call's other reports
+    /// and before its result; blocks while the driver is behind.
+    pub fn report<T: Serialize + ?Sized>(&self, value: &T) -> Result<(), ReportError> {
+        self.report_bytes(postcard::to_stdvec(value)?)
+    }
+
+    /// Sends bytes as they are (the driver gets them back from `Report::data`).
+    pub fn report_bytes(&self, data: Vec<u8>) -> Result<(), ReportError> {
+        if data.len() > MAX_REPORT {
+            return Err(ReportError::TooLarge(data.len()));
+        }
+        (self.send)(data)
+    }
 }
 
 impl WorkerContext {
-    pub(crate) fn new(env: BTreeMap<String, String>) -> Self {
-        WorkerContext { env }
+    pub(crate) fn new(env: BTreeMap<String, String>, reporter: Option<Reporter>) -> Self {
+        WorkerContext { env, reporter }
+    }
+
+    /// Sends a value to the driver while this call runs (see [`Reporter`]);
+    /// the driver takes it in `execute_reporting`/`run_reporting`.
+    pub fn report<T: Serialize + ?Sized>(&self, value: &T) -> Result<(), ReportError> {
+        self.reporter.as_ref().ok_or(ReportError::NoCall)?.report(value)
+    }
+
+    /// A handle that reports from other threads too.
+    pub fn reporter(&self) -> Option<Reporter> {
+        self.reporter.clone()
     }
 
     /// A variable kolo set for this worker (`HOROVOD_RANK`, `MASTER_ADDR`, ...).

@@ -90,6 +90,55 @@ impl Task<Counter> for SlowAdd {
     }
 }
 
+/// Reports `(rank, step)` for each step, the odd ones from another thread
+/// of the call, then tries a value over the limit; returns the step count
+/// and what the oversized report said.
+#[derive(Serialize, Deserialize)]
+struct Progress {
+    steps: u32,
+}
+
+impl Task<Counter> for Progress {
+    const NAME: &'static str = "progress";
+    type Output = (u32, String);
+    fn run(self, _: &mut Counter, ctx: &WorkerContext) -> Result<(u32, String), UserError> {
+        let reporter = ctx.reporter().ok_or("no reporter in a call")?;
+        for step in 0..self.steps {
+            if step % 2 == 1 {
+                let reporter = reporter.clone();
+                let rank = ctx.rank();
+                std::thread::spawn(move || reporter.report(&(rank, step))).join().map_err(|_| "panicked")??;
+            } else {
+                ctx.report(&(ctx.rank(), step))?;
+            }
+        }
+        let oversized = ctx.reporter().unwrap().report_bytes(vec![0; kolo_exec::MAX_REPORT + 1]);
+        Ok((self.steps, oversized.map(|_| String::new()).unwrap_or_else(|e| e.to_string())))
+    }
+}
+
+/// Reports from a thread that outlives the call, after it returned.
+#[derive(Serialize, Deserialize)]
+struct ReportLate;
+
+impl Task<Counter> for ReportLate {
+    const NAME: &'static str = "report-late";
+    type Output = ();
+    fn run(self, _: &mut Counter, ctx: &WorkerContext) -> Result<(), UserError> {
+        let reporter = ctx.reporter().ok_or("no reporter in a call")?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = rx.recv();
+            // the call has returned by now: nothing runs, nothing is sent
+            std::thread::sleep(Duration::from_millis(50));
+            let said = reporter.report(&"late").map(|_| String::new()).unwrap_or_else(|e| e.to_string());
+            std::fs::write(std::env::var("KOLO_TEST_LATE_FILE").unwrap(), said).unwrap();
+        });
+        tx.send(()).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
 /// What a worker sees of its place in the job.
 #[derive(Serialize, Deserialize)]
 struct Whoami;
@@ -132,6 +181,8 @@ fn registry() -> Registry {
         .task::<Counter, Get>()
         .task::<Counter, FailOn>()
         .task::<Counter, SlowAdd>()
+        .task::<Counter, Progress>()
+        .task::<Counter, ReportLate>()
         .function::<Whoami>()
 }
 
@@ -210,6 +261,52 @@ async fn results_in_rank_order_and_state_kept() -> Result<(), Failed> {
         check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
     }
     check(TcpStream::connect(rendezvous).is_err(), "rendezvous server still listening after shutdown")
+}
+
+async fn reports_reach_the_caller_in_order_before_the_results() -> Result<(), Failed> {
+    let mut ex = counter_executor(3).await?;
+    let mut reports: Vec<(u32, u32, u32)> = Vec::new();
+    let mut slow_caller = true;
+    let results = ex
+        .execute_reporting(&Progress { steps: 40 }, |report| {
+            let (rank, step): (u32, u32) = report.decode().expect("a (rank, step) report");
+            reports.push((report.rank, rank, step));
+            // a caller slower than the workers holds them back, loses nothing
+            if slow_caller && reports.len() == 5 {
+                std::thread::sleep(Duration::from_millis(300));
+                slow_caller = false;
+            }
+        })
+        .await?;
+    check(
+        results.iter().all(|(steps, said)| *steps == 40 && said.contains("over the limit")),
+        format!("results {results:?}"),
+    )?;
+    for rank in 0..3 {
+        let steps: Vec<u32> = reports.iter().filter(|r| r.0 == rank).map(|r| r.2).collect();
+        check(steps == (0..40).collect::<Vec<_>>(), format!("rank {rank}'s reports: {steps:?}"))?;
+        check(reports.iter().filter(|r| r.0 == rank).all(|r| r.1 == rank), "a report under another rank")?;
+    }
+    // without a caller listening, reports are dropped and the call goes on
+    let quiet = ex.execute(&Progress { steps: 1000 }).await?;
+    check(quiet.iter().all(|(steps, _)| *steps == 1000), format!("{quiet:?}"))?;
+    ex.shutdown().await;
+    Ok(())
+}
+
+async fn a_report_after_its_call_returned_is_refused() -> Result<(), Failed> {
+    let late = std::env::temp_dir().join(format!("kolo-late-{}", std::process::id()));
+    let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(1), hosts(&[("node", 1, 0)]))?;
+    let env = [("KOLO_TEST_LATE_FILE".to_string(), late.display().to_string())];
+    ex.start::<Counter>(&0, &env).await?;
+    let mut reports = 0;
+    ex.execute_reporting(&ReportLate, |_| reports += 1).await?;
+    wait_until("the late report's outcome", Duration::from_secs(10), || late.exists()).await?;
+    let said = std::fs::read_to_string(&late)?;
+    let _ = std::fs::remove_file(&late);
+    ex.shutdown().await;
+    check(reports == 0, format!("{reports} reports"))?;
+    check(said.contains("no call is running"), format!("the late report: {said:?}"))
 }
 
 async fn remote_handles_can_be_awaited_polled_and_cancelled() -> Result<(), Failed> {
@@ -594,6 +691,8 @@ fn main() {
     }
     let tests = trials![
         results_in_rank_order_and_state_kept,
+        reports_reach_the_caller_in_order_before_the_results,
+        a_report_after_its_call_returned_is_refused,
         remote_handles_can_be_awaited_polled_and_cancelled,
         a_failing_task_names_its_rank_and_the_executor_goes_on,
         a_create_failure_is_an_error_naming_the_rank,

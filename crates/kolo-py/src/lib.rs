@@ -28,12 +28,32 @@ impl Executable for PyWorker {
         // Python's os.environ is a copy taken at start: it learns the
         // rank's variables from here
         let env: Vec<(String, String)> = ctx.vars().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        if let Some(reporter) = ctx.reporter() {
+            let _ = REPORTER.set(reporter);
+        }
         Python::with_gil(|py| {
             let remote = py.import("kolo._remote")?;
             let state = remote.call_method1("create", (PyBytes::new(py, &args), env))?;
             Ok(PyWorker { state: state.unbind(), call: remote.getattr("call")?.unbind() })
         })
         .map_err(|e: PyErr| e.to_string().into())
+    }
+}
+
+/// How `kolo.report` reaches the driver: this process's agent, set when
+/// the worker's state is created.
+static REPORTER: std::sync::OnceLock<kolo_exec::Reporter> = std::sync::OnceLock::new();
+
+/// Sends pickled bytes to the driver's callbacks; false where no call of a
+/// kolo worker is running (the caller warns).
+#[pyfunction]
+fn report(py: Python<'_>, data: Vec<u8>) -> PyResult<bool> {
+    let Some(reporter) = REPORTER.get() else { return Ok(false) };
+    // waits while the driver is behind: other Python threads go on
+    match py.allow_threads(|| reporter.report_bytes(data)) {
+        Ok(()) => Ok(true),
+        Err(kolo_exec::ReportError::NoCall) => Ok(false),
+        Err(e) => Err(error(e)),
     }
 }
 
@@ -143,7 +163,7 @@ impl Driver {
     /// `workers_per_host` on each of `num_hosts` distinct hosts.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args, placement_timeout_s=100.0, nics=None, ssh_identity_file=None))]
+    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args, placement_timeout_s=100.0, nics=None, ssh_identity_file=None, ssh_config_file=None))]
     fn new(
         num_workers: Option<u32>,
         num_hosts: Option<u32>,
@@ -158,6 +178,7 @@ impl Driver {
         placement_timeout_s: f64,
         nics: Option<Vec<String>>,
         ssh_identity_file: Option<String>,
+        ssh_config_file: Option<String>,
     ) -> PyResult<Self> {
         let request = match (num_workers, num_hosts) {
             (Some(n), None) => WorkerRequest::pack(n),
@@ -177,6 +198,7 @@ impl Driver {
         settings.placement_timeout = std::time::Duration::from_secs_f64(placement_timeout_s);
         settings.nics = nics;
         settings.ssh.identity_file = ssh_identity_file.map(Into::into);
+        settings.ssh.config_file = ssh_config_file.map(Into::into);
         settings.worker_program = Some(worker_program.into());
         settings.worker_args = worker_args;
         let host_list = match &hosts {
@@ -190,7 +212,13 @@ impl Driver {
             Some("slurm") => EngineChoice::Slurm,
             Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh or slurm"))),
         };
-        let executor = if host_list.is_empty() && matches!(choice, EngineChoice::Auto | EngineChoice::Local) {
+        let this_machine = match choice {
+            EngineChoice::Local => true,
+            // as `kolo run`: inside a Slurm allocation, its nodes
+            EngineChoice::Auto => !kolo_exec::SlurmEngine::in_allocation(),
+            _ => false,
+        };
+        let executor = if host_list.is_empty() && this_machine {
             // no host list: this machine
             Executor::new(settings, request)
         } else {
@@ -212,9 +240,30 @@ impl Driver {
     }
 
     /// Runs the pickled call on every worker; the answers in rank order.
-    fn execute(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Vec<Py<PyBytes>>> {
+    /// `on_report(rank, bytes)` gets what workers report meanwhile; if it
+    /// raises, it is not called again and its exception is raised once
+    /// the call is done.
+    #[pyo3(signature = (payload, on_report=None))]
+    fn execute(&self, py: Python<'_>, payload: Vec<u8>, on_report: Option<Py<PyAny>>) -> PyResult<Vec<Py<PyBytes>>> {
         let call = PyCall { payload };
-        let answers = self.with(py, |rt, ex| interruptible(rt, ex.execute::<PyWorker, PyCall>(&call)))?;
+        let answers = self.with(py, |rt, ex| match &on_report {
+            None => interruptible(rt, ex.execute::<PyWorker, PyCall>(&call)),
+            Some(callback) => {
+                let mut failed: Option<PyErr> = None;
+                let answers = interruptible(
+                    rt,
+                    ex.execute_reporting::<PyWorker, PyCall>(&call, |report| {
+                        if failed.is_none() {
+                            Python::with_gil(|py| {
+                                let data = PyBytes::new(py, &report.data);
+                                failed = callback.call1(py, (report.rank, data)).err();
+                            });
+                        }
+                    }),
+                )?;
+                failed.map_or(Ok(answers), Err)
+            }
+        })?;
         Ok(answers.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
     }
 
@@ -245,6 +294,7 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
+    m.add_function(wrap_pyfunction!(report, m)?)?;
     m.add_class::<Driver>()?;
     Ok(())
 }

@@ -48,8 +48,9 @@ fn leftovers(host: &str) -> Vec<String> {
         .filter_map(|pid| {
             let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
             let comm = comm.trim();
-            (alive(pid.parse().ok()?) && matches!(comm, "kolo" | "sleep" | "sh" | "train" | "allreduce_check"))
-                .then(|| format!("{pid} {comm}"))
+            let ours =
+                matches!(comm, "kolo" | "sleep" | "sh" | "train" | "allreduce_check") || comm.starts_with("python");
+            (alive(pid.parse().ok()?) && ours).then(|| format!("{pid} {comm}"))
         })
         .collect()
 }
@@ -471,4 +472,84 @@ fn pytorch_ddp_under_slurm() {
     assert!(out.status.success(), "{text}{}", stderr(&out));
     assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("store 10.77.0.11:")).count(), 4, "{text}");
     assert_nothing_left();
+}
+
+/// The lines `examples/executor_ddp.py` prints: rank lines must show 4
+/// ranks with one set of parameters, on `hosts`, and rank 0's losses must
+/// have reached the driver's callback.
+fn check_executor_ddp(out: &Output, hosts: &[&str]) {
+    let text = stdout(out);
+    assert!(out.status.success(), "{text}{}", stderr(out));
+    let ranks: Vec<&str> = text.lines().filter(|l| l.starts_with("rank ")).collect();
+    assert_eq!(ranks.len(), 4, "{text}");
+    for (i, line) in ranks.iter().enumerate() {
+        assert!(line.starts_with(&format!("rank {i}/4 on ")), "{text}");
+    }
+    for host in hosts {
+        assert_eq!(ranks.iter().filter(|l| l.contains(&format!(" on {host} "))).count(), 2, "{text}");
+    }
+    let params: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("params ").nth(1)).collect();
+    assert_eq!(params.len(), 1, "{text}");
+    let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 5, "{text}");
+    assert_nothing_left();
+}
+
+/// kolo.Executor from h1 over ssh onto h2 and h3, PyTorch DDP in
+/// `executor.run`; the key comes as `ssh_str` (the ssh config names none),
+/// and no copy of it is left behind.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_executor_ddp_over_ssh_with_the_key_given_as_text() {
+    let Some(python) = python_with("torch, kolo") else { return };
+    let t = testhosts();
+    let config = std::fs::read_to_string(t.join("ssh/ssh_config")).unwrap();
+    let keyless = std::env::temp_dir().join(format!("kolo-keyless-ssh-config-{}", std::process::id()));
+    let keyless_config: String =
+        config.lines().filter(|l| !l.contains("IdentityFile")).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&keyless, keyless_config).unwrap();
+    let key = t.join("ssh/id_ed25519").to_string_lossy().into_owned();
+    let keys_before = kolo_ssh_dirs();
+    let out = in_h1(&[
+        &python,
+        &repo_file("examples/executor_ddp.py"),
+        "--engine",
+        "ssh",
+        "--hosts",
+        "h2:2,h3:2",
+        "--ssh-config",
+        &keyless.to_string_lossy(),
+        "--ssh-key-text-of",
+        &key,
+    ]);
+    let _ = std::fs::remove_file(&keyless);
+    check_executor_ddp(&out, &["h2", "h3"]);
+    assert_eq!(kolo_ssh_dirs(), keys_before, "a copy of the key was left");
+}
+
+/// The private directories `ssh_str`'s key lives in during a start.
+fn kolo_ssh_dirs() -> Vec<String> {
+    let mut dirs: Vec<String> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("kolo-ssh-"))
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// kolo.Executor inside a Slurm allocation of two nodes: it places its
+/// workers through Slurm with no engine named, as `kolo run` does.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_executor_ddp_under_slurm() {
+    let Some(python) = python_with("torch, kolo") else { return };
+    let script = repo_file("examples/executor_ddp.py");
+    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", &python, &script]);
+    let text = stdout(&out);
+    let nodes: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("rank ")?.split(" on ").nth(1)?.split(' ').next()).collect();
+    assert_eq!(nodes.len(), 2, "{text}{}", stderr(&out));
+    let nodes: Vec<&str> = nodes.into_iter().collect();
+    check_executor_ddp(&out, &nodes);
 }

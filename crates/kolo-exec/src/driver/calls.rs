@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::link::{CallError, CallResult, Link};
 use super::Executor;
@@ -13,22 +13,68 @@ use crate::proto::{self, CallKind, ToWorker};
 use crate::registry::{Executable, Function, Task};
 use crate::ExecError;
 
+/// A value a worker reported while a call ran ([`crate::WorkerContext::report`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    pub rank: u32,
+    /// What the worker sent: postcard bytes from `report`, as they were
+    /// from `report_bytes`.
+    pub data: Vec<u8>,
+}
+
+impl Report {
+    /// The value, as `WorkerContext::report` sent it.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, postcard::Error> {
+        postcard::from_bytes(&self.data)
+    }
+}
+
+/// Reports queued per call before the workers that make them wait: with
+/// values of up to `MAX_REPORT` this bounds what a call's reports hold.
+const REPORTS_QUEUED: usize = 8;
+
 impl Executor {
     /// Runs `task` on every worker's executable; results in rank order.
     pub async fn execute<E: Executable, T: Task<E>>(&self, task: &T) -> Result<Vec<T::Output>, ExecError> {
-        let handles = self.call_all(CallKind::Task, T::NAME, task, None).await?;
+        let handles = self.call_all(CallKind::Task, T::NAME, task, None, None).await?;
         join_all(handles).await
+    }
+
+    /// Like `execute`, handing each value a worker reports while the task
+    /// runs to `on_report`, in the order each worker sent them (horovod.ray's
+    /// callbacks). Every report is handed over before this returns.
+    pub async fn execute_reporting<E: Executable, T: Task<E>>(
+        &self,
+        task: &T,
+        on_report: impl FnMut(Report),
+    ) -> Result<Vec<T::Output>, ExecError> {
+        let (tx, rx) = mpsc::channel(REPORTS_QUEUED);
+        let handles = self.call_all(CallKind::Task, T::NAME, task, None, Some(&tx)).await?;
+        drop(tx);
+        reporting(join_all(handles), rx, on_report).await
+    }
+
+    /// `run` with reports, as `execute_reporting`.
+    pub async fn run_reporting<F: Function>(
+        &self,
+        function: &F,
+        on_report: impl FnMut(Report),
+    ) -> Result<Vec<F::Output>, ExecError> {
+        let (tx, rx) = mpsc::channel(REPORTS_QUEUED);
+        let handles = self.call_all(CallKind::Function, F::NAME, function, None, Some(&tx)).await?;
+        drop(tx);
+        reporting(join_all(handles), rx, on_report).await
     }
 
     /// Runs `task` on rank 0 only.
     pub async fn execute_single<E: Executable, T: Task<E>>(&self, task: &T) -> Result<T::Output, ExecError> {
-        let mut handles = self.call_all(CallKind::Task, T::NAME, task, Some(0)).await?;
+        let mut handles = self.call_all(CallKind::Task, T::NAME, task, Some(0), None).await?;
         handles.remove(0).join().await
     }
 
     /// Runs the plain function `function` on every worker; results in rank order.
     pub async fn run<F: Function>(&self, function: &F) -> Result<Vec<F::Output>, ExecError> {
-        let handles = self.call_all(CallKind::Function, F::NAME, function, None).await?;
+        let handles = self.call_all(CallKind::Function, F::NAME, function, None, None).await?;
         join_all(handles).await
     }
 
@@ -37,7 +83,7 @@ impl Executor {
         &self,
         task: &T,
     ) -> Result<Vec<CallHandle<T::Output>>, ExecError> {
-        self.call_all(CallKind::Task, T::NAME, task, None).await
+        self.call_all(CallKind::Task, T::NAME, task, None, None).await
     }
 
     /// Starts the plain function on every worker and returns a handle per rank.
@@ -45,7 +91,7 @@ impl Executor {
         &self,
         function: &F,
     ) -> Result<Vec<CallHandle<F::Output>>, ExecError> {
-        self.call_all(CallKind::Function, F::NAME, function, None).await
+        self.call_all(CallKind::Function, F::NAME, function, None, None).await
     }
 
     async fn call_all<A: serde::Serialize, O: DeserializeOwned>(
@@ -54,6 +100,7 @@ impl Executor {
         name: &str,
         args: &A,
         only: Option<u32>,
+        reports: Option<&mpsc::Sender<Report>>,
     ) -> Result<Vec<CallHandle<O>>, ExecError> {
         let running = self.running()?;
         let args = postcard::to_stdvec(args).map_err(ExecError::Encode)?;
@@ -65,8 +112,12 @@ impl Executor {
         for link in running.links.iter().filter(|l| only.is_none_or(|r| r == l.info.rank)) {
             let (tx, rx) = oneshot::channel();
             link.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+            if let Some(reports) = reports {
+                link.reports.lock().unwrap_or_else(|p| p.into_inner()).insert(id, reports.clone());
+            }
             if let Err(e) = link.send_frame(&frame).await {
                 link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 return Err(e);
             }
             handles.push(CallHandle { link: link.clone(), id, rx: Some(rx), _output: PhantomData });
@@ -117,6 +168,7 @@ impl<T: DeserializeOwned> CallHandle<T> {
     pub async fn cancel(mut self) -> Result<(), ExecError> {
         self.rx = None;
         self.link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         self.link.send(&ToWorker::Cancel { id: self.id }).await
     }
 
@@ -139,4 +191,27 @@ async fn join_all<T: DeserializeOwned>(handles: Vec<CallHandle<T>>) -> Result<Ve
         results.push(handle.join().await);
     }
     results.into_iter().collect()
+}
+
+/// Hands reports to `on_report` while `work` runs, then the rest: a worker
+/// sends its reports before its result, so once `work` is done every
+/// report is queued.
+async fn reporting<T>(
+    work: impl std::future::Future<Output = T>,
+    mut reports: mpsc::Receiver<Report>,
+    mut on_report: impl FnMut(Report),
+) -> T {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            biased;
+            Some(report) = reports.recv() => on_report(report),
+            done = &mut work => {
+                while let Ok(report) = reports.try_recv() {
+                    on_report(report);
+                }
+                return done;
+            }
+        }
+    }
 }

@@ -12,10 +12,11 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{mpsc, oneshot};
 
-use super::WorkerInfo;
+use super::{Report, WorkerInfo};
 use crate::output::{Chunk, Stream};
 use crate::policy::{Cause, Liveness};
 use crate::proto::{self, ToDriver, ToWorker};
+use crate::registry::MAX_REPORT;
 use crate::ExecError;
 
 /// A call's bytes, or why there are none.
@@ -42,6 +43,9 @@ pub(crate) struct Link {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     pub pending: Mutex<HashMap<u64, oneshot::Sender<CallResult>>>,
     pub created: Mutex<Option<oneshot::Sender<Result<(), String>>>>,
+    /// Where the reports of running calls go, by call id (calls made with
+    /// `execute_reporting`; others' reports are dropped).
+    pub reports: Mutex<HashMap<u64, mpsc::Sender<Report>>>,
     lost: Mutex<Option<String>>,
     /// When the worker was last heard from, in ms since `epoch`; checked by
     /// the watchdog (a timer per frame would cost more than the frame).
@@ -69,6 +73,7 @@ impl Link {
             writer: tokio::sync::Mutex::new(writer),
             pending: Mutex::new(HashMap::new()),
             created: Mutex::new(None),
+            reports: Mutex::new(HashMap::new()),
             lost: Mutex::new(None),
             last_heard_ms: AtomicU64::new(0),
             epoch: std::time::Instant::now(),
@@ -128,6 +133,7 @@ impl Link {
         if let Some(tx) = self.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = tx.send(Err(message));
         }
+        self.reports.lock().unwrap_or_else(|p| p.into_inner()).clear();
         true
     }
 }
@@ -186,7 +192,18 @@ pub(crate) async fn read_worker(
                     let _ = tx.send(result);
                 }
             }
+            ToDriver::Report { id, data } => {
+                if data.len() > MAX_REPORT {
+                    break format!("it reported {} bytes at once, over the limit of {MAX_REPORT}", data.len());
+                }
+                let sink = link.reports.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
+                if let Some(sink) = sink {
+                    // a caller that stopped listening loses its reports, nothing else
+                    let _ = forward(&link, &sink, Report { rank, data }).await;
+                }
+            }
             ToDriver::Done { id, result } => {
+                link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 if let Some(tx) = link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
                     let _ = tx.send(result.map_err(CallError::Task));
                 }
@@ -201,15 +218,16 @@ pub(crate) async fn read_worker(
     }
 }
 
-/// Queues output for the output thread. A full queue holds this worker
-/// back (its pipes fill), not the driver: heartbeats and calls of others go
-/// on, and this worker's silence meanwhile is not held against it.
-async fn forward(link: &Link, output: &mpsc::Sender<Chunk>, chunk: Chunk) -> Result<(), ()> {
-    match output.try_send(chunk) {
+/// Queues output for the output thread, or a report for its caller. A full
+/// queue holds this worker back (its pipes fill, its reports wait), not the
+/// driver: heartbeats and calls of others go on, and this worker's silence
+/// meanwhile is not held against it.
+async fn forward<T>(link: &Link, queue: &mpsc::Sender<T>, item: T) -> Result<(), ()> {
+    match queue.try_send(item) {
         Ok(()) => Ok(()),
-        Err(mpsc::error::TrySendError::Full(chunk)) => {
+        Err(mpsc::error::TrySendError::Full(item)) => {
             link.held_back.store(true, Ordering::Relaxed);
-            let sent = output.send(chunk).await.map_err(drop);
+            let sent = queue.send(item).await.map_err(drop);
             link.heard();
             link.held_back.store(false, Ordering::Relaxed);
             sent

@@ -15,7 +15,7 @@ mod link;
 mod progress;
 mod start;
 
-pub use calls::CallHandle;
+pub use calls::{CallHandle, Report};
 pub use command::{Failure, JobOutcome};
 pub use link::RankError;
 

@@ -25,7 +25,7 @@ use crate::process::{signal_group, stop_group};
 use crate::proto::{
     self, CallKind, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
 };
-use crate::registry::{Registry, WorkerContext};
+use crate::registry::{Registry, ReportError, Reporter, WorkerContext};
 use reader::FrameReader;
 
 /// Variables an engine sets to start a process in worker mode.
@@ -80,6 +80,8 @@ struct Agent {
     group_registry: Option<OwnedFd>,
     started: Instant,
     last_heard_ms: AtomicU64,
+    /// The id of the call running now (0: none), for its reports.
+    current_call: AtomicU64,
     kill_grace: Duration,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
@@ -255,6 +257,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         group_registry,
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
+        current_call: AtomicU64::new(0),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
         heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
         heartbeat_timeout: Duration::from_millis(welcome.heartbeat_timeout_ms.max(1)),
@@ -439,7 +442,8 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
                 std::env::set_var(k, v);
             }
             state.env.extend(vars);
-            state.ctx = WorkerContext::new(state.env.iter().cloned().collect::<BTreeMap<_, _>>());
+            state.ctx =
+                WorkerContext::new(state.env.iter().cloned().collect::<BTreeMap<_, _>>(), Some(reporter(agent)));
             return;
         }
         ToWorker::StartCommand { argv } => return command::start_command(agent, &argv, &state.env),
@@ -473,10 +477,12 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
             ToDriver::Created { result }
         }
         ToWorker::Call { id, kind, name, args } => {
+            agent.current_call.store(id, Ordering::Relaxed);
             let result = match kind {
                 CallKind::Task => registry.run_task(&name, &args, state.executable.as_deref_mut(), &state.ctx),
                 CallKind::Function => registry.run_function(&name, &args, &state.ctx),
             };
+            agent.current_call.store(0, Ordering::Relaxed);
             ToDriver::Done { id, result }
         }
     };
@@ -486,6 +492,15 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
         agent.say(&format!("lost the driver ({e}); stopping"));
         agent.exit(1, Duration::ZERO);
     }
+}
+
+/// Reports go out tagged with the call running when they are made.
+fn reporter(agent: &Arc<Agent>) -> Reporter {
+    let agent = Arc::clone(agent);
+    Reporter::new(move |data| match agent.current_call.load(Ordering::Relaxed) {
+        0 => Err(ReportError::NoCall),
+        id => Ok(agent.send(&ToDriver::Report { id, data })?),
+    })
 }
 
 fn libc_signal(signal: Signal) -> i32 {
