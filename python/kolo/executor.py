@@ -3,11 +3,9 @@ Executor, so that `from kolo import Executor as RayExecutor` is the whole
 migration. The workers are this Python running kolo's Rust agent; functions,
 classes and results travel with cloudpickle."""
 
-import concurrent.futures
 import os
 import pickle
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
@@ -159,6 +157,8 @@ class Executor:
         s = self.settings
         if not (s.ssh_str and not s.ssh_identity_file):
             return self._start(s.ssh_identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars)
+        import tempfile  # here: workers import this module too, and need no more
+
         # the ssh engine connects during start only: the key goes after it
         with tempfile.TemporaryDirectory(prefix="kolo-ssh-") as private:  # 0700
             key_file = os.path.join(private, "key")
@@ -226,6 +226,8 @@ class Executor:
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
         driver = self._running()
         if self._pool is None:
+            import concurrent.futures  # here: workers import this module too, and need no more
+
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kolo-run-remote")
         future = self._pool.submit(lambda: self._answers(driver.execute(payload)))
         return [Handle(future, rank) for rank in range(len(self._workers))]

@@ -256,3 +256,15 @@ def test_ssh_str_goes_to_the_identity_file_privately_and_never_over_an_existing_
     assert key.read_text() == "KEY TEXT\n" and key.stat().st_mode & 0o777 == 0o600
     RayExecutor.create_settings(ssh_identity_file=str(key), ssh_str="ANOTHER KEY")
     assert key.read_text() == "KEY TEXT\n"
+
+
+def test_workers_stay_while_the_driver_is_busy_between_calls_longer_than_the_heartbeat_timeout(settings):
+    import time
+
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        pids = ex.run(os.getpid)
+        # the user's own work between calls: kolo's heartbeats must go on
+        # meanwhile (the workers give a silent driver up after 5 s)
+        time.sleep(7)
+        assert ex.run(os.getpid) == pids

@@ -230,7 +230,14 @@ impl Driver {
         .map_err(error)?;
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(error)?;
+        // one thread of its own: heartbeats and output go on while Python
+        // is busy between calls, not only while it waits in one
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kolo-driver")
+            .enable_all()
+            .build()
+            .map_err(error)?;
         Ok(Driver { inner: std::sync::Mutex::new(Some((runtime, executor))) })
     }
 
