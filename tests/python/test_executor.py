@@ -111,6 +111,28 @@ def test_a_worker_that_dies_raises_instead_of_hanging(settings):
             ex.run(lambda: os._exit(3) if os.environ["RANK"] == "1" else 0)
 
 
+def test_a_hung_worker_raises_within_the_heartbeat_timeout_and_is_not_left(settings):
+    import signal
+    import time
+
+    def stop_rank_one():
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)  # the whole process: its heartbeats too
+        return os.getpid()
+
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        pids = ex.run(os.getpid)
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1.*no heartbeat"):
+            ex.run(stop_rank_one)
+        # the heartbeat timeout is 5 s; a generous bound for a loaded machine
+        assert time.monotonic() - began < 20
+    for pid in pids:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        assert state in ("gone", "Z"), f"worker {pid} is still there ({state})"
+
+
 def test_settings_reach_the_job_and_unknown_interfaces_are_named():
     settings = RayExecutor.create_settings(timeout_s=30, nics={"lo"})
     with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
