@@ -132,9 +132,12 @@ class Executor:
         for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if engine not in (None, "local", "ssh", "slurm"):
-            raise ValueError(f"engine must be 'local', 'ssh' or 'slurm', got {engine!r}")
+        if engine not in (None, "local", "ssh", "slurm", "ray"):
+            raise ValueError(f"engine must be 'local', 'ssh', 'slurm' or 'ray', got {engine!r}")
+        if engine == "ray" and hosts is not None:
+            raise ValueError("engine='ray' places the workers on the Ray cluster's nodes itself: drop hosts")
         self.settings = settings or Settings()
+        self._use_current_placement_group = use_current_placement_group
         self._request = dict(
             num_workers=num_workers,
             num_hosts=num_hosts,
@@ -165,6 +168,25 @@ class Executor:
             _write_key(key_file, s.ssh_str)
             self._start(key_file, executable_cls, executable_args, executable_kwargs, extra_env_vars)
 
+    def _ray_cluster(self):
+        """Where the Ray engine finds the cluster: the one this process is
+        connected to (and the placement group it runs in, with
+        use_current_placement_group), else RAY_ADDRESS or this machine's."""
+        if self._request["engine"] != "ray" or "ray" not in sys.modules:
+            return {}
+        import ray
+
+        if not ray.is_initialized():
+            return {}
+        cluster = {"ray_address": ray.get_runtime_context().gcs_address}
+        if self._use_current_placement_group:
+            from ray.util import get_current_placement_group
+
+            current = get_current_placement_group()
+            if current is not None:
+                cluster["ray_placement_group"] = current.id.hex()
+        return cluster
+
     def _start(self, identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars):
         s = self.settings
         driver = _kolo.Driver(
@@ -175,6 +197,7 @@ class Executor:
             ssh_config_file=s.ssh_config_file,
             worker_program=sys.executable,
             worker_args=["-m", "kolo._worker"],
+            **self._ray_cluster(),
             **self._request,
         )
         # the driver's import path goes along, so that what pickles by

@@ -59,7 +59,8 @@ mod worker;
 
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, Report, WorkerInfo};
 pub use engine::{
-    is_this_machine, Engine, EngineChoice, LocalEngine, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
+    is_this_machine, Engine, EngineChoice, EngineOptions, LocalEngine, RayEngine, RayOptions, SlurmEngine,
+    SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};
 pub use nics::PairReport;
@@ -126,6 +127,8 @@ pub enum ExecError {
     Task { rank: u32, host: String, message: String },
     #[error("slurm: {0}")]
     Slurm(String),
+    #[error("ray: {0}")]
+    Ray(String),
     #[error("network interface detection: {0}")]
     Nics(String),
     #[error("cannot encode a value: {0}")]

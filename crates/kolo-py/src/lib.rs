@@ -163,7 +163,7 @@ impl Driver {
     /// `workers_per_host` on each of `num_hosts` distinct hosts.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args, placement_timeout_s=100.0, nics=None, ssh_identity_file=None, ssh_config_file=None))]
+    #[pyo3(signature = (num_workers, num_hosts, workers_per_host, cpus_per_worker, gpus_per_worker, hosts, engine, start_timeout_s, worker_program, worker_args, placement_timeout_s=100.0, nics=None, ssh_identity_file=None, ssh_config_file=None, ray_address=None, ray_placement_group=None))]
     fn new(
         num_workers: Option<u32>,
         num_hosts: Option<u32>,
@@ -179,6 +179,8 @@ impl Driver {
         nics: Option<Vec<String>>,
         ssh_identity_file: Option<String>,
         ssh_config_file: Option<String>,
+        ray_address: Option<String>,
+        ray_placement_group: Option<String>,
     ) -> PyResult<Self> {
         let request = match (num_workers, num_hosts) {
             (Some(n), None) => WorkerRequest::pack(n),
@@ -199,6 +201,12 @@ impl Driver {
         settings.nics = nics;
         settings.ssh.identity_file = ssh_identity_file.map(Into::into);
         settings.ssh.config_file = ssh_config_file.map(Into::into);
+        // the workers' Python runs the Ray bridge too: it has Ray if the caller does
+        let ray = kolo_exec::RayOptions {
+            address: ray_address,
+            python: worker_program.clone().into(),
+            placement_group: ray_placement_group,
+        };
         settings.worker_program = Some(worker_program.into());
         settings.worker_args = worker_args;
         let host_list = match &hosts {
@@ -210,7 +218,8 @@ impl Driver {
             Some("local") => EngineChoice::Local,
             Some("ssh") => EngineChoice::Ssh,
             Some("slurm") => EngineChoice::Slurm,
-            Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh or slurm"))),
+            Some("ray") => EngineChoice::Ray,
+            Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh, slurm or ray"))),
         };
         let this_machine = match choice {
             EngineChoice::Local => true,
@@ -222,9 +231,9 @@ impl Driver {
             // no host list: this machine
             Executor::new(settings, request)
         } else {
-            let (np, ssh) = (request.num_workers(), settings.ssh.clone());
+            let options = kolo_exec::EngineOptions { ssh: settings.ssh.clone(), ray, ..Default::default() };
             choice
-                .engine(host_list, np, ssh, kolo_exec::SlurmOptions::default())
+                .engine(host_list, &request, options)
                 .and_then(|engine| Executor::with_engine(settings, request, engine))
         }
         .map_err(error)?;

@@ -94,9 +94,21 @@ pub struct RunArgs {
     pub gpus_per_worker: u32,
     /// Where workers run: auto (slurm inside an allocation, ssh when the
     /// hosts include other machines, local otherwise), local (every host a
-    /// simulated node here), ssh, slurm.
+    /// simulated node here), ssh, slurm, ray (a Ray cluster's nodes).
     #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
     pub engine: EngineArg,
+    /// The Ray cluster for --engine ray (default: RAY_ADDRESS, else the
+    /// cluster running on this machine).
+    #[arg(long, value_name = "ADDRESS")]
+    pub ray_address: Option<String>,
+    /// A Python that has Ray, to run kolo's bridge to it.
+    #[arg(long, default_value = "python3", value_name = "PATH")]
+    pub ray_python: PathBuf,
+    /// With --engine ray: W workers on each of np/W distinct nodes (one
+    /// bundle per node, STRICT_SPREAD) instead of packing one-worker
+    /// bundles onto as few nodes as fit.
+    #[arg(long, value_name = "W")]
+    pub workers_per_host: Option<u32>,
     /// Nodes to ask Slurm for (with --engine slurm outside an allocation).
     #[arg(long, value_name = "N")]
     pub slurm_nodes: Option<u32>,
@@ -146,6 +158,7 @@ pub enum EngineArg {
     Local,
     Ssh,
     Slurm,
+    Ray,
 }
 
 #[derive(Args, Debug)]

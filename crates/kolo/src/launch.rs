@@ -6,7 +6,10 @@ use std::ffi::OsString;
 use std::future::Future;
 use std::time::Duration;
 
-use kolo_exec::{EngineChoice, Executor, JobOutcome, OutputOptions, Settings, SlurmOptions, SshOptions, WorkerRequest};
+use kolo_exec::{
+    EngineChoice, EngineOptions, Executor, JobOutcome, OutputOptions, RayOptions, Settings, SlurmOptions, SshOptions,
+    WorkerRequest,
+};
 use kolo_topology::{total_slots, HostSpec, TopologyError};
 use nix::sys::signal::Signal;
 
@@ -32,6 +35,9 @@ pub struct LaunchSpec {
     pub engine: EngineChoice,
     pub ssh: SshOptions,
     pub slurm: SlurmOptions,
+    pub ray: RayOptions,
+    /// With Ray: this many workers on each of np/W distinct nodes.
+    pub workers_per_host: Option<u32>,
     /// Interfaces to use instead of detecting them.
     pub nics: Option<Vec<String>>,
     /// The program started as the worker agent (default: this binary).
@@ -51,12 +57,20 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
         let (choice, hosts) = (spec.engine, spec.hosts.clone());
         tokio::task::spawn_blocking(move || (choice.resolve(&hosts), hosts)).await?
     };
-    // Slurm's allocation is the host list there; elsewhere, Horovod's check
+    // Slurm's allocation and Ray's cluster are the host list there;
+    // elsewhere, Horovod's check
     let available = total_slots(&hosts);
-    if choice != EngineChoice::Slurm && spec.np > available {
+    if !matches!(choice, EngineChoice::Slurm | EngineChoice::Ray) && spec.np > available {
         return Err(TopologyError::NotEnoughSlots { requested: spec.np, available }.into());
     }
-    let engine = choice.engine(hosts, np, spec.ssh.clone(), spec.slurm.clone())?;
+    // one slot = one CPU: packing fills the hosts in order, as horovodrun does
+    let request = match spec.workers_per_host {
+        Some(w) => WorkerRequest::colocated(np / w, w),
+        None => WorkerRequest::pack(np),
+    }
+    .gpus_per_worker(spec.gpus_per_worker);
+    let options = EngineOptions { ssh: spec.ssh.clone(), slurm: spec.slurm.clone(), ray: spec.ray.clone() };
+    let engine = choice.engine(hosts, &request, options)?;
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
     settings.placement_timeout = spec.placement_timeout;
@@ -66,8 +80,6 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
     settings.nics = spec.nics.clone();
     settings.worker_program = spec.worker_program.clone();
     settings.worker_args = spec.worker_args.clone();
-    // one slot = one CPU: packing fills the hosts in order, as horovodrun does
-    let request = WorkerRequest::pack(np).gpus_per_worker(spec.gpus_per_worker);
     Ok(Executor::with_engine(settings, request, engine)?)
 }
 

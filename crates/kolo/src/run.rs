@@ -45,7 +45,12 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
 }
 
 fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
-    let hosts = hosts(args)?;
+    let ray = args.engine == EngineArg::Ray;
+    // Ray places the workers on its nodes: a host list is an error there
+    let hosts = if ray && args.hosts.is_none() && args.hostfile.is_none() { Vec::new() } else { hosts(args)? };
+    if args.workers_per_host.is_some() && !ray {
+        bail!("--workers-per-host places workers through Ray: use it with --engine ray");
+    }
     let np = match args.np {
         Some(0) => bail!("-np must be at least 1, got 0"),
         Some(np) => np,
@@ -57,10 +62,16 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
             kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?.iter().map(|h| u64::from(h.cpus)).sum()
         }
+        None if ray => bail!("give the number of processes with -np N"),
         None => {
             bail!("give the number of processes with -np N (and hosts with -H host1:4,host2:4)")
         }
     };
+    if let Some(w) = args.workers_per_host {
+        if w == 0 || np % u64::from(w) != 0 {
+            bail!("--workers-per-host {w} must divide -np {np} (np/W nodes with W workers each)");
+        }
+    }
     if args.command.is_empty() {
         bail!("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py");
     }
@@ -109,6 +120,12 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         },
         worker_program: args.worker_program.clone(),
         worker_args: Vec::new(),
+        workers_per_host: args.workers_per_host,
+        ray: kolo_exec::RayOptions {
+            address: args.ray_address.clone(),
+            python: args.ray_python.clone(),
+            placement_group: None,
+        },
         slurm: kolo_exec::SlurmOptions {
             nodes: args.slurm_nodes,
             partition: args.slurm_partition.clone(),
@@ -306,6 +323,7 @@ pub async fn nics(args: NicsArgs) -> Result<i32> {
         EngineChoice::Local => {
             kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_exec::LocalEngine::with_hosts(hosts)))?
         }
+        EngineChoice::Ray => bail!("kolo nics probes the hosts of -H; Ray places workers itself: use ssh or local"),
     };
     let started = executor.start_workers(&[]).await;
     if let Err(e) = started {
@@ -353,5 +371,6 @@ fn engine_choice(arg: EngineArg) -> EngineChoice {
         EngineArg::Local => EngineChoice::Local,
         EngineArg::Ssh => EngineChoice::Ssh,
         EngineArg::Slurm => EngineChoice::Slurm,
+        EngineArg::Ray => EngineChoice::Ray,
     }
 }

@@ -32,7 +32,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::engine::{Engine, EngineChoice, LocalEngine, SlurmOptions};
+use crate::engine::{Engine, EngineChoice, EngineOptions, LocalEngine};
 use crate::guard::Guard;
 use crate::output::OutputWriter;
 use crate::proto::ToWorker;
@@ -92,8 +92,8 @@ impl Executor {
     /// machine, ssh (with `settings.ssh`) otherwise, Slurm inside an
     /// allocation. Looks host names up: call it before the async work.
     pub fn on_hosts(settings: Settings, request: WorkerRequest, hosts: Vec<HostSpec>) -> Result<Self, ExecError> {
-        let (np, ssh) = (request.num_workers(), settings.ssh.clone());
-        let engine = EngineChoice::Auto.engine(hosts, np, ssh, SlurmOptions::default())?;
+        let options = EngineOptions { ssh: settings.ssh.clone(), ..EngineOptions::default() };
+        let engine = EngineChoice::Auto.engine(hosts, &request, options)?;
         Self::with_engine(settings, request, engine)
     }
 

@@ -3,10 +3,12 @@
 //! every engine.
 
 mod local;
+mod ray;
 mod slurm;
 mod ssh;
 
 pub use local::LocalEngine;
+pub use ray::{RayEngine, RayOptions};
 pub use slurm::{SlurmEngine, SlurmOptions};
 pub use ssh::{SshEngine, SshOptions};
 
@@ -18,7 +20,7 @@ use std::time::Duration;
 use kolo_topology::{HostResources, HostSpec};
 
 use crate::guard::Guard;
-use crate::ExecError;
+use crate::{ExecError, WorkerRequest};
 
 /// One worker process to start, as the plan placed it.
 #[derive(Clone, Debug)]
@@ -76,6 +78,16 @@ pub enum EngineChoice {
     Local,
     Ssh,
     Slurm,
+    /// Workers placed on a Ray cluster (never chosen by `Auto`).
+    Ray,
+}
+
+/// How each engine reaches its machines.
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {
+    pub ssh: SshOptions,
+    pub slurm: SlurmOptions,
+    pub ray: RayOptions,
 }
 
 impl EngineChoice {
@@ -92,18 +104,23 @@ impl EngineChoice {
 
     /// The engine this choice stands for, resolved with `resolve` first:
     /// Slurm's allocation when inside one, else one asked for, sized for
-    /// `np` workers (`slurm`'s options).
+    /// the request; Ray places the request itself and takes no host list.
     pub fn engine(
         self,
         hosts: Vec<HostSpec>,
-        np: u32,
-        ssh: SshOptions,
-        slurm: SlurmOptions,
+        request: &WorkerRequest,
+        options: EngineOptions,
     ) -> Result<Box<dyn Engine>, ExecError> {
         Ok(match self.resolve(&hosts) {
+            EngineChoice::Ray if !hosts.is_empty() => {
+                return Err(ExecError::BadSettings(
+                    "the Ray engine places workers on the Ray cluster's nodes itself: give no host list".into(),
+                ))
+            }
+            EngineChoice::Ray => Box::new(RayEngine::new(options.ray, *request)),
             EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
-            EngineChoice::Slurm => Box::new(SlurmEngine::allocate(np, slurm)),
-            EngineChoice::Ssh => Box::new(SshEngine::new(hosts, ssh)),
+            EngineChoice::Slurm => Box::new(SlurmEngine::allocate(request.num_workers(), options.slurm)),
+            EngineChoice::Ssh => Box::new(SshEngine::new(hosts, options.ssh)),
             _ => Box::new(LocalEngine::with_hosts(hosts)),
         })
     }

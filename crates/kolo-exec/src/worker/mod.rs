@@ -47,6 +47,10 @@ pub mod env {
     /// the agent's stdout is a pipe to the driver, on which each command
     /// says "my group is N" before it runs, and the agent "N is gone".
     pub const GROUPS_ON_STDOUT: &str = "KOLO_WORKER_GROUPS_ON_STDOUT";
+    /// Set by an engine whose launcher holds the agent's stdin open for as
+    /// long as the agent may run (Ray's actors): end of file on stdin means
+    /// the launcher is gone, and the agent stops as if the driver were.
+    pub const STDIN_LIFELINE: &str = "KOLO_WORKER_STDIN_LIFELINE";
 }
 
 /// Serves as a worker and exits if this process was started as one;
@@ -273,6 +277,15 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
             if let Some(signal) = signals.forever().next() {
                 agent.exit(128 + signal, agent.kill_grace);
             }
+        });
+    }
+    if std::env::var_os(env::STDIN_LIFELINE).is_some() {
+        let agent = agent.clone();
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 256];
+            while matches!(io::stdin().read(&mut sink), Ok(n) if n > 0) {}
+            agent.say("its launcher is gone (stdin closed); stopping");
+            agent.exit(1, agent.kill_grace);
         });
     }
     let interval = Duration::from_millis(welcome.heartbeat_interval_ms.max(1));

@@ -1,0 +1,355 @@
+//! The Ray engine: workers placed on a Ray cluster through Ray's public API,
+//! as horovod.ray's strategies place them. A small Python bridge
+//! (`ray_bridge.py`, run with a Python that has Ray) makes the placement
+//! group (one bundle per host with STRICT_SPREAD for colocated, one per
+//! worker with PACK), puts a launcher actor in each bundle to hold its
+//! resources, and has it start the kolo agents as its children. Everything
+//! after that (registration, ranks, rendezvous, collectives) is kolo's;
+//! Ray carries none of the job's traffic.
+//!
+//! Faults: an agent's stdin is its lifeline to its actor, so an actor or
+//! node that dies takes its agents with it, and the bridge reports it. The
+//! bridge ends with the driver (end of its stdin, or the janitor's
+//! SIGTERM), and Ray removes what a finished job held.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Write};
+use std::net::IpAddr;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kolo_topology::{HostResources, Placement, WorkerResources};
+use serde_json::{json, Value};
+
+use super::{Engine, WorkerLaunch};
+use crate::guard::Guard;
+use crate::{worker, ExecError, WorkerRequest};
+
+const BRIDGE: &str = include_str!("ray_bridge.py");
+
+/// Time for the bridge to start Python, import Ray and connect, on top of
+/// the placement timeout.
+const BRIDGE_START: Duration = Duration::from_secs(120);
+/// How long the bridge may take to clean up before it is killed.
+const BRIDGE_CLOSE: Duration = Duration::from_secs(15);
+
+/// Where the Ray cluster is and how to reach it.
+#[derive(Clone, Debug)]
+pub struct RayOptions {
+    /// Ray's address (`ray.init(address=...)`); none: `RAY_ADDRESS`, else
+    /// the cluster running on this machine.
+    pub address: Option<String>,
+    /// A Python that has Ray; it runs kolo's bridge.
+    pub python: PathBuf,
+    /// The hex id of a placement group to use instead of making one
+    /// (horovod.ray's `use_current_placement_group`).
+    pub placement_group: Option<String>,
+}
+
+impl Default for RayOptions {
+    fn default() -> Self {
+        RayOptions { address: None, python: "python3".into(), placement_group: None }
+    }
+}
+
+/// One bundle of the placement group, as its launcher actor found it.
+#[derive(Clone, Debug)]
+struct Bundle {
+    node_id: String,
+    /// Workers it holds.
+    slots: u32,
+}
+
+pub struct RayEngine {
+    options: RayOptions,
+    request: WorkerRequest,
+    bridge: Option<Bridge>,
+    bundles: Vec<Bundle>,
+    gcs_host: Option<String>,
+    spawned: Vec<u32>,
+    reported: HashSet<u32>,
+    kill_sent: Option<Instant>,
+}
+
+struct Bridge {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    answers: Receiver<Value>,
+    events: Receiver<(u32, String)>,
+    stderr_tail: Arc<Mutex<Vec<String>>>,
+}
+
+fn ray_err(detail: impl std::fmt::Display) -> ExecError {
+    ExecError::Ray(detail.to_string())
+}
+
+impl Bridge {
+    fn start(python: &PathBuf) -> Result<Bridge, ExecError> {
+        let mut child = Command::new(python)
+            .arg("-c")
+            .arg(BRIDGE)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // its own group: a Ctrl-C meant for kolo reaches kolo, which
+            // tears the job down in order
+            .process_group(0)
+            .spawn()
+            .map_err(|e| {
+                ray_err(format!("cannot run {} for the Ray bridge: {e} (give a Python with Ray)", python.display()))
+            })?;
+        let (answer_tx, answers) = mpsc::channel();
+        let (event_tx, events) = mpsc::channel();
+        let stdout = child.stdout.take().expect("piped");
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let Ok(message) = serde_json::from_str::<Value>(&line) else { continue };
+                match (message.get("exited").and_then(Value::as_u64), message.get("reason").and_then(Value::as_str)) {
+                    (Some(index), Some(reason)) => {
+                        let _ = event_tx.send((index as u32, reason.to_string()));
+                    }
+                    _ => {
+                        let _ = answer_tx.send(message);
+                    }
+                }
+            }
+        });
+        let stderr_tail = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped");
+        let tail = stderr_tail.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                tracing::debug!(target: "kolo_exec::ray_bridge", "{line}");
+                let mut tail = tail.lock().unwrap_or_else(|p| p.into_inner());
+                tail.push(line);
+                let excess = tail.len().saturating_sub(20);
+                tail.drain(..excess);
+            }
+        });
+        Ok(Bridge { stdin: child.stdin.take(), child, answers, events, stderr_tail })
+    }
+
+    fn send(&mut self, message: &Value) -> Result<(), ExecError> {
+        let stdin = self.stdin.as_mut().ok_or_else(|| ray_err("the bridge is closed"))?;
+        writeln!(stdin, "{message}")
+            .and_then(|_| stdin.flush())
+            .map_err(|e| ray_err(format!("the bridge is gone ({e}){}", self.last_words())))
+    }
+
+    /// The answer to the request just sent, within `limit`.
+    fn answer(&mut self, what: &str, limit: Duration) -> Result<Value, ExecError> {
+        let answer = match self.answers.recv_timeout(limit) {
+            Ok(answer) => answer,
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(ray_err(format!(
+                    "no answer from the bridge to {what} within {} s{}",
+                    limit.as_secs(),
+                    self.last_words()
+                )))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                let _ = self.child.wait();
+                return Err(ray_err(format!("the bridge exited during {what}{}", self.last_words())));
+            }
+        };
+        match answer.get("error").and_then(Value::as_str) {
+            Some(error) => Err(ray_err(error)),
+            None => Ok(answer),
+        }
+    }
+
+    fn last_words(&self) -> String {
+        let tail = self.stderr_tail.lock().unwrap_or_else(|p| p.into_inner());
+        // the end of a Python traceback says what went wrong
+        let said: Vec<&str> = tail.iter().rev().filter(|l| !l.trim().is_empty()).take(3).map(String::as_str).collect();
+        if said.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", said.into_iter().rev().collect::<Vec<_>>().join(" / "))
+        }
+    }
+
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+}
+
+impl RayEngine {
+    pub fn new(options: RayOptions, request: WorkerRequest) -> Self {
+        RayEngine {
+            options,
+            request,
+            bridge: None,
+            bundles: Vec::new(),
+            gcs_host: None,
+            spawned: Vec::new(),
+            reported: HashSet::new(),
+            kill_sent: None,
+        }
+    }
+
+    /// The placement group's bundles and Ray's strategy for them
+    /// (horovod.ray's: a bundle per host, or a bundle per worker).
+    fn bundles_asked(&self) -> (Vec<Value>, &'static str, u32) {
+        let WorkerResources { cpus, gpus } = self.request.resources;
+        let bundle = |workers: u32| {
+            let mut b = serde_json::Map::new();
+            b.insert("CPU".into(), json!(cpus * workers));
+            // Ray refuses resources of zero in a bundle
+            if gpus > 0 {
+                b.insert("GPU".into(), json!(gpus * workers));
+            }
+            Value::Object(b)
+        };
+        match self.request.placement {
+            Placement::Pack { num_workers } => (vec![bundle(1); num_workers as usize], "PACK", 1),
+            Placement::Colocated { num_hosts, workers_per_host } => {
+                (vec![bundle(workers_per_host); num_hosts as usize], "STRICT_SPREAD", workers_per_host)
+            }
+        }
+    }
+}
+
+impl Engine for RayEngine {
+    fn name(&self) -> &'static str {
+        "ray"
+    }
+
+    /// Places the job on the cluster: the nodes its bundles landed on, in
+    /// bundle order, with their CPUs and the GPU ids Ray gave them.
+    fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
+        let (bundles, strategy, slots) = self.bundles_asked();
+        let mut bridge = Bridge::start(&self.options.python)?;
+        bridge.send(&json!({
+            "op": "place",
+            "address": self.options.address,
+            "bundles": bundles,
+            "strategy": strategy,
+            "placement_group": self.options.placement_group,
+            "timeout_s": placement_timeout.as_secs_f64(),
+        }))?;
+        self.bridge = Some(bridge);
+        let bridge = self.bridge.as_mut().expect("just set");
+        let answer = bridge.answer("placement", placement_timeout + BRIDGE_START)?;
+        self.gcs_host = answer.get("gcs_host").and_then(Value::as_str).map(String::from);
+        let placed = answer
+            .get("placed")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ray_err("the bridge's placement answer has no bundles"))?;
+        let cpus_per_worker = self.request.resources.cpus;
+        let mut hosts: Vec<HostResources> = Vec::new();
+        for p in placed {
+            let field = |name: &str| p.get(name).and_then(Value::as_str).map(String::from);
+            let node_id = field("node_id").ok_or_else(|| ray_err("a bundle without a node id"))?;
+            let gpu_ids: Vec<u32> = p
+                .get("gpu_ids")
+                .and_then(Value::as_array)
+                .map(|ids| ids.iter().filter_map(Value::as_u64).map(|g| g as u32).collect())
+                .unwrap_or_default();
+            self.bundles.push(Bundle { node_id: node_id.clone(), slots });
+            match hosts.iter_mut().find(|h| h.node_id == node_id) {
+                Some(host) => {
+                    host.cpus += slots * cpus_per_worker;
+                    host.gpus.extend(gpu_ids);
+                }
+                None => hosts.push(HostResources {
+                    hostname: field("hostname").unwrap_or_else(|| node_id.clone()),
+                    node_id,
+                    cpus: slots * cpus_per_worker,
+                    gpus: gpu_ids,
+                }),
+            }
+        }
+        Ok(hosts)
+    }
+
+    fn driver_addr(&self) -> IpAddr {
+        super::ssh::route_to(self.gcs_host.as_deref().unwrap_or("127.0.0.1"), 6379)
+    }
+
+    fn default_nics(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
+        let bridge = self.bridge.as_mut().ok_or_else(|| ray_err("spawn before placement"))?;
+        let _ = janitor.watch_group(bridge.child.id());
+        let mut free: Vec<u32> = self.bundles.iter().map(|b| b.slots).collect();
+        let mut launches = Vec::with_capacity(workers.len());
+        for w in &workers {
+            let bundle = (0..self.bundles.len())
+                .find(|&b| free[b] > 0 && self.bundles[b].node_id == w.host.node_id)
+                .ok_or_else(|| ray_err(format!("no bundle left on node {} for worker {}", w.host.node_id, w.index)))?;
+            free[bundle] -= 1;
+            let mut env: serde_json::Map<String, Value> = w.env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+            env.insert(worker::env::SECRET_ON_STDIN.into(), json!("1"));
+            env.insert(worker::env::STDIN_LIFELINE.into(), json!("1"));
+            launches.push(json!({
+                "index": w.index,
+                "bundle": bundle,
+                "program": w.program.to_string_lossy(),
+                "args": w.args.iter().map(|a| a.to_string_lossy().into_owned()).collect::<Vec<_>>(),
+                "env": env,
+            }));
+        }
+        let secret = workers.first().map(|w| w.secret.clone()).unwrap_or_default();
+        bridge.send(&json!({"op": "spawn", "secret": secret, "workers": launches}))?;
+        bridge.answer("starting the agents", Duration::from_secs(90))?;
+        self.spawned = workers.iter().map(|w| w.index).collect();
+        Ok(())
+    }
+
+    fn exited(&mut self) -> Vec<(u32, String)> {
+        let Some(bridge) = self.bridge.as_mut() else { return Vec::new() };
+        let mut out: Vec<(u32, String)> = bridge.events.try_iter().filter(|(i, _)| self.reported.insert(*i)).collect();
+        if self.kill_sent.is_none() && bridge.exited() {
+            let why = format!("kolo's Ray bridge exited{}", bridge.last_words());
+            for &index in &self.spawned {
+                if self.reported.insert(index) {
+                    out.push((index, why.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    fn all_exited(&mut self) -> bool {
+        let Some(bridge) = self.bridge.as_mut() else { return true };
+        if bridge.exited() {
+            return true;
+        }
+        // a bridge that does not finish cleaning up in time is killed; Ray
+        // then removes what its job held
+        if self.kill_sent.is_some_and(|sent| sent.elapsed() > BRIDGE_CLOSE) {
+            let _ = bridge.child.kill();
+        }
+        false
+    }
+
+    fn kill_all(&mut self) {
+        let Some(bridge) = self.bridge.as_mut() else { return };
+        if self.kill_sent.is_none() {
+            self.kill_sent = Some(Instant::now());
+            let _ = bridge.send(&json!({"op": "kill"}));
+            bridge.stdin = None;
+        }
+    }
+}
+
+impl Drop for RayEngine {
+    fn drop(&mut self) {
+        self.kill_all();
+        let deadline = Instant::now() + BRIDGE_CLOSE;
+        while !self.all_exited() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(bridge) = self.bridge.as_mut() {
+            let _ = bridge.child.kill();
+            let _ = bridge.child.wait();
+        }
+    }
+}

@@ -1,0 +1,252 @@
+"""kolo's bridge to Ray: the Ray engine (ray.rs) runs this with a Python
+that has Ray (`python -c SOURCE`) and speaks JSON lines with it over
+stdin/stdout. It asks Ray for a placement group, puts one small launcher
+actor in each bundle (holding the bundle's CPUs and GPUs), and has those
+start kolo's worker agents as their children. Nothing of Ray is in the
+job's data path: the agents dial the driver as they do on every engine.
+
+Requests (stdin), one JSON object a line:
+  {"op": "place", "address", "bundles": [{"CPU", "GPU"}], "strategy",
+   "placement_group": hex or null, "timeout_s"}
+      -> {"placed": [{"bundle", "node_id", "hostname", "node_ip", "gpu_ids"}],
+          "driver_ip"} or {"error"}
+  {"op": "spawn", "secret", "workers": [{"index", "bundle", "program",
+   "args", "env"}]}                       -> {"spawned": true} or {"error"}
+  {"op": "kill"}                          -> {"killed": true}, then exit
+Events (stdout): {"exited": index, "reason"} when an agent ends or its
+actor dies. End of stdin (the driver is gone) and SIGTERM clean up as
+"kill" does: agents, actors, and the placement group if this bridge made it.
+"""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# stdout is the protocol: anything else that prints goes to stderr
+_protocol = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+_say_lock = threading.Lock()
+
+
+def say(message):
+    with _say_lock:
+        _protocol.write(json.dumps(message) + "\n")
+        _protocol.flush()
+
+
+class Launcher:
+    """Lives in one bundle; its agents are its children. Threaded (Ray's
+    max_concurrency) so that `wait` calls block without holding up `kill`."""
+
+    def __init__(self):
+        self.agents = {}
+        self.last_words = {}
+
+    def where(self):
+        import ray
+
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "hostname": socket.gethostname(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+        }
+
+    def spawn(self, workers, secret):
+        for w in workers:
+            env = dict(os.environ)
+            env.update(w["env"])
+            agent = subprocess.Popen(
+                [w["program"], *w["args"]],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            # the secret, out of sight of ps; stdin stays open: the agent
+            # stops when it closes, that is when this actor dies
+            agent.stdin.write((secret + "\n").encode())
+            agent.stdin.flush()
+            self.agents[w["index"]] = agent
+            self.last_words[w["index"]] = []
+            threading.Thread(target=self._keep_last_words, args=(w["index"], agent), daemon=True).start()
+        return [a.pid for a in self.agents.values()]
+
+    def _keep_last_words(self, index, agent):
+        words = self.last_words[index]
+        for line in agent.stderr:
+            words.append(line.decode(errors="replace").rstrip())
+            del words[:-5]
+
+    def wait(self, index):
+        code = self.agents[index].wait()
+        time.sleep(0.05)  # the agent's last stderr lines
+        return code, " / ".join(w for w in self.last_words[index] if w)
+
+    def kill(self):
+        for agent in self.agents.values():
+            if agent.poll() is None:
+                try:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return True
+
+
+class Bridge:
+    def __init__(self):
+        self.ray = None
+        self.pg = None
+        self.made_pg = False
+        self.actors = []
+        self.watching = {}
+        self.closing = threading.Event()
+
+    def place(self, request):
+        t0 = time.monotonic()
+        import ray
+        from ray.util.placement_group import PlacementGroup, placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.ray = ray
+        ray.init(
+            address=request.get("address") or "auto",
+            namespace="kolo",
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
+        bundles = request["bundles"]
+        timeout = float(request["timeout_s"])
+        if request.get("placement_group"):
+            from ray._raylet import PlacementGroupID
+
+            self.pg = PlacementGroup(PlacementGroupID(bytes.fromhex(request["placement_group"])))
+            have = self.pg.bundle_specs
+            if len(have) < len(bundles) or any(
+                have[i].get("CPU", 0) < b.get("CPU", 0) or have[i].get("GPU", 0) < b.get("GPU", 0)
+                for i, b in enumerate(bundles)
+            ):
+                return {"error": f"the current placement group has bundles {have}; this job needs {bundles}"}
+        else:
+            self.pg = placement_group(bundles, strategy=request["strategy"])
+            self.made_pg = True
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+        if not ready:
+            return {"error": self._infeasible(bundles, request["strategy"], timeout)}
+        launcher = ray.remote(Launcher)
+        for i, b in enumerate(bundles):
+            options = dict(
+                num_cpus=b.get("CPU", 0),
+                num_gpus=b.get("GPU", 0),
+                max_concurrency=1000,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            )
+            self.actors.append(launcher.options(**options).remote())
+        left = max(timeout - (time.monotonic() - t0), 30.0)
+        try:
+            places = ray.get([a.where.remote() for a in self.actors], timeout=left)
+        except ray.exceptions.GetTimeoutError:
+            return {"error": f"the launcher actors did not start within {left:.0f} s"}
+        placed = [dict(p, bundle=i) for i, p in enumerate(places)]
+        gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+        return {"placed": placed, "gcs_host": gcs_host}
+
+    def _infeasible(self, bundles, strategy, timeout):
+        ray = self.ray
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        per_node = "; ".join(
+            f"{n['NodeManagerHostname']} ({n['NodeID'][:8]}): {_resources(n.get('Resources', {}))}" for n in nodes
+        )
+        return (
+            f"Ray could not place the job within the placement timeout ({timeout:g} s): asked for "
+            f"{len(bundles)} bundle(s) of {_resources(bundles[0])} with {strategy}; the cluster has "
+            f"{len(nodes)} node(s): {per_node}; available now: {_resources(ray.available_resources())}"
+        )
+
+    def spawn(self, request):
+        by_bundle = {}
+        for w in request["workers"]:
+            by_bundle.setdefault(w["bundle"], []).append(w)
+        calls = [self.actors[b].spawn.remote(ws, request["secret"]) for b, ws in by_bundle.items()]
+        self.ray.get(calls, timeout=60)
+        for b, ws in by_bundle.items():
+            for w in ws:
+                self.watching[self.actors[b].wait.remote(w["index"])] = w["index"]
+        threading.Thread(target=self._watch, daemon=True).start()
+        return {"spawned": True}
+
+    def _watch(self):
+        ray = self.ray
+        while self.watching and not self.closing.is_set():
+            ready, _ = ray.wait(list(self.watching), num_returns=1, timeout=0.5)
+            for ref in ready:
+                index = self.watching.pop(ref)
+                try:
+                    code, last_words = ray.get(ref)
+                    how = f"exit code {code}" if code >= 0 else f"signal {-code}"
+                    reason = f"its agent ended ({how})" + (f": {last_words}" if last_words else "")
+                except Exception as e:  # noqa: BLE001 - the actor or its node died
+                    reason = f"its Ray actor died ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                say({"exited": index, "reason": reason})
+
+    def close(self):
+        self.closing.set()
+        ray = self.ray
+        if ray is None:
+            return
+        try:
+            ray.get([a.kill.remote() for a in self.actors], timeout=5)
+        except Exception:  # noqa: BLE001 - dead actors have nothing left to kill
+            pass
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.made_pg and self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001
+                pass
+        ray.shutdown()
+
+
+def _resources(resources):
+    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "bundle_group", "memory", "object_store"))}
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
+
+
+def main():
+    bridge = Bridge()
+
+    def terminate(*_):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            op = request.get("op")
+            if op == "kill":
+                break
+            try:
+                answer = bridge.place(request) if op == "place" else bridge.spawn(request)
+            except Exception as e:  # noqa: BLE001 - every failure goes back as an answer
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            say(answer)
+    finally:
+        bridge.close()
+        say({"killed": True})
+
+
+main()
