@@ -371,6 +371,22 @@ async fn a_worker_killed_mid_task_is_reported() -> Result<(), Failed> {
     for pid in pids {
         check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
     }
+    // `execute` reports a lost worker at once, not after its peers' 20 s
+    let mut ex = counter_executor(3).await?;
+    let victim = nix::unistd::Pid::from_raw(ex.workers()[1].pid as i32);
+    let began = Instant::now();
+    let (result, killed) = tokio::join!(ex.execute(&SlowAdd { millis: 20_000 }), async {
+        nix::sys::signal::kill(victim, nix::sys::signal::Signal::SIGKILL)
+    });
+    killed?;
+    let err = result.unwrap_err();
+    check(matches!(err, ExecError::WorkerLost { rank: 1, .. }), err.to_string())?;
+    check(began.elapsed() < Duration::from_secs(10), format!("reported after {:?}", began.elapsed()))?;
+    let pids: Vec<u32> = ex.workers().iter().map(|w| w.pid).collect();
+    ex.shutdown().await;
+    for pid in pids {
+        check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
+    }
     Ok(())
 }
 

@@ -183,14 +183,25 @@ impl<T: DeserializeOwned> CallHandle<T> {
     }
 }
 
-async fn join_all<T: DeserializeOwned>(handles: Vec<CallHandle<T>>) -> Result<Vec<T>, ExecError> {
+async fn join_all<T: DeserializeOwned + Send + 'static>(handles: Vec<CallHandle<T>>) -> Result<Vec<T>, ExecError> {
     // wait for every rank so the executor is idle again, then report the
-    // first failure in rank order
-    let mut results = Vec::with_capacity(handles.len());
-    for handle in handles {
-        results.push(handle.join().await);
+    // first failure in rank order; but a lost worker breaks the job (its
+    // peers may wait on it forever), so that is reported at once
+    let mut joins = tokio::task::JoinSet::new();
+    let count = handles.len();
+    for (position, handle) in handles.into_iter().enumerate() {
+        joins.spawn(async move { (position, handle.join().await) });
     }
-    results.into_iter().collect()
+    let mut results: Vec<Option<Result<T, ExecError>>> = (0..count).map(|_| None).collect();
+    while let Some(joined) = joins.join_next().await {
+        let (position, result) =
+            joined.map_err(|e| ExecError::Io { what: "waiting for a call".into(), source: std::io::Error::other(e) })?;
+        if let Err(lost @ ExecError::WorkerLost { .. }) = result {
+            return Err(lost);
+        }
+        results[position] = Some(result);
+    }
+    results.into_iter().map(|r| r.expect("every call joined")).collect()
 }
 
 /// Hands reports to `on_report` while `work` runs, then the rest: a worker

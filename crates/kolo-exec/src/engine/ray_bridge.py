@@ -112,7 +112,11 @@ class Bridge:
 
     def place(self, request):
         t0 = time.monotonic()
-        import ray
+        try:
+            import ray
+        except ImportError as e:
+            return {"error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
+                             "bridge with a Python that has it (kolo run --ray-python PATH)"}
         from ray.util.placement_group import PlacementGroup, placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -1,0 +1,254 @@
+"""kolo on a real Ray cluster: Horovod's test_ray.py cases that need Ray,
+through kolo's Ray engine. The cluster has three nodes on this machine
+(ray.cluster_utils.Cluster): a head without GPUs and two nodes with 4 CPUs
+and 2 fake GPUs each, so that colocation lands on distinct node ids."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
+    import ray  # CI: a missing Ray is a failure, not a skip
+else:
+    ray = pytest.importorskip("ray", reason="Ray is not installed (.ci/run installs it)")
+
+import kolo  # noqa: E402
+from kolo import Executor as RayExecutor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    made.add_node(num_cpus=4, num_gpus=2)
+    made.add_node(num_cpus=4, num_gpus=2)
+    made.wait_for_nodes()
+    ray.init(address=made.address, log_to_driver=False)
+    yield made
+    ray.shutdown()
+    made.shutdown()
+
+
+@pytest.fixture
+def settings():
+    return RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+
+
+def agents():
+    """Live kolo worker agents (and their guards) on this machine; zombies
+    are dead."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"kolo._worker" in cmdline and state not in ("Z", "X"):
+            found.append(int(pid))
+    return found
+
+
+def placement_groups_alive():
+    return [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
+
+
+@pytest.fixture
+def nothing_left(cluster):
+    """After the test: no agent on the machine, no placement group or
+    launcher actor of kolo's on the cluster."""
+    groups_before = len(placement_groups_alive())
+    yield
+    deadline = time.monotonic() + 30
+    while (agents() or len(placement_groups_alive()) > groups_before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert agents() == []
+    assert len(placement_groups_alive()) == groups_before, placement_groups_alive()
+
+
+def where():
+    return {k: os.environ.get(k) for k in ["HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK",
+                                            "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "KOLO_NODE_ID",
+                                            "CUDA_VISIBLE_DEVICES"]}
+
+
+def gpu_node_ids():
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")}
+
+
+def test_colocated_two_hosts_by_two_workers_land_on_distinct_nodes(cluster, settings, nothing_left):
+    with RayExecutor(settings, num_hosts=2, num_workers_per_host=2, engine="ray") as ex:
+        ex.start()
+        ranks = ex.run(where)
+    got = [(r["HOROVOD_RANK"], r["HOROVOD_LOCAL_RANK"], r["HOROVOD_CROSS_RANK"], r["HOROVOD_LOCAL_SIZE"],
+            r["HOROVOD_CROSS_SIZE"]) for r in ranks]
+    assert got == [("0", "0", "0", "2", "2"), ("1", "1", "0", "2", "2"), ("2", "0", "1", "2", "2"),
+                   ("3", "1", "1", "2", "2")]
+    nodes = [r["KOLO_NODE_ID"] for r in ranks]
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+    assert set(nodes) <= {n["NodeID"] for n in ray.nodes()}
+
+
+def test_pack_four_workers(cluster, settings, nothing_left):
+    with RayExecutor(settings, num_workers=4, engine="ray") as ex:
+        ex.start()
+        sizes = ex.run(lambda: (os.environ["WORLD_SIZE"], os.environ["HOROVOD_SIZE"]))
+    assert sizes == [("4", "4")] * 4
+
+
+def test_gpu_ids_come_from_ray_and_a_node_shares_them(cluster, settings, nothing_left):
+    with RayExecutor(settings, num_hosts=2, num_workers_per_host=2, use_gpu=True, engine="ray") as ex:
+        ex.start()
+        ranks = ex.run(where)
+    assert {r["KOLO_NODE_ID"] for r in ranks} == gpu_node_ids()
+    for node in gpu_node_ids():
+        on_node = [r["CUDA_VISIBLE_DEVICES"] for r in ranks if r["KOLO_NODE_ID"] == node]
+        assert len(on_node) == 2 and on_node[0] == on_node[1]
+        assert sorted(on_node[0].split(",")) == ["0", "1"]
+
+
+def test_an_infeasible_placement_times_out_naming_what_was_asked_and_what_there_is(cluster, nothing_left):
+    settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=2)
+    ex = RayExecutor(settings, num_hosts=4, num_workers_per_host=1, engine="ray")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        ex.start()
+    message = str(raised.value)
+    assert "4 bundle(s) of {CPU: 1} with STRICT_SPREAD" in message, message
+    assert "the cluster has 3 node(s)" in message and "GPU: 2" in message, message
+    assert time.monotonic() - began < 30
+
+
+def test_use_current_placement_group_places_the_workers_in_the_callers_group(cluster, nothing_left):
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group([{"CPU": 1}] * 2, strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    groups = len(placement_groups_alive())
+
+    @ray.remote(num_cpus=0)
+    def driver_inside(use_current):
+        import kolo as k
+
+        settings = k.Executor.create_settings(timeout_s=60, placement_group_timeout_s=5)
+        with k.Executor(settings, num_workers=2, engine="ray", use_current_placement_group=use_current) as ex:
+            ex.start()
+            made = len([g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"])
+            return ex.run(lambda: os.environ["HOROVOD_SIZE"]), made
+
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_capture_child_tasks=True)
+    sizes, groups_during = ray.get(driver_inside.options(scheduling_strategy=strategy).remote(True), timeout=120)
+    assert sizes == ["2", "2"] and groups_during == groups  # no group of its own
+    assert pg.id.hex() in {g["placement_group_id"] for g in placement_groups_alive()}  # and the caller's kept
+    # not using it: a group of its own, which the full caller's group leaves no room for
+    sizes, groups_during = ray.get(driver_inside.options(scheduling_strategy=strategy).remote(False), timeout=120)
+    assert sizes == ["2", "2"] and groups_during == groups + 1
+    remove_placement_group(pg)
+
+
+def test_a_workers_actor_killed_mid_job_is_reported_and_nothing_is_left(cluster, settings, nothing_left):
+    with RayExecutor(settings, num_workers=2, engine="ray") as ex:
+        ex.start()
+        pids = ex.run(os.getpid)
+        launcher = int(open(f"/proc/{pids[1]}/stat").read().rsplit(")", 1)[1].split()[1])
+        assert b"Launcher" in open(f"/proc/{launcher}/cmdline", "rb").read()
+        os.kill(launcher, signal.SIGKILL)
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1"):
+            ex.run(lambda: time.sleep(60))
+        assert time.monotonic() - began < 30
+
+
+def test_pytorch_ddp_through_the_ray_engine(cluster, settings, nothing_left):
+    import torch
+
+    def train():
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(dist.get_rank())
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        total = sum(p.detach().sum().item() for p in model.parameters())
+        dist.destroy_process_group()
+        return total
+
+    with RayExecutor(settings, num_workers=4, engine="ray") as ex:
+        ex.start()
+        results = ex.run(train)
+    assert len(results) == 4 and len(set(results)) == 1, results
+
+
+def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
+    kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
+    out = subprocess.run(
+        [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
+         "-np", "4", "--workers-per-host", "2", "--", sys.executable, "-c",
+         "import os; print('rank', os.environ['RANK'], 'node', os.environ['KOLO_NODE_ID'])"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "rank" in line)
+    assert [line.split()[1] for line in lines] == ["0", "1", "2", "3"], out.stdout
+    assert len({line.split()[3] for line in lines}) == 2, out.stdout
+    refused = subprocess.run([kolo_command, "run", "--engine", "ray", "-H", "a:2", "-np", "2", "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "give no host list" in refused.stderr, refused.stderr
+
+
+def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
+    kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
+    driver = subprocess.Popen(
+        [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
+         "-np", "2", "--", "sleep", "600"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    def sleepers():
+        return [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "sleep" and _parent_is_agent(p)]
+
+    deadline = time.monotonic() + 60
+    while len(sleepers()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    commands = sleepers()
+    assert len(commands) == 2
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in commands) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in commands)  # the commands too, not only the agents (nothing_left)
+
+
+def _comm(pid):
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+
+
+def _parent_is_agent(pid):
+    try:
+        parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        return int(parent) in agents()
+    except OSError:
+        return False
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
