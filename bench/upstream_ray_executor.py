@@ -146,6 +146,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--num-cpus", type=int, default=None,
                         help="CPUs declared to Ray (default: workers + 1)")
+    parser.add_argument("--address", default=None,
+                        help="an existing cluster to connect to instead of starting one in this process")
     args = parser.parse_args()
     num_cpus = args.num_cpus or args.workers + 1
 
@@ -159,7 +161,10 @@ def main():
           f"loadavg {os.getloadavg()[0]:.2f}", flush=True)
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=num_cpus)
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(num_cpus=num_cpus)
     t_init = time.perf_counter() - t0
     print(f"ray_init: {t_init:.3f} s", flush=True)
 

@@ -22,10 +22,13 @@ def pss_kib(pids):
     return total
 
 
-def executor(workers, rounds):
+def executor(workers, rounds, engine):
     settings = Executor.create_settings(timeout_s=60)
     started = time.perf_counter()
-    ex = Executor(settings, num_workers=workers, hosts=f"localhost:{workers}")
+    if engine == "ray":  # the cluster at RAY_ADDRESS, or this machine's
+        ex = Executor(settings, num_workers=workers, engine="ray")
+    else:
+        ex = Executor(settings, num_workers=workers, hosts=f"localhost:{workers}")
     ex.start()
     pids = ex.run(os.getpid)
     first = time.perf_counter() - started
@@ -47,10 +50,12 @@ def main():
     parser.add_argument("what", choices=["executor"])
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                        help="ray: the cluster at RAY_ADDRESS (PSS then counts kolo's processes only)")
     args = parser.parse_args()
     print(f"{'workers':>8} {'first_result_ms':>16} {'round_p50_us':>13} {'round_p99_us':>13} {'shutdown_ms':>12} {'pss_mib':>8}")
     for n in args.workers:
-        first, p50, p99, down, memory = executor(n, args.rounds)
+        first, p50, p99, down, memory = executor(n, args.rounds, args.engine)
         print(f"{n:>8} {first * 1e3:>16.1f} {p50 * 1e6:>13.0f} {p99 * 1e6:>13.0f} {down * 1e3:>12.1f} {memory / 1024:>8.1f}")
 
 

@@ -293,3 +293,19 @@ def test_workers_stay_while_the_driver_is_busy_between_calls_longer_than_the_hea
         # meanwhile (the workers give a silent driver up after 5 s)
         time.sleep(7)
         assert ex.run(os.getpid) == pids
+
+
+def test_results_made_in_the_worker_come_back_whatever_they_are(settings):
+    def make():
+        class Made:  # a class that exists only in the worker
+            def __init__(self):
+                self.rank = int(os.environ["RANK"])
+
+        return {"plain": [1, 2.5, "x", None], "made": Made(), "fn": lambda: 41 + 1}
+
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        results = ex.run(make)
+    assert [r["plain"] for r in results] == [[1, 2.5, "x", None]] * 2
+    assert [r["made"].rank for r in results] == [0, 1]
+    assert [r["fn"]() for r in results] == [42, 42]

@@ -154,14 +154,18 @@ def test_use_current_placement_group_places_the_workers_in_the_callers_group(clu
 
 
 def test_a_workers_actor_killed_mid_job_is_reported_and_nothing_is_left(cluster, settings, nothing_left):
-    with RayExecutor(settings, num_workers=2, engine="ray") as ex:
+    # a worker on each of two nodes: at least one is away from the bridge's
+    # node, where a launcher actor started it
+    with RayExecutor(settings, num_hosts=2, num_workers_per_host=1, engine="ray") as ex:
         ex.start()
         pids = ex.run(os.getpid)
-        launcher = int(open(f"/proc/{pids[1]}/stat").read().rsplit(")", 1)[1].split()[1])
-        assert b"Launcher" in open(f"/proc/{launcher}/cmdline", "rb").read()
-        os.kill(launcher, signal.SIGKILL)
+        parents = [int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) for pid in pids]
+        launched = [rank for rank, parent in enumerate(parents)
+                    if b"Launcher" in open(f"/proc/{parent}/cmdline", "rb").read()]
+        assert launched, "no worker was started by a launcher actor"
+        os.kill(parents[launched[0]], signal.SIGKILL)
         began = time.monotonic()
-        with pytest.raises(RuntimeError, match="rank 1"):
+        with pytest.raises(RuntimeError, match=f"rank {launched[0]}"):
             ex.run(lambda: time.sleep(60))
         assert time.monotonic() - began < 30
 

@@ -194,8 +194,8 @@ async fn join_all<T: DeserializeOwned + Send + 'static>(handles: Vec<CallHandle<
     }
     let mut results: Vec<Option<Result<T, ExecError>>> = (0..count).map(|_| None).collect();
     while let Some(joined) = joins.join_next().await {
-        let (position, result) =
-            joined.map_err(|e| ExecError::Io { what: "waiting for a call".into(), source: std::io::Error::other(e) })?;
+        let (position, result) = joined
+            .map_err(|e| ExecError::Io { what: "waiting for a call".into(), source: std::io::Error::other(e) })?;
         if let Err(lost @ ExecError::WorkerLost { .. }) = result {
             return Err(lost);
         }

@@ -1,8 +1,9 @@
 """kolo's bridge to Ray: the Ray engine (ray.rs) runs this with a Python
 that has Ray (`python -c SOURCE`) and speaks JSON lines with it over
-stdin/stdout. It asks Ray for a placement group, puts one small launcher
-actor in each bundle (holding the bundle's CPUs and GPUs), and has those
-start kolo's worker agents as their children. Nothing of Ray is in the
+stdin/stdout. It asks Ray for a placement group, which holds the
+resources of every bundle, puts a small launcher actor on each of its nodes
+(one per bundle when the bundles have GPUs, so that each learns its GPUs'
+ids), and has those start kolo's worker agents as their children. Nothing of Ray is in the
 job's data path: the agents dial the driver as they do on every engine.
 
 Requests (stdin), one JSON object a line:
@@ -40,13 +41,25 @@ def say(message):
         _protocol.flush()
 
 
+def _unnice():
+    """Ray runs its workers niced (RAY_worker_niceness, 15) so that its
+    daemons stay responsive; the agents run the job itself, so a launcher
+    goes back to the normal priority where this user may (root)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        pass
+
+
 class Launcher:
     """Lives in one bundle; its agents are its children. Threaded (Ray's
     max_concurrency) so that `wait` calls block without holding up `kill`."""
 
-    def __init__(self):
+    def __init__(self, in_ray_worker=True):
         self.agents = {}
         self.last_words = {}
+        if in_ray_worker:
+            _unnice()  # the agents inherit it (no preexec_fn: that forks the whole actor)
 
     def where(self):
         import ray
@@ -107,6 +120,10 @@ class Bridge:
         self.pg = None
         self.made_pg = False
         self.actors = []
+        # starts the agents on the bridge's own node
+        self.local = Launcher(in_ray_worker=False)
+        # the launcher of each bundle (a node's bundles share one)
+        self.launcher_of = []
         self.watching = {}
         self.closing = threading.Event()
 
@@ -145,21 +162,47 @@ class Bridge:
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
         if not ready:
             return {"error": self._infeasible(bundles, request["strategy"], timeout)}
+        # The bridge itself starts the agents of the bundles on its own node,
+        # and a launcher actor those of each other node, in the node's first
+        # bundle: Ray starts a process per actor, which is most of a
+        # start-up, and the placement group holds every bundle's resources
+        # anyway. With GPUs, a launcher actor per bundle: Ray tells a GPU's
+        # id only to the actor holding it.
+        node_of = ray.util.placement_group_table(self.pg)["bundles_to_node_id"]
+        with_gpus = any(b.get("GPU", 0) for b in bundles)
+        here = ray.get_runtime_context().get_node_id()
         launcher = ray.remote(Launcher)
+        first_on_node = {}
         for i, b in enumerate(bundles):
+            node = node_of[i]
+            if not with_gpus and node == here:
+                self.launcher_of.append(self.local)
+                continue
+            if not with_gpus and node in first_on_node:
+                self.launcher_of.append(self.launcher_of[first_on_node[node]])
+                continue
+            first_on_node.setdefault(node, i)
             options = dict(
                 num_cpus=b.get("CPU", 0),
                 num_gpus=b.get("GPU", 0),
                 max_concurrency=1000,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             )
-            self.actors.append(launcher.options(**options).remote())
+            actor = launcher.options(**options).remote()
+            self.actors.append(actor)
+            self.launcher_of.append(actor)
         left = max(timeout - (time.monotonic() - t0), 30.0)
         try:
-            places = ray.get([a.where.remote() for a in self.actors], timeout=left)
+            places = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors], timeout=left)))
         except ray.exceptions.GetTimeoutError:
             return {"error": f"the launcher actors did not start within {left:.0f} s"}
-        placed = [dict(p, bundle=i) for i, p in enumerate(places)]
+        places[self.local] = self.local.where()
+        placed = []
+        for i, actor in enumerate(self.launcher_of):
+            where = places[actor]
+            # a node's launcher holds its own bundle's GPUs only: with GPUs
+            # there is one per bundle
+            placed.append(dict(where, bundle=i, node_id=node_of[i]))
         gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         return {"placed": placed, "gcs_host": gcs_host}
 
@@ -179,13 +222,24 @@ class Bridge:
         by_bundle = {}
         for w in request["workers"]:
             by_bundle.setdefault(w["bundle"], []).append(w)
-        calls = [self.actors[b].spawn.remote(ws, request["secret"]) for b, ws in by_bundle.items()]
-        self.ray.get(calls, timeout=60)
+        remote = [(b, ws) for b, ws in by_bundle.items() if self.launcher_of[b] is not self.local]
+        calls = [self.launcher_of[b].spawn.remote(ws, request["secret"]) for b, ws in remote]
         for b, ws in by_bundle.items():
+            if self.launcher_of[b] is self.local:
+                self.local.spawn(ws, request["secret"])
+                for w in ws:
+                    threading.Thread(target=self._watch_here, args=(w["index"],), daemon=True).start()
+        self.ray.get(calls, timeout=60)
+        for b, ws in remote:
             for w in ws:
-                self.watching[self.actors[b].wait.remote(w["index"])] = w["index"]
+                self.watching[self.launcher_of[b].wait.remote(w["index"])] = w["index"]
         threading.Thread(target=self._watch, daemon=True).start()
         return {"spawned": True}
+
+    def _watch_here(self, index):
+        code, last_words = self.local.wait(index)
+        if not self.closing.is_set():
+            say({"exited": index, "reason": _ended(code, last_words)})
 
     def _watch(self):
         ray = self.ray
@@ -194,15 +248,14 @@ class Bridge:
             for ref in ready:
                 index = self.watching.pop(ref)
                 try:
-                    code, last_words = ray.get(ref)
-                    how = f"exit code {code}" if code >= 0 else f"signal {-code}"
-                    reason = f"its agent ended ({how})" + (f": {last_words}" if last_words else "")
+                    reason = _ended(*ray.get(ref))
                 except Exception as e:  # noqa: BLE001 - the actor or its node died
                     reason = f"its Ray actor died ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                 say({"exited": index, "reason": reason})
 
     def close(self):
         self.closing.set()
+        self.local.kill()
         ray = self.ray
         if ray is None:
             return
@@ -223,6 +276,11 @@ class Bridge:
             except Exception:  # noqa: BLE001
                 pass
         ray.shutdown()
+
+
+def _ended(code, last_words):
+    how = f"exit code {code}" if code >= 0 else f"signal {-code}"
+    return f"its agent ended ({how})" + (f": {last_words}" if last_words else "")
 
 
 def _resources(resources):
