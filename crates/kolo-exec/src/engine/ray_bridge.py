@@ -275,7 +275,6 @@ class Bridge:
                 remove_placement_group(self.pg)
             except Exception:  # noqa: BLE001
                 pass
-        ray.shutdown()
 
 
 def _ended(code, last_words):
@@ -309,6 +308,10 @@ def main():
     finally:
         bridge.close()
         say({"killed": True})
+        # Ray's own shutdown and the interpreter's take longer than the job:
+        # what this job held is given back already, and Ray ends the job
+        # when its connection closes
+        os._exit(0)
 
 
 main()
