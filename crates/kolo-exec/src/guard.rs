@@ -6,7 +6,8 @@
 //! tells it, over a pipe, what to clean up: process groups to end (SIGTERM,
 //! a grace period, SIGKILL), paths to remove, a command to run (`scancel`).
 //! The guard acts when the pipe reaches end-of-file (the parent died or
-//! exited) or, if asked, when the parent falls silent (stopped or hung).
+//! exited), when it is sent SIGTERM (a batch system ending the whole job
+//! step) or, if asked, when the parent falls silent (stopped or hung).
 //!
 //! The parent is multi-threaded, so the guard (a fork without exec) uses
 //! only async-signal-safe system calls: no allocation, no locks. Everything
@@ -254,12 +255,17 @@ unsafe fn watch(pipe: RawFd, parent: libc::pid_t, state: &mut State) -> ! {
     // own session: no terminal signals, not in the parent's process group
     // (which engines kill as a whole)
     libc::setsid();
-    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGPIPE, libc::SIGQUIT, libc::SIGUSR1] {
+    for signal in [libc::SIGINT, libc::SIGHUP, libc::SIGPIPE, libc::SIGQUIT, libc::SIGUSR1] {
         libc::signal(signal, libc::SIG_IGN);
     }
-    let mut all: libc::sigset_t = std::mem::zeroed();
-    libc::sigemptyset(&mut all);
-    libc::sigprocmask(libc::SIG_SETMASK, &all, std::ptr::null_mut());
+    // SIGTERM is read, not ignored: a batch system ending the whole step
+    // (Slurm: SIGTERM to every process of it, SIGKILL after KillWait)
+    // leaves the guard only that moment to clean up
+    let mut term: libc::sigset_t = std::mem::zeroed();
+    libc::sigemptyset(&mut term);
+    libc::sigaddset(&mut term, libc::SIGTERM);
+    libc::signal(libc::SIGTERM, libc::SIG_DFL);
+    libc::sigprocmask(libc::SIG_SETMASK, &term, std::ptr::null_mut());
     // keep only the pipe: an inherited socket would keep the driver from
     // seeing this process's parent go; stdio goes to /dev/null
     libc::dup2(pipe, 3);
@@ -275,15 +281,23 @@ unsafe fn watch(pipe: RawFd, parent: libc::pid_t, state: &mut State) -> ! {
         libc::dup2(null, fd);
     }
     let pipe: RawFd = 3;
+    let terminated = libc::signalfd(-1, &term, libc::SFD_CLOEXEC);
     let mut last_beat = now_ms();
     loop {
         let timeout = match state.silence_ms {
             0 => -1,
             limit => (last_beat + limit - now_ms()).clamp(0, 1000) as libc::c_int,
         };
-        let mut pfd = libc::pollfd { fd: pipe, events: libc::POLLIN, revents: 0 };
-        let ready = libc::poll(&mut pfd, 1, timeout);
-        if ready > 0 {
+        let mut pfds = [
+            libc::pollfd { fd: pipe, events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: terminated, events: libc::POLLIN, revents: 0 },
+        ];
+        let ready = libc::poll(pfds.as_mut_ptr(), if terminated >= 0 { 2 } else { 1 }, timeout);
+        if ready > 0 && pfds[1].revents != 0 {
+            clean_up(state, None);
+        }
+        let pfd = pfds[0];
+        if ready > 0 && pfd.revents != 0 {
             let free = &mut state.buf[state.filled..];
             let n = libc::read(pipe, free.as_mut_ptr().cast(), free.len());
             if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {

@@ -343,10 +343,24 @@ fn a_busy_slurm_cluster_fails_within_the_placement_timeout() {
 /// ends naming it and that nothing of the job is left on any host.
 fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal) {
     let dir = TempDir::new("hosts-agent");
+    // where the driver and, through srun, Slurm's agents make the ranks'
+    // private directories (ssh passes no TMPDIR: those go to /tmp)
+    let tmp = TempDir::new("hosts-agent-tmp");
     let script = format!("echo $$ $PPID > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
     let mut args = vec!["run", "-np", "6", "--kill-grace", "1"];
     args.extend_from_slice(engine);
-    let child = spawn_in_h1(&args, &script);
+    let t = testhosts();
+    let child = Command::new(t.join("hx"))
+        .arg("h1")
+        .arg(env!("CARGO_BIN_EXE_kolo"))
+        .args(&args)
+        .args(["--", "sh", "-c", &script])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .env("TMPDIR", tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 12);
     let text = std::fs::read_to_string(dir.path().join("2.pid")).unwrap();
     let agent: i32 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -356,6 +370,9 @@ fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal)
     assert!(stderr(&out).contains("rank 2 on host h2 was lost"), "{}", stderr(&out));
     wait_for("every rank and agent to end", Duration::from_secs(20), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
     wait_for("the cluster to be empty", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
+    wait_for("the ranks' private directories to go", Duration::from_secs(20), || {
+        std::fs::read_dir(tmp.path()).unwrap().next().is_none()
+    });
     assert_nothing_left();
 }
 

@@ -39,10 +39,17 @@ pub struct SlurmEngine {
     /// Whether kolo made the allocation (and so gives it back).
     owned: bool,
     srun: Option<Child>,
+    /// When the step was asked to end, if it was.
+    ending: Option<std::time::Instant>,
+    /// srun's step name, to find the step by.
+    step_name: Option<String>,
     /// Private directory of the task layout file.
     dir: Option<tempfile::TempDir>,
     workers: Vec<u32>,
 }
+
+/// How long the step's processes have between SIGTERM and srun's SIGKILL.
+const SRUN_TERM_GRACE: Duration = Duration::from_millis(1500);
 
 fn slurm_err(what: &str, detail: impl std::fmt::Display) -> ExecError {
     ExecError::Slurm(format!("{what}: {detail}"))
@@ -148,7 +155,17 @@ impl SlurmEngine {
     }
 
     fn new(job_id: Option<String>, nodes: Vec<(String, u32)>, request: Option<(u32, SlurmOptions)>) -> Self {
-        SlurmEngine { job_id, nodes, request, owned: false, srun: None, dir: None, workers: Vec::new() }
+        SlurmEngine {
+            job_id,
+            nodes,
+            request,
+            owned: false,
+            srun: None,
+            ending: None,
+            step_name: None,
+            dir: None,
+            workers: Vec::new(),
+        }
     }
 
     /// The allocation's id, once there is one.
@@ -212,6 +229,10 @@ impl Engine for SlurmEngine {
         let mut srun = Command::new("srun");
         srun.args(["--jobid", &job_id, "-n", &workers.len().to_string(), "--distribution=arbitrary"]);
         srun.args(["--kill-on-bad-exit=0", "--export=ALL", "--quiet"]);
+        // a name to find the step by at teardown (`kill_all`)
+        let step_name =
+            format!("kolo-{}-{}", std::process::id(), dir.path().file_name().unwrap_or_default().to_string_lossy());
+        srun.args(["--job-name", &step_name]);
         srun.arg(&first.program).args(&first.args);
         srun.env("SLURM_HOSTFILE", &hostfile);
         for (k, v) in &first.env {
@@ -228,6 +249,7 @@ impl Engine for SlurmEngine {
             .map_err(|source| ExecError::Io { what: "cannot run srun (is Slurm installed?)".into(), source })?;
         let _ = janitor.watch_group(child.id());
         self.srun = Some(child);
+        self.step_name = Some(step_name);
         self.dir = Some(dir);
         self.workers = workers.iter().map(|w| w.index).collect();
         Ok(())
@@ -244,15 +266,41 @@ impl Engine for SlurmEngine {
     }
 
     fn all_exited(&mut self) -> bool {
-        self.srun.as_mut().is_none_or(|c| matches!(c.try_wait(), Ok(Some(_))))
+        let Some(srun) = self.srun.as_mut() else { return true };
+        if matches!(srun.try_wait(), Ok(Some(_))) {
+            return true;
+        }
+        if self.ending.is_some_and(|asked| asked.elapsed() > SRUN_TERM_GRACE) {
+            let _ = srun.kill();
+        }
+        false
     }
 
+    /// The step's processes hear SIGTERM first (`scancel --signal=TERM`):
+    /// ending a step through srun is a SIGKILL to all of them, which would
+    /// leave the guard of an agent that cannot clean up itself (stopped or
+    /// hung) no moment to end its command and remove its files. srun gets
+    /// SIGKILL after a grace (`all_exited`). Looking the step up takes
+    /// Slurm's commands: it runs on a thread of its own.
     fn kill_all(&mut self) {
-        if let Some(srun) = self.srun.as_mut() {
-            if matches!(srun.try_wait(), Ok(None)) {
-                // srun ends the step's tasks when it is killed
-                let _ = srun.kill();
-            }
+        let Some(srun) = self.srun.as_mut() else { return };
+        if !matches!(srun.try_wait(), Ok(None)) || self.ending.is_some() {
+            return;
+        }
+        self.ending = Some(std::time::Instant::now());
+        if let (Some(job), Some(name)) = (self.job_id.clone(), self.step_name.clone()) {
+            std::thread::spawn(move || {
+                let Ok(out) = Command::new("squeue").args(["-h", "-s", "-j", &job, "-o", "%i %j"]).output() else {
+                    return;
+                };
+                let listing = String::from_utf8_lossy(&out.stdout);
+                let step = listing
+                    .lines()
+                    .find_map(|l| l.split_once(' ').filter(|(_, n)| n.trim() == name).map(|(id, _)| id.to_string()));
+                if let Some(step) = step {
+                    let _ = Command::new("scancel").args(["--quiet", "--signal=TERM", &step]).status();
+                }
+            });
         }
     }
 }
@@ -260,7 +308,12 @@ impl Engine for SlurmEngine {
 impl Drop for SlurmEngine {
     fn drop(&mut self) {
         self.kill_all();
+        let deadline = std::time::Instant::now() + SRUN_TERM_GRACE * 2;
+        while !self.all_exited() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         if let Some(mut srun) = self.srun.take() {
+            let _ = srun.kill();
             let _ = srun.wait();
         }
         if let (true, Some(job_id)) = (self.owned, &self.job_id) {
