@@ -1,0 +1,661 @@
+//! Elastic membership: which hosts make up each round of an elastic job.
+//! Discovery results, failures and the time come in as values; a decision
+//! comes out: go on, re-form the world with these hosts, wait for enough
+//! slots, or stop with a reason. No I/O and no clock, so that every rule
+//! below is tested exhaustively.
+//!
+//! The rules (Horovod's elastic driver where it is sound, not where it is
+//! not; torchrun's restart counting):
+//! - A world is filled from the available hosts in order, up to `max_np`
+//!   slots; fewer than `min_np` is a wait, and a wait longer than the
+//!   elastic timeout stops the job.
+//! - The order: the hosts of the last world that are still there, in their
+//!   order (so their ranks stay where they can), then every other host in
+//!   the order discovery first reported it. Upstream appends new hosts in
+//!   a set's order and fails a re-formed world that keeps none of the
+//!   previous hosts ("No hosts from previous set remaining"); here such a
+//!   world simply forms.
+//! - A lost host (its agents killed, cut off, stopped) is blacklisted at
+//!   once; a host whose ranks fail in two rounds in a row is too (one
+//!   failing script is not the host's fault). A blacklisted host comes
+//!   back after its cooldown, `min`, `2 min`, `4 min`... at most `max`, once
+//!   discovery lists it again; without a cooldown range it stays out.
+//! - Every re-formed world is a reset (Horovod's `reset_limit`); those
+//!   caused by a failure are restarts (torchrun's `--max-restarts`, which
+//!   membership changes do not use up).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::{HostSpec, TopologyError};
+
+/// How long a blacklisted host stays out: `min` after its first strike,
+/// doubling with each later one, at most `max`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cooldown {
+    pub min: Duration,
+    pub max: Duration,
+}
+
+impl Cooldown {
+    pub fn new(min: Duration, max: Duration) -> Result<Self, TopologyError> {
+        if min.is_zero() || min > max {
+            return Err(TopologyError::BadRequest(format!(
+                "cooldown range {}..{} s: give MIN..MAX seconds with 0 < MIN <= MAX",
+                min.as_secs_f64(),
+                max.as_secs_f64()
+            )));
+        }
+        Ok(Cooldown { min, max })
+    }
+
+    /// The cooldown after the host's `strikes`-th blacklisting (1-based).
+    pub fn after(&self, strikes: u32) -> Duration {
+        let doublings = strikes.saturating_sub(1).min(32);
+        self.min.saturating_mul(1u32 << doublings.min(31)).min(self.max)
+    }
+}
+
+/// What an elastic job may do.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ElasticConfig {
+    pub min_np: u32,
+    pub max_np: u32,
+    /// Re-formed worlds allowed, for any reason (Horovod's `reset_limit`).
+    pub reset_limit: Option<u32>,
+    /// Re-formed worlds allowed after failures (torchrun's `--max-restarts`).
+    pub max_restarts: Option<u32>,
+    /// Blacklisted hosts come back after this; `None`: never.
+    pub cooldown: Option<Cooldown>,
+    /// The longest wait for `min_np` slots.
+    pub elastic_timeout: Duration,
+}
+
+impl ElasticConfig {
+    pub fn new(min_np: u32, max_np: u32) -> Result<Self, TopologyError> {
+        if min_np == 0 || min_np > max_np {
+            return Err(TopologyError::BadRequest(format!(
+                "--min-np {min_np} and --max-np {max_np}: give 1 <= min-np <= max-np"
+            )));
+        }
+        if max_np > crate::MAX_PROCESSES {
+            return Err(TopologyError::TooManyProcesses(max_np.into()));
+        }
+        Ok(ElasticConfig {
+            min_np,
+            max_np,
+            reset_limit: None,
+            max_restarts: None,
+            cooldown: None,
+            elastic_timeout: Duration::from_secs(600),
+        })
+    }
+}
+
+/// Parses a host discovery script's output: a `host` or `host:slots` a
+/// line (a bare host has `default_slots`), blank lines ignored. An empty
+/// output is no hosts, not an error.
+pub fn parse_discovery(output: &str, default_slots: u32) -> Result<Vec<HostSpec>, TopologyError> {
+    let mut hosts: Vec<HostSpec> = Vec::new();
+    for (number, line) in output.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |reason: &str| TopologyError::BadHostfileLine {
+            line: number + 1,
+            text: line.to_string(),
+            reason: format!("{reason} (a discovery script prints 'host' or 'host:slots' a line)"),
+        };
+        let mut parsed = crate::parse_host_list(line).map_err(|e| bad(&e.to_string()))?;
+        if parsed.len() != 1 {
+            return Err(bad("one host a line"));
+        }
+        let mut host = parsed.remove(0);
+        if !line.contains(':') || line.ends_with(']') {
+            host.slots = default_slots;
+        }
+        if host.slots == 0 {
+            return Err(bad("a host needs at least one slot"));
+        }
+        if hosts.iter().any(|h| h.name == host.name) {
+            return Err(bad("the host is listed twice"));
+        }
+        hosts.push(host);
+    }
+    Ok(hosts)
+}
+
+/// What happened, as the engine and the workers report it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event<'a> {
+    /// Discovery's latest answer: every host with its slots, in its order.
+    Discovered(&'a [HostSpec]),
+    /// A rank's process on this host failed (a non-zero exit).
+    RankFailed(&'a str),
+    /// This host's agents were lost: killed, cut off, stopped.
+    HostLost(&'a str),
+    /// Time passed: waits time out, cooldowns end.
+    Tick,
+}
+
+/// One round's world: its hosts in rank order and the slots used on each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct World {
+    /// 0 for the first world, one more for each re-formed one.
+    pub round: u32,
+    pub hosts: Vec<(String, u32)>,
+    /// Re-formed worlds so far (resets), and those after failures.
+    pub resets: u32,
+    pub restarts: u32,
+}
+
+impl World {
+    pub fn size(&self) -> u32 {
+        self.hosts.iter().map(|(_, n)| n).sum()
+    }
+
+    /// The world as host specs, for the plan.
+    pub fn host_specs(&self) -> Vec<HostSpec> {
+        self.hosts.iter().map(|(name, slots)| HostSpec::new(name.clone(), *slots)).collect()
+    }
+}
+
+/// Why an elastic job stops.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StopReason {
+    #[error("the job was re-formed {limit} times, its reset limit; raise --reset-limit to allow more")]
+    ResetLimit { limit: u32 },
+    #[error("ranks failed and the job was restarted {limit} times, its --max-restarts; raise it to allow more")]
+    RestartLimit { limit: u32 },
+    #[error(
+        "timed out after {:.0} s waiting for {needed} slots (--min-np) with {available} available on hosts not blacklisted; add hosts or lower --min-np, or raise --elastic-timeout",
+        waited.as_secs_f64()
+    )]
+    Timeout { needed: u32, available: u32, waited: Duration },
+}
+
+/// What to do now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The running world stays as it is.
+    Continue,
+    /// Stop the running world (if any) and start this one.
+    Reform(World),
+    /// Too few slots: no world runs until there are `needed` (or until
+    /// `deadline`, counted from the job's start, when the job stops).
+    Wait {
+        available: u32,
+        needed: u32,
+        deadline: Duration,
+    },
+    Stop(StopReason),
+}
+
+/// The membership of an elastic job across its rounds.
+#[derive(Clone, Debug)]
+pub struct Membership {
+    config: ElasticConfig,
+    discovered: Vec<HostSpec>,
+    /// Every host discovery ever named, in the order it first did.
+    seen: Vec<String>,
+    /// The last world formed, and whether it runs.
+    world: Option<World>,
+    running: bool,
+    /// Times each host was blacklisted; those out now, until when.
+    strikes: BTreeMap<String, u32>,
+    out_until: BTreeMap<String, Option<Duration>>,
+    failed_last_round: BTreeSet<String>,
+    failed_this_round: BTreeSet<String>,
+    failure_pending: bool,
+    resets: u32,
+    restarts: u32,
+    short_since: Option<Duration>,
+    stopped: Option<StopReason>,
+}
+
+impl Membership {
+    pub fn new(config: ElasticConfig) -> Self {
+        Membership {
+            config,
+            discovered: Vec::new(),
+            seen: Vec::new(),
+            world: None,
+            running: false,
+            strikes: BTreeMap::new(),
+            out_until: BTreeMap::new(),
+            failed_last_round: BTreeSet::new(),
+            failed_this_round: BTreeSet::new(),
+            failure_pending: false,
+            resets: 0,
+            restarts: 0,
+            short_since: None,
+            stopped: None,
+        }
+    }
+
+    pub fn config(&self) -> &ElasticConfig {
+        &self.config
+    }
+
+    /// The last world formed (running or not).
+    pub fn world(&self) -> Option<&World> {
+        self.world.as_ref()
+    }
+
+    /// The hosts out now, with when they may come back (`None`: never).
+    pub fn blacklisted(&self) -> Vec<(&str, Option<Duration>)> {
+        self.out_until.iter().map(|(h, until)| (h.as_str(), *until)).collect()
+    }
+
+    /// Takes in what happened at `now` (time since the job started) and
+    /// decides.
+    pub fn on(&mut self, event: Event<'_>, now: Duration) -> Decision {
+        if let Some(reason) = &self.stopped {
+            return Decision::Stop(reason.clone());
+        }
+        match event {
+            Event::Discovered(hosts) => {
+                self.discovered.clear();
+                for host in hosts {
+                    if !self.discovered.iter().any(|h| h.name == host.name) {
+                        self.discovered.push(host.clone());
+                    }
+                    if !self.seen.contains(&host.name) {
+                        self.seen.push(host.name.clone());
+                    }
+                }
+            }
+            Event::RankFailed(host) => {
+                if self.running && self.in_world(host) {
+                    if self.failed_last_round.contains(host) {
+                        self.blacklist(host, now);
+                    }
+                    self.failed_this_round.insert(host.to_string());
+                    self.failure_pending = true;
+                }
+            }
+            Event::HostLost(host) => {
+                self.blacklist(host, now);
+                if self.running && self.in_world(host) {
+                    self.failure_pending = true;
+                }
+            }
+            Event::Tick => {}
+        }
+        // cooldowns that ended: the host is back when discovery lists it
+        self.out_until.retain(|_, until| until.is_none_or(|t| t > now));
+        self.decide(now)
+    }
+
+    fn in_world(&self, host: &str) -> bool {
+        self.world.as_ref().is_some_and(|w| w.hosts.iter().any(|(h, _)| h == host))
+    }
+
+    fn blacklist(&mut self, host: &str, now: Duration) {
+        if self.out_until.contains_key(host) {
+            return;
+        }
+        let strikes = self.strikes.entry(host.to_string()).or_insert(0);
+        *strikes += 1;
+        let until = self.config.cooldown.map(|c| now + c.after(*strikes));
+        self.out_until.insert(host.to_string(), until);
+    }
+
+    /// The next world's hosts: the last world's survivors in their order,
+    /// then the rest in the order discovery first named them, up to max_np.
+    fn next_hosts(&self) -> Vec<(String, u32)> {
+        let slots_of = |name: &str| {
+            (!self.out_until.contains_key(name))
+                .then(|| self.discovered.iter().find(|h| h.name == name).map(|h| h.slots))
+                .flatten()
+        };
+        let survivors = self.world.iter().flat_map(|w| w.hosts.iter().map(|(h, _)| h.as_str()));
+        let others = self.seen.iter().map(String::as_str).filter(|h| !self.in_world(h));
+        let mut hosts = Vec::new();
+        let mut left = self.config.max_np;
+        for name in survivors.chain(others) {
+            if left == 0 {
+                break;
+            }
+            if let Some(slots) = slots_of(name) {
+                let used = slots.min(left);
+                left -= used;
+                hosts.push((name.to_string(), used));
+            }
+        }
+        hosts
+    }
+
+    fn decide(&mut self, now: Duration) -> Decision {
+        let next = self.next_hosts();
+        let available: u32 = next.iter().map(|(_, n)| n).sum();
+        if available < self.config.min_np {
+            // whatever ran cannot go on without the hosts it lost
+            if self.running && (self.failure_pending || self.world.as_ref().is_some_and(|w| w.hosts != next)) {
+                self.running = false;
+            }
+            if self.running {
+                return Decision::Continue;
+            }
+            let since = *self.short_since.get_or_insert(now);
+            let waited = now.saturating_sub(since);
+            if waited >= self.config.elastic_timeout {
+                return self.stop(StopReason::Timeout { needed: self.config.min_np, available, waited });
+            }
+            return Decision::Wait {
+                available,
+                needed: self.config.min_np,
+                deadline: since + self.config.elastic_timeout,
+            };
+        }
+        self.short_since = None;
+        let same = self.world.as_ref().is_some_and(|w| w.hosts == next);
+        if self.running && same && !self.failure_pending {
+            return Decision::Continue;
+        }
+        let reform = self.world.is_some();
+        if reform {
+            if let Some(limit) = self.config.reset_limit.filter(|&l| self.resets >= l) {
+                return self.stop(StopReason::ResetLimit { limit });
+            }
+            if self.failure_pending {
+                if let Some(limit) = self.config.max_restarts.filter(|&l| self.restarts >= l) {
+                    return self.stop(StopReason::RestartLimit { limit });
+                }
+                self.restarts += 1;
+            }
+            self.resets += 1;
+        }
+        let round = self.world.as_ref().map_or(0, |w| w.round + 1);
+        self.failed_last_round = std::mem::take(&mut self.failed_this_round);
+        self.failure_pending = false;
+        self.running = true;
+        let world = World { round, hosts: next, resets: self.resets, restarts: self.restarts };
+        self.world = Some(world.clone());
+        Decision::Reform(world)
+    }
+
+    fn stop(&mut self, reason: StopReason) -> Decision {
+        self.running = false;
+        self.stopped = Some(reason.clone());
+        Decision::Stop(reason)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    fn hosts(spec: &[(&str, u32)]) -> Vec<HostSpec> {
+        spec.iter().map(|&(n, s)| HostSpec::new(n, s)).collect()
+    }
+
+    fn world_of(d: &Decision) -> Vec<(&str, u32)> {
+        match d {
+            Decision::Reform(w) => w.hosts.iter().map(|(h, n)| (h.as_str(), *n)).collect(),
+            other => panic!("expected a new world, got {other:?}"),
+        }
+    }
+
+    fn config(min: u32, max: u32) -> ElasticConfig {
+        ElasticConfig::new(min, max).unwrap()
+    }
+
+    #[test]
+    fn cooldowns_double_from_min_up_to_max() {
+        let c = Cooldown::new(secs(10), secs(60)).unwrap();
+        let got: Vec<u64> = (1..=6).map(|s| c.after(s).as_secs()).collect();
+        assert_eq!(got, [10, 20, 40, 60, 60, 60]);
+        assert_eq!(c.after(u32::MAX), secs(60));
+        assert!(Cooldown::new(secs(0), secs(1)).is_err());
+        assert!(Cooldown::new(secs(5), secs(1)).is_err());
+    }
+
+    #[test]
+    fn bad_bounds_name_the_fix() {
+        assert!(ElasticConfig::new(0, 2).unwrap_err().to_string().contains("1 <= min-np <= max-np"));
+        assert!(ElasticConfig::new(3, 2).is_err());
+        assert!(ElasticConfig::new(1, crate::MAX_PROCESSES + 1).is_err());
+    }
+
+    #[test]
+    fn discovery_output_is_hosts_with_slots() {
+        let got = parse_discovery("h1:4\n\n  h2 \nh3:1\n", 2).unwrap();
+        assert_eq!(got, hosts(&[("h1", 4), ("h2", 2), ("h3", 1)]));
+        assert_eq!(parse_discovery("", 1).unwrap(), vec![]);
+        assert_eq!(parse_discovery("[::1]:3\n[fe80::1]", 2).unwrap(), hosts(&[("::1", 3), ("fe80::1", 2)]));
+        for bad in ["h1:x", "h1:0", "h1,h2", "h1\nh1:2", "h1:2:3"] {
+            let e = parse_discovery(bad, 1).unwrap_err().to_string();
+            assert!(e.contains("discovery script prints"), "{bad}: {e}");
+        }
+        assert!(parse_discovery("ok\nh1:x", 1).unwrap_err().to_string().contains("line 2"));
+    }
+
+    #[test]
+    fn the_first_world_fills_hosts_in_order_up_to_max_np() {
+        let mut m = Membership::new(config(2, 5));
+        let d = m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2), ("c", 2)])), secs(0));
+        assert_eq!(world_of(&d), [("a", 2), ("b", 2), ("c", 1)]);
+        assert!(matches!(d, Decision::Reform(World { round: 0, resets: 0, restarts: 0, .. })));
+        // the same discovery again changes nothing
+        assert_eq!(m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2), ("c", 2)])), secs(1)), Decision::Continue);
+        assert_eq!(m.on(Event::Tick, secs(2)), Decision::Continue);
+    }
+
+    #[test]
+    fn too_few_slots_wait_and_then_stop_at_the_elastic_timeout() {
+        let mut c = config(4, 8);
+        c.elastic_timeout = secs(30);
+        let mut m = Membership::new(c);
+        let d = m.on(Event::Discovered(&hosts(&[("a", 2)])), secs(5));
+        assert_eq!(d, Decision::Wait { available: 2, needed: 4, deadline: secs(35) });
+        assert!(matches!(m.on(Event::Tick, secs(34)), Decision::Wait { .. }));
+        // enough in time: the world forms
+        let mut early = m.clone();
+        assert_eq!(
+            world_of(&early.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(20))),
+            [("a", 2), ("b", 2)]
+        );
+        let Decision::Stop(reason) = m.on(Event::Tick, secs(35)) else { panic!("no stop") };
+        assert_eq!(reason, StopReason::Timeout { needed: 4, available: 2, waited: secs(30) });
+        assert!(reason.to_string().contains("waiting for 4 slots (--min-np) with 2 available"), "{reason}");
+        // and it stays stopped
+        assert!(matches!(m.on(Event::Discovered(&hosts(&[("a", 9)])), secs(36)), Decision::Stop(_)));
+    }
+
+    #[test]
+    fn a_lost_host_is_left_out_and_the_survivors_keep_their_order() {
+        let mut m = Membership::new(config(1, 8));
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2), ("c", 2)])), secs(0));
+        let d = m.on(Event::HostLost("b"), secs(1));
+        assert_eq!(world_of(&d), [("a", 2), ("c", 2)]);
+        assert!(matches!(d, Decision::Reform(World { round: 1, resets: 1, restarts: 1, .. })));
+        // without a cooldown it never comes back, even when discovered
+        assert_eq!(m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2), ("c", 2)])), secs(1000)), Decision::Continue);
+        assert_eq!(m.blacklisted(), [("b", None)]);
+    }
+
+    #[test]
+    fn new_hosts_are_appended_in_discovery_order_and_grow_the_world() {
+        let mut m = Membership::new(config(1, 16));
+        m.on(Event::Discovered(&hosts(&[("b", 1), ("a", 1)])), secs(0));
+        let d = m.on(Event::Discovered(&hosts(&[("z", 1), ("a", 1), ("b", 1), ("c", 1)])), secs(1));
+        assert_eq!(world_of(&d), [("b", 1), ("a", 1), ("z", 1), ("c", 1)]);
+        // a membership change is a reset, not a restart
+        assert!(matches!(d, Decision::Reform(World { resets: 1, restarts: 0, .. })));
+    }
+
+    #[test]
+    fn at_max_np_more_hosts_change_nothing() {
+        let mut m = Membership::new(config(1, 2));
+        m.on(Event::Discovered(&hosts(&[("a", 2)])), secs(0));
+        assert_eq!(m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 4)])), secs(1)), Decision::Continue);
+    }
+
+    #[test]
+    fn a_world_with_none_of_the_previous_hosts_still_forms() {
+        // upstream: "No hosts from previous set remaining" and the job ends
+        let mut m = Membership::new(config(2, 4));
+        m.on(Event::Discovered(&hosts(&[("a", 2)])), secs(0));
+        let d = m.on(Event::Discovered(&hosts(&[("x", 2), ("y", 2)])), secs(1));
+        assert_eq!(world_of(&d), [("x", 2), ("y", 2)]);
+    }
+
+    #[test]
+    fn a_host_whose_ranks_fail_twice_in_a_row_is_blacklisted_until_its_cooldown() {
+        let mut c = config(1, 8);
+        c.cooldown = Some(Cooldown::new(secs(10), secs(100)).unwrap());
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        // one failure: the same hosts again
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(1))), [("a", 2), ("b", 2)]);
+        // the next round fails on b too: b is out for 10 s
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(2))), [("a", 2)]);
+        assert_eq!(m.blacklisted(), [("b", Some(secs(12)))]);
+        assert_eq!(m.on(Event::Tick, secs(11)), Decision::Continue);
+        // back after the cooldown, appended
+        assert_eq!(world_of(&m.on(Event::Tick, secs(12))), [("a", 2), ("b", 2)]);
+        // lost again: its second strike doubles the cooldown
+        assert_eq!(world_of(&m.on(Event::HostLost("b"), secs(20))), [("a", 2)]);
+        assert_eq!(m.blacklisted(), [("b", Some(secs(40)))]);
+        // a failure on a host that a failure in another round does not
+        // follow is not a strike
+        let mut fresh = Membership::new(config(1, 8));
+        fresh.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(0));
+        fresh.on(Event::RankFailed("a"), secs(1));
+        fresh.on(Event::RankFailed("b"), secs(2));
+        assert!(fresh.blacklisted().is_empty());
+    }
+
+    #[test]
+    fn failures_outside_the_world_change_nothing_but_a_lost_host_is_noted() {
+        let mut m = Membership::new(config(1, 1));
+        m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(0));
+        assert_eq!(m.on(Event::RankFailed("b"), secs(1)), Decision::Continue);
+        assert_eq!(m.on(Event::HostLost("b"), secs(1)), Decision::Continue);
+        assert_eq!(m.blacklisted(), [("b", None)]);
+        // a then fails: b is out, nothing is left, the job waits
+        assert!(matches!(m.on(Event::HostLost("a"), secs(2)), Decision::Wait { available: 0, needed: 1, .. }));
+    }
+
+    #[test]
+    fn the_reset_and_restart_limits_stop_the_job_saying_which() {
+        let mut c = config(1, 8);
+        c.reset_limit = Some(2);
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 1)])), secs(0));
+        m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(1));
+        m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1), ("c", 1)])), secs(2));
+        let Decision::Stop(reason) = m.on(Event::RankFailed("a"), secs(3)) else { panic!() };
+        assert_eq!(reason, StopReason::ResetLimit { limit: 2 });
+        assert!(reason.to_string().contains("--reset-limit"));
+
+        let mut c = config(1, 8);
+        c.max_restarts = Some(1);
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(0));
+        assert!(matches!(m.on(Event::RankFailed("a"), secs(1)), Decision::Reform(World { restarts: 1, .. })));
+        // membership changes do not use restarts up
+        assert!(matches!(
+            m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1), ("c", 1)])), secs(2)),
+            Decision::Reform(World { restarts: 1, resets: 2, .. })
+        ));
+        let Decision::Stop(reason) = m.on(Event::RankFailed("b"), secs(3)) else { panic!() };
+        assert_eq!(reason, StopReason::RestartLimit { limit: 1 });
+        assert!(reason.to_string().contains("--max-restarts"));
+    }
+
+    #[test]
+    fn a_host_that_shrinks_or_vanishes_from_discovery_reforms_the_world() {
+        let mut m = Membership::new(config(1, 8));
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        assert_eq!(world_of(&m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 2)])), secs(1))), [("a", 1), ("b", 2)]);
+        let d = m.on(Event::Discovered(&hosts(&[("b", 2)])), secs(2));
+        assert_eq!(world_of(&d), [("b", 2)]);
+        // not blacklisted: it may return
+        assert_eq!(world_of(&m.on(Event::Discovered(&hosts(&[("b", 2), ("a", 2)])), secs(3))), [("b", 2), ("a", 2)]);
+    }
+
+    fn event_strategy() -> impl Strategy<Value = (u8, Vec<(u8, u32)>, u8)> {
+        (0u8..4, prop::collection::vec((0u8..6, 1u32..4), 0..6), 0u8..6)
+    }
+
+    proptest! {
+        /// Any sequence of events: every world is within the bounds, made
+        /// of discovered hosts that are not blacklisted, with no more slots
+        /// than discovered; survivors keep their order; rounds count up by
+        /// one; the limits hold.
+        #[test]
+        fn worlds_always_keep_the_rules(
+            min in 1u32..4,
+            extra in 0u32..6,
+            reset_limit in prop::option::of(0u32..6),
+            max_restarts in prop::option::of(0u32..4),
+            events in prop::collection::vec(event_strategy(), 1..40),
+        ) {
+            let mut c = ElasticConfig::new(min, min + extra).unwrap();
+            c.reset_limit = reset_limit;
+            c.max_restarts = max_restarts;
+            c.cooldown = Some(Cooldown::new(secs(3), secs(20)).unwrap());
+            c.elastic_timeout = secs(15);
+            let name = |i: u8| format!("h{i}");
+            let mut m = Membership::new(c.clone());
+            let mut discovered: Vec<HostSpec> = Vec::new();
+            let mut last: Option<World> = None;
+            let mut stopped = false;
+            for (step, (kind, listed, host)) in events.into_iter().enumerate() {
+                let now = secs(step as u64 * 2);
+                let decision = match kind {
+                    0 => {
+                        discovered.clear();
+                        for (h, s) in listed {
+                            if !discovered.iter().any(|d| d.name == name(h)) {
+                                discovered.push(HostSpec::new(name(h), s));
+                            }
+                        }
+                        m.on(Event::Discovered(&discovered), now)
+                    }
+                    1 => m.on(Event::RankFailed(&name(host)), now),
+                    2 => m.on(Event::HostLost(&name(host)), now),
+                    _ => m.on(Event::Tick, now),
+                };
+                prop_assert!(!stopped || matches!(decision, Decision::Stop(_)), "went on after a stop");
+                match decision {
+                    Decision::Reform(w) => {
+                        prop_assert!(w.size() >= c.min_np && w.size() <= c.max_np, "size {}", w.size());
+                        let out: Vec<&str> = m.blacklisted().iter().map(|(h, _)| *h).collect();
+                        for (h, n) in &w.hosts {
+                            prop_assert!(!out.contains(&h.as_str()), "blacklisted {h} in a world");
+                            let d = discovered.iter().find(|d| &d.name == h);
+                            prop_assert!(d.is_some_and(|d| *n >= 1 && *n <= d.slots), "{h}:{n} not as discovered");
+                        }
+                        if let Some(prev) = &last {
+                            prop_assert_eq!(w.round, prev.round + 1);
+                            let kept: Vec<&String> = prev.hosts.iter().map(|(h, _)| h)
+                                .filter(|h| w.hosts.iter().any(|(x, _)| x == *h)).collect();
+                            let order: Vec<&String> = w.hosts.iter().map(|(h, _)| h)
+                                .filter(|h| prev.hosts.iter().any(|(x, _)| x == *h)).collect();
+                            prop_assert_eq!(&kept, &order, "survivors reordered");
+                            prop_assert_eq!(&order[..], &w.hosts.iter().map(|(h, _)| h).take(order.len()).collect::<Vec<_>>()[..], "survivors not first");
+                        } else {
+                            prop_assert_eq!(w.round, 0);
+                        }
+                        prop_assert!(reset_limit.is_none_or(|l| w.resets <= l));
+                        prop_assert!(max_restarts.is_none_or(|l| w.restarts <= l));
+                        prop_assert!(w.restarts <= w.resets);
+                        last = Some(w);
+                    }
+                    Decision::Stop(_) => stopped = true,
+                    Decision::Wait { available, needed, .. } => prop_assert!(available < needed),
+                    Decision::Continue => {}
+                }
+            }
+        }
+    }
+}
