@@ -16,10 +16,12 @@
 //!   previous hosts ("No hosts from previous set remaining"); here such a
 //!   world simply forms.
 //! - A lost host (its agents killed, cut off, stopped) is blacklisted at
-//!   once; a host whose ranks fail in two rounds in a row is too (one
-//!   failing script is not the host's fault). A blacklisted host comes
-//!   back after its cooldown, `min`, `2 min`, `4 min`... at most `max`, once
+//!   once; with a cooldown range, a host whose ranks fail in two rounds in
+//!   a row is too (one failing script is not the host's fault, and without
+//!   a cooldown that would be for good). A blacklisted host comes back
+//!   after its cooldown, `min`, `2 min`, `4 min`... at most `max`, once
 //!   discovery lists it again; without a cooldown range it stays out.
+//! - A failure past the restart limit stops the job before anything else.
 //! - Every re-formed world is a reset (Horovod's `reset_limit`); those
 //!   caused by a failure are restarts (torchrun's `--max-restarts`, which
 //!   membership changes do not use up).
@@ -268,7 +270,9 @@ impl Membership {
             }
             Event::RankFailed(host) => {
                 if self.running && self.in_world(host) {
-                    if self.failed_last_round.contains(host) {
+                    // without a cooldown a blacklisting is for good: a
+                    // failing script must not exile every host
+                    if self.failed_last_round.contains(host) && self.config.cooldown.is_some() {
                         self.blacklist(host, now);
                     }
                     self.failed_this_round.insert(host.to_string());
@@ -328,6 +332,11 @@ impl Membership {
     }
 
     fn decide(&mut self, now: Duration) -> Decision {
+        if self.failure_pending {
+            if let Some(limit) = self.config.max_restarts.filter(|&l| self.restarts >= l) {
+                return self.stop(StopReason::RestartLimit { limit });
+            }
+        }
         let next = self.next_hosts();
         let available: u32 = next.iter().map(|(_, n)| n).sum();
         if available < self.config.min_np {
@@ -360,9 +369,6 @@ impl Membership {
                 return self.stop(StopReason::ResetLimit { limit });
             }
             if self.failure_pending {
-                if let Some(limit) = self.config.max_restarts.filter(|&l| self.restarts >= l) {
-                    return self.stop(StopReason::RestartLimit { limit });
-                }
                 self.restarts += 1;
             }
             self.resets += 1;
@@ -531,6 +537,34 @@ mod tests {
         fresh.on(Event::RankFailed("a"), secs(1));
         fresh.on(Event::RankFailed("b"), secs(2));
         assert!(fresh.blacklisted().is_empty());
+    }
+
+    #[test]
+    fn a_script_failing_every_round_on_one_host_hits_the_restart_limit_not_a_wait() {
+        let mut c = config(2, 2);
+        c.max_restarts = Some(3);
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("localhost", 2)])), secs(0));
+        for round in 1..=3 {
+            assert_eq!(world_of(&m.on(Event::RankFailed("localhost"), secs(round))), [("localhost", 2)]);
+        }
+        assert!(m.blacklisted().is_empty());
+        assert_eq!(
+            m.on(Event::RankFailed("localhost"), secs(4)),
+            Decision::Stop(StopReason::RestartLimit { limit: 3 })
+        );
+        // with a cooldown the host is out after two failing rounds, but
+        // the limit still comes first
+        let mut c = config(2, 2);
+        c.max_restarts = Some(1);
+        c.cooldown = Some(Cooldown::new(secs(5), secs(5)).unwrap());
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("localhost", 2)])), secs(0));
+        m.on(Event::RankFailed("localhost"), secs(1));
+        assert_eq!(
+            m.on(Event::RankFailed("localhost"), secs(2)),
+            Decision::Stop(StopReason::RestartLimit { limit: 1 })
+        );
     }
 
     #[test]

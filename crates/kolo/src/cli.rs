@@ -109,6 +109,40 @@ pub struct RunArgs {
     /// bundles onto as few nodes as fit.
     #[arg(long, value_name = "W")]
     pub workers_per_host: Option<u32>,
+    /// Elastic (restart mode): the fewest processes the job runs with
+    /// (default: -np); it waits for them up to --elastic-timeout.
+    #[arg(long, value_name = "N")]
+    pub min_np: Option<u32>,
+    /// Elastic: the most processes (default: -np; all discovered slots
+    /// with a discovery script).
+    #[arg(long, value_name = "N")]
+    pub max_np: Option<u32>,
+    /// Elastic: how many times failed ranks may restart the job (torchrun's
+    /// --max-restarts; host changes do not count). Default 0 unless elastic.
+    #[arg(long, value_name = "N")]
+    pub max_restarts: Option<u32>,
+    /// Elastic: how many times the job may be re-formed for any reason
+    /// (Horovod's reset limit); default: no limit.
+    #[arg(long, value_name = "N")]
+    pub reset_limit: Option<u32>,
+    /// Elastic: a program printing the available hosts, 'host' or
+    /// 'host:slots' a line; run every --discovery-interval.
+    #[arg(long, value_name = "PATH")]
+    pub host_discovery_script: Option<PathBuf>,
+    /// Elastic: seconds between runs of the discovery script.
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    pub discovery_interval: f64,
+    /// Elastic: slots of a host the discovery script prints without ':slots'.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub slots_per_host: u32,
+    /// Elastic: seconds a failing host stays blacklisted, MIN:MAX: MIN after
+    /// its first failure, doubling after each later one, at most MAX
+    /// (default: for good).
+    #[arg(long, value_name = "MIN:MAX", visible_alias = "blacklist-cooldown-range")]
+    pub cooldown_range: Option<String>,
+    /// Elastic: seconds to wait for --min-np slots before giving up.
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub elastic_timeout: u64,
     /// Nodes to ask Slurm for (with --engine slurm outside an allocation).
     #[arg(long, value_name = "N")]
     pub slurm_nodes: Option<u32>,

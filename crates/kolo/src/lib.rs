@@ -3,6 +3,7 @@
 //! kolo-exec and kolo-rendezvous, with `kolo run`'s launch policy).
 
 mod cli;
+mod elastic;
 mod launch;
 mod out;
 mod run;

@@ -9,6 +9,7 @@ use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slo
 use nix::sys::signal::Signal;
 
 use crate::cli::{EngineArg, NicsArgs, RendezvousArgs, RunArgs};
+use crate::elastic::{run_elastic, ElasticSpec};
 use crate::launch::{run_job, LaunchSpec};
 use crate::out::{say, tell, Said};
 
@@ -18,10 +19,83 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
         spec.worker_program = worker.program;
         spec.worker_args = worker.args;
     }
+    if let Some(elastic) = elastic_spec(&args, spec.np)? {
+        if args.dry_run {
+            bail!("--dry-run shows a fixed job: drop the elastic options (--min-np, --max-np, --max-restarts, --host-discovery-script)");
+        }
+        return run_elastic_job(spec, elastic).await;
+    }
     if args.dry_run {
         return dry_run(&spec).await;
     }
     let outcome = run_job(spec, stop_signal()).await?;
+    report(&outcome);
+    Ok(outcome.exit_code)
+}
+
+/// The elastic options, if any was given (restart mode).
+fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
+    let elastic = args.min_np.is_some()
+        || args.max_np.is_some()
+        || args.max_restarts.is_some()
+        || args.reset_limit.is_some()
+        || args.host_discovery_script.is_some();
+    if !elastic {
+        return Ok(None);
+    }
+    if matches!(args.engine, EngineArg::Slurm | EngineArg::Ray) {
+        bail!(
+            "restart mode places workers with the local or ssh engine; Slurm and Ray allocations are not elastic yet"
+        );
+    }
+    let np = u32::try_from(np).context("-np is too large")?;
+    let min_np = args.min_np.unwrap_or(np);
+    let max_np = match (args.max_np, &args.host_discovery_script) {
+        (Some(max), _) => max,
+        (None, Some(_)) => kolo_topology::MAX_PROCESSES,
+        (None, None) => np.max(min_np),
+    };
+    let mut config = kolo_topology::ElasticConfig::new(min_np, max_np)?;
+    config.max_restarts = Some(args.max_restarts.unwrap_or(0));
+    config.reset_limit = args.reset_limit;
+    config.elastic_timeout = Duration::from_secs(args.elastic_timeout);
+    if let Some(range) = &args.cooldown_range {
+        let (lo, hi) = range
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.trim().parse::<f64>().ok()?, b.trim().parse::<f64>().ok()?)))
+            .filter(|(a, b)| a.is_finite() && b.is_finite() && *a > 0.0 && a <= b)
+            .with_context(|| format!("--cooldown-range '{range}': give MIN:MAX seconds, e.g. 10:300"))?;
+        config.cooldown = Some(kolo_topology::Cooldown::new(Duration::from_secs_f64(lo), Duration::from_secs_f64(hi))?);
+    }
+    if !(args.discovery_interval.is_finite() && args.discovery_interval >= 0.01) {
+        bail!("--discovery-interval must be at least 0.01 seconds, got {}", args.discovery_interval);
+    }
+    if args.slots_per_host == 0 {
+        bail!("--slots-per-host must be at least 1");
+    }
+    Ok(Some(ElasticSpec {
+        config,
+        discovery_script: args.host_discovery_script.clone(),
+        discovery_interval: Duration::from_secs_f64(args.discovery_interval),
+        slots_per_host: args.slots_per_host,
+    }))
+}
+
+async fn run_elastic_job(spec: LaunchSpec, elastic: ElasticSpec) -> Result<i32> {
+    let outcome = run_elastic(spec, elastic, stop_signal()).await?;
+    if let Some(last) = &outcome.last {
+        if outcome.exit_code != 0 {
+            report(last);
+        }
+    }
+    if let Some(reason) = &outcome.stopped {
+        tell(&format!("kolo: elastic job stopped: {reason}"));
+    }
+    Ok(outcome.exit_code)
+}
+
+/// Says how a job ended, on stderr.
+fn report(outcome: &kolo_exec::JobOutcome) {
     if let Some(f) = &outcome.failure {
         tell(&format!("kolo: rank {} on host {} {}; it failed first, so the job was stopped", f.rank, f.host, f.cause));
         if let Some(error) = &f.error {
@@ -41,7 +115,6 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
     if let Some(signal) = outcome.interrupted_by {
         tell(&format!("kolo: stopped by {}; every rank was terminated", signal.as_str()));
     }
-    Ok(outcome.exit_code)
 }
 
 fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
@@ -63,6 +136,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?.iter().map(|h| u64::from(h.cpus)).sum()
         }
         None if ray => bail!("give the number of processes with -np N"),
+        None if args.min_np.is_some() => u64::from(args.min_np.unwrap_or(1)),
         None => {
             bail!("give the number of processes with -np N (and hosts with -H host1:4,host2:4)")
         }

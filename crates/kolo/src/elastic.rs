@@ -1,0 +1,206 @@
+//! `kolo run` in restart mode (torchrun's elastic semantics, for any
+//! command): the world runs until a rank fails, a host is lost or
+//! discovery changes the hosts; then every rank is stopped, kolo-topology's
+//! `Membership` decides the next world, and every rank starts again with
+//! its new ranks and the restart count. Scripts resume from their own
+//! checkpoints.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use kolo_exec::{Cause, JobOutcome};
+use kolo_topology::{parse_discovery, Decision, ElasticConfig, Event, HostSpec, Membership, World};
+use nix::sys::signal::Signal;
+
+use crate::launch::{executor, LaunchSpec};
+use crate::out::tell;
+
+/// Where the hosts come from and how often to ask.
+#[derive(Clone, Debug)]
+pub struct ElasticSpec {
+    pub config: ElasticConfig,
+    /// A script printing `host[:slots]` lines; none: the host list, fixed.
+    pub discovery_script: Option<PathBuf>,
+    pub discovery_interval: Duration,
+    /// Slots of a host the script prints without `:slots`.
+    pub slots_per_host: u32,
+}
+
+/// The longest a discovery script may run.
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Runs the discovery script once: its hosts, or why not.
+async fn discover(spec: &ElasticSpec, fixed: &[HostSpec]) -> Result<Vec<HostSpec>> {
+    let Some(script) = &spec.discovery_script else { return Ok(fixed.to_vec()) };
+    let run = tokio::process::Command::new(script).kill_on_drop(true).output();
+    let out = tokio::time::timeout(DISCOVERY_TIMEOUT, run)
+        .await
+        .with_context(|| format!("host discovery script {} ran longer than {DISCOVERY_TIMEOUT:?}", script.display()))?
+        .with_context(|| format!("cannot run host discovery script {} (is it executable?)", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "host discovery script {} failed ({}): {}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let text = String::from_utf8(out.stdout).context("the host discovery script printed something not UTF-8")?;
+    parse_discovery(&text, spec.slots_per_host).with_context(|| format!("host discovery script {}", script.display()))
+}
+
+/// How an elastic job ended: the last round's outcome, or why it stopped.
+pub struct ElasticOutcome {
+    pub last: Option<JobOutcome>,
+    pub stopped: Option<String>,
+    pub exit_code: i32,
+}
+
+/// Runs `spec.command` elastically until a round succeeds, the job is
+/// interrupted, or membership says stop.
+pub async fn run_elastic(
+    spec: LaunchSpec,
+    elastic: ElasticSpec,
+    interrupt: impl Future<Output = Signal>,
+) -> Result<ElasticOutcome> {
+    tokio::pin!(interrupt);
+    let started = Instant::now();
+    let mut membership = Membership::new(elastic.config.clone());
+    let first = discover(&elastic, &spec.hosts).await?;
+    let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
+    let mut last: Option<JobOutcome> = None;
+    loop {
+        let world = match decision {
+            Decision::Reform(world) => world,
+            Decision::Stop(reason) => {
+                let code = last.as_ref().map_or(1, |o| o.exit_code.max(1));
+                return Ok(ElasticOutcome { last, stopped: Some(reason.to_string()), exit_code: code });
+            }
+            Decision::Wait { available, needed, deadline } => {
+                tell(&format!(
+                    "kolo: waiting for {needed} slots, {available} available; up to {:.0} s more",
+                    deadline.saturating_sub(started.elapsed()).as_secs_f64()
+                ));
+                tokio::select! {
+                    _ = tokio::time::sleep(elastic.discovery_interval) => {}
+                    signal = &mut interrupt => return Ok(interrupted(last, signal)),
+                }
+                decision = rediscover(&elastic, &spec, &mut membership, started).await;
+                continue;
+            }
+            Decision::Continue => {
+                decision = rediscover(&elastic, &spec, &mut membership, started).await;
+                continue;
+            }
+        };
+        let (outcome, changed) = run_round(&spec, &elastic, &world, &mut membership, started, &mut interrupt).await?;
+        if let Some(signal) = outcome.interrupted_by.filter(|_| changed.is_none()) {
+            return Ok(interrupted(Some(outcome), signal));
+        }
+        if let Some(next) = changed {
+            tell(&format!("kolo: the hosts changed; re-forming the job (round {})", world.round + 1));
+            last = Some(outcome);
+            decision = next;
+            continue;
+        }
+        let Some(failure) = &outcome.failure else {
+            // every rank succeeded
+            return Ok(ElasticOutcome { exit_code: 0, last: Some(outcome), stopped: None });
+        };
+        let host = world_host_of(&world, failure.rank).unwrap_or_else(|| failure.host.clone());
+        let event = match failure.cause {
+            Cause::Lost(_) => Event::HostLost(&host),
+            _ => Event::RankFailed(&host),
+        };
+        decision = membership.on(event, started.elapsed());
+        if !matches!(decision, Decision::Stop(_)) {
+            tell(&format!("kolo: rank {} on host {host} {}; restarting the job", failure.rank, failure.cause));
+        }
+        last = Some(outcome);
+    }
+}
+
+fn interrupted(last: Option<JobOutcome>, signal: Signal) -> ElasticOutcome {
+    ElasticOutcome { last, stopped: None, exit_code: 128 + signal as i32 }
+}
+
+/// Asks discovery again; a failing script keeps the last hosts (it said so).
+async fn rediscover(
+    elastic: &ElasticSpec,
+    spec: &LaunchSpec,
+    membership: &mut Membership,
+    started: Instant,
+) -> Decision {
+    match discover(elastic, &spec.hosts).await {
+        Ok(hosts) => membership.on(Event::Discovered(&hosts), started.elapsed()),
+        Err(e) => {
+            tracing::warn!("{e:#}; keeping the hosts discovered before");
+            membership.on(Event::Tick, started.elapsed())
+        }
+    }
+}
+
+/// The host of `rank` in `world`: ranks fill the hosts in order.
+fn world_host_of(world: &World, rank: u32) -> Option<String> {
+    let mut first = 0;
+    for (host, slots) in &world.hosts {
+        if rank < first + slots {
+            return Some(host.clone());
+        }
+        first += slots;
+    }
+    None
+}
+
+/// One round: the world runs until it ends, or discovery changes the hosts
+/// (then it is stopped and the new decision comes back).
+async fn run_round(
+    spec: &LaunchSpec,
+    elastic: &ElasticSpec,
+    world: &World,
+    membership: &mut Membership,
+    started: Instant,
+    interrupt: &mut std::pin::Pin<&mut impl Future<Output = Signal>>,
+) -> Result<(JobOutcome, Option<Decision>)> {
+    let mut round = spec.clone();
+    round.hosts = world.host_specs();
+    round.np = world.size().into();
+    let restarts = world.restarts.to_string();
+    let max_restarts = elastic.config.max_restarts.unwrap_or(0).to_string();
+    for (k, v) in [
+        ("HOROVOD_ELASTIC", "1"),
+        ("KOLO_RESTART_COUNT", restarts.as_str()),
+        ("TORCHELASTIC_RESTART_COUNT", restarts.as_str()),
+        ("TORCHELASTIC_MAX_RESTARTS", max_restarts.as_str()),
+    ] {
+        round.extra_env.retain(|(name, _)| name != k);
+        round.extra_env.push((k.to_string(), v.to_string()));
+    }
+    let mut executor = executor(&round).await?;
+    if let Err(e) = executor.start_command(&round.command, &round.extra_env).await {
+        executor.shutdown().await;
+        return Err(e.into());
+    }
+    let mut changed: Option<Decision> = None;
+    let stop = async {
+        let mut ticks = tokio::time::interval(elastic.discovery_interval);
+        ticks.tick().await;
+        loop {
+            tokio::select! {
+                signal = &mut *interrupt => return signal,
+                _ = ticks.tick() => {
+                    let decision = rediscover(elastic, spec, membership, started).await;
+                    if decision != Decision::Continue {
+                        changed = Some(decision);
+                        return Signal::SIGTERM;
+                    }
+                }
+            }
+        }
+    };
+    let outcome = executor.wait_command(stop).await;
+    executor.shutdown().await;
+    Ok((outcome?, changed))
+}

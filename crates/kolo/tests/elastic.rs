@@ -1,0 +1,182 @@
+//! `kolo run` in restart mode on real processes (local engine, simulated
+//! nodes): failed and killed ranks, lost hosts, hosts a discovery script
+//! adds, the limits and the elastic timeout; nothing left behind.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::*;
+
+/// A discovery script printing `a:2`, and `b:2` too once `grow` exists.
+fn discovery_script(dir: &std::path::Path, grow: &std::path::Path) -> String {
+    let path = dir.join("discover.sh");
+    std::fs::write(&path, format!("#!/bin/sh\necho a:2\n[ -e {} ] && echo b:2\nexit 0\n", grow.display())).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+#[test]
+fn a_failed_rank_restarts_every_rank_with_the_restart_count() {
+    let out = run(&[
+        "run",
+        "--engine",
+        "local",
+        "-H",
+        "a:2,b:2",
+        "-np",
+        "4",
+        "--max-restarts",
+        "2",
+        "--",
+        "sh",
+        "-c",
+        "echo rank $RANK restart $KOLO_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS elastic $HOROVOD_ELASTIC; \
+         [ $KOLO_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; exit 0",
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    // the first round ends as soon as rank 1 fails: others may not have printed
+    assert!(text.contains("rank 1 restart 0 0 of 2 elastic 1"), "{text}");
+    for rank in 0..4 {
+        assert!(text.contains(&format!("rank {rank} restart 1 1 of 2 elastic 1")), "{text}");
+    }
+    assert!(stderr(&out).contains("rank 1 on host a exited with code 3; restarting the job"), "{}", stderr(&out));
+}
+
+#[test]
+fn past_max_restarts_the_job_stops_with_the_ranks_code_and_says_why() {
+    let out = run(&["run", "-np", "2", "--max-restarts", "1", "--", "sh", "-c", "[ $RANK = 0 ] && exit 7; sleep 30"]);
+    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert_eq!(err.matches("restarting the job").count(), 1, "{err}");
+    assert!(err.contains("rank 0 on host localhost exited with code 7; it failed first"), "{err}");
+    assert!(err.contains("restarted 1 times, its --max-restarts"), "{err}");
+}
+
+#[test]
+fn a_killed_rank_restarts_the_world_and_nothing_of_the_old_one_is_left() {
+    let dir = TempDir::new("elastic-killed");
+    let script = format!(
+        "echo $$ > {}/$RANK.$KOLO_RESTART_COUNT.pid; [ $KOLO_RESTART_COUNT = 1 ] && exit 0; exec sleep 1000",
+        dir.path().display()
+    );
+    let child = kolo()
+        .args(["run", "--engine", "local", "-H", "a:2,b:2", "-np", "4", "--max-restarts", "1", "--"])
+        .args(["sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let first_round = |i: u32| dir.path().join(format!("{i}.0.pid"));
+    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| first_round(i).exists()));
+    let pids: Vec<i32> =
+        (0..4).map(|i| std::fs::read_to_string(first_round(i)).unwrap().trim().parse().unwrap()).collect();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 2 on host b was killed by signal 9 (SIGKILL); restarting"), "{}", stderr(&out));
+    assert!((0..4).all(|i| dir.path().join(format!("{i}.1.pid")).exists()));
+    assert!(pids.iter().all(|&p| !alive(p)), "a rank of the first world outlived it");
+}
+
+#[test]
+fn a_lost_host_is_left_out_of_the_next_world() {
+    let dir = TempDir::new("elastic-lost");
+    // each rank writes its shell's and its agent's pid
+    let script = format!(
+        "echo $$ $PPID > {}/$RANK.$KOLO_RESTART_COUNT.pid; [ $KOLO_RESTART_COUNT = 1 ] && \
+         echo size $WORLD_SIZE host $HOROVOD_HOSTNAME && exit 0; exec sleep 1000",
+        dir.path().display()
+    );
+    let child = kolo()
+        .args(["run", "--engine", "local", "-H", "a:2,b:2", "-np", "4", "--min-np", "2", "--max-restarts", "1"])
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let file = |i: u32| dir.path().join(format!("{i}.0.pid"));
+    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| file(i).exists()));
+    let agent_of_3: i32 = std::fs::read_to_string(file(3)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent_of_3), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 3 on host b was lost"), "{}", stderr(&out));
+    assert_eq!(text.matches("size 2 host a").count(), 2, "{text}");
+    assert!(!text.contains("host b"), "{text}");
+}
+
+#[test]
+fn a_host_the_discovery_script_adds_grows_the_world() {
+    let dir = TempDir::new("elastic-grow");
+    let grow = dir.path().join("grow");
+    let discover = discovery_script(dir.path(), &grow);
+    let script =
+        format!("[ $WORLD_SIZE = 4 ] && echo grown $RANK && exit 0; touch {}; exec sleep 1000", grow.display());
+    let out = run(&[
+        "run",
+        "--engine",
+        "local",
+        "--min-np",
+        "2",
+        "--max-np",
+        "4",
+        "--host-discovery-script",
+        &discover,
+        "--discovery-interval",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(text.matches("grown").count(), 4, "{text}");
+    assert!(stderr(&out).contains("the hosts changed; re-forming the job"), "{}", stderr(&out));
+}
+
+#[test]
+fn too_few_slots_for_longer_than_the_elastic_timeout_stop_the_job_saying_so() {
+    let dir = TempDir::new("elastic-timeout");
+    let discover = discovery_script(dir.path(), &dir.path().join("never"));
+    let out = run(&[
+        "run",
+        "--min-np",
+        "3",
+        "--host-discovery-script",
+        &discover,
+        "--discovery-interval",
+        "0.1",
+        "--elastic-timeout",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("waiting for 3 slots, 2 available"), "{err}");
+    assert!(err.contains("timed out after 1 s waiting for 3 slots (--min-np) with 2 available"), "{err}");
+}
+
+#[test]
+fn bad_elastic_options_are_refused_naming_them() {
+    for (args, says) in [
+        (&["--min-np", "3", "--max-np", "2"][..], "1 <= min-np <= max-np"),
+        (&["-np", "2", "--max-restarts", "1", "--cooldown-range", "9:3"][..], "--cooldown-range '9:3'"),
+        (&["-np", "2", "--max-restarts", "1", "--discovery-interval", "0"][..], "--discovery-interval"),
+        (&["-np", "2", "--max-restarts", "1", "--dry-run"][..], "--dry-run shows a fixed job"),
+        (&["-np", "2", "--host-discovery-script", "/nonexistent/discover"][..], "cannot run host discovery script"),
+    ] {
+        let mut all = vec!["run"];
+        all.extend_from_slice(args);
+        all.extend(["--", "true"]);
+        let out = run(&all);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr(&out));
+        assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
+    }
+}
