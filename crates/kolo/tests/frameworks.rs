@@ -82,3 +82,52 @@ fn jax_initialize_without_arguments_on_four_processes() {
 fn jax_initialize_without_arguments_on_two_simulated_nodes() {
     jax(Some("node-a:2,node-b:2"));
 }
+
+/// The final loss `examples/elastic_ddp.py` printed.
+fn final_loss(text: &str) -> f64 {
+    let line = text.lines().find(|l| l.contains("final loss ")).unwrap_or_else(|| panic!("no final loss: {text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// Restart mode with a PyTorch DDP script that checkpoints: a rank killed
+/// mid-training restarts every rank, which resume from the checkpoint and
+/// end with the model a run without faults ends with; nothing of the first
+/// world is left.
+#[test]
+fn pytorch_ddp_with_a_checkpoint_survives_a_killed_rank_in_restart_mode() {
+    let Some(python) = python_with("torch") else { return };
+    let script = repo_file("examples/elastic_ddp.py");
+    let dir = TempDir::new("elastic-ddp");
+    let env = |name: &str| dir.path().join(name).to_string_lossy().into_owned();
+    let job = |ckpt: &str| {
+        let mut c = kolo();
+        c.args(["run", "-np", "4", "--max-restarts", "2", "--", &python, &script])
+            .env("CKPT", env(ckpt))
+            .env("STEPS", "30")
+            .env("STEP_SLEEP", "0.1")
+            .env("PROGRESS", env("progress"))
+            .env("PIDS", dir.path());
+        c
+    };
+    let clean = job("clean.pt").output().unwrap();
+    assert!(clean.status.success(), "{}", stderr(&clean));
+    let _ = std::fs::remove_file(env("progress"));
+    let child = job("faulty.pt").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let step = || std::fs::read_to_string(env("progress")).ok().and_then(|s| s.trim().parse::<u32>().ok());
+    wait_for("training to reach step 10", std::time::Duration::from_secs(120), || step().is_some_and(|s| s >= 10));
+    let pid_of = |rank: u32, restart: u32| -> i32 {
+        std::fs::read_to_string(dir.path().join(format!("{rank}.{restart}.pid"))).unwrap().trim().parse().unwrap()
+    };
+    let first_world: Vec<i32> = (0..4).map(|r| pid_of(r, 0)).collect();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first_world[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let faulty = child.wait_with_output().unwrap();
+    let text = stdout(&faulty);
+    assert!(faulty.status.success(), "{text}{}", stderr(&faulty));
+    assert!(stderr(&faulty).contains("rank 2 on host localhost was killed by signal 9 (SIGKILL); restarting"));
+    let resumed = text.lines().find(|l| l.contains("restart 1,")).unwrap_or_else(|| panic!("no restart: {text}"));
+    let from: u32 = resumed.split("resumed at step ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(from >= 10, "resumed from step {from}: {text}");
+    let (a, b) = (final_loss(&stdout(&clean)), final_loss(&text));
+    assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "final loss {b} after a fault, {a} without");
+    assert!(first_world.iter().all(|&p| !alive(p)), "a rank of the first world outlived it");
+}
