@@ -112,7 +112,8 @@ fn pytorch_ddp_with_a_checkpoint_survives_a_killed_rank_in_restart_mode() {
     let clean = job("clean.pt").output().unwrap();
     assert!(clean.status.success(), "{}", stderr(&clean));
     let _ = std::fs::remove_file(env("progress"));
-    let child = job("faulty.pt").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let child =
+        job("faulty.pt").stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
     let step = || std::fs::read_to_string(env("progress")).ok().and_then(|s| s.trim().parse::<u32>().ok());
     wait_for("training to reach step 10", std::time::Duration::from_secs(120), || step().is_some_and(|s| s >= 10));
     let pid_of = |rank: u32, restart: u32| -> i32 {
