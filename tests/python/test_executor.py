@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+import ddp_step
 import kolo
 from kolo import Executor as RayExecutor
 
@@ -207,31 +208,11 @@ def test_worker_output_reaches_the_driver_with_rank_prefixes_and_nothing_is_left
 
 
 def test_pytorch_ddp_through_executor_run():
-    if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
-        import torch
-    else:
-        torch = pytest.importorskip("torch")
-
-    def train():
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(dist.get_rank())
-        for _ in range(3):
-            x = torch.randn(8, 4)
-            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        total = sum(p.detach().sum().item() for p in model.parameters())
-        dist.destroy_process_group()
-        return total
+    ddp_step.torch_or_skip()
 
     with RayExecutor(RayExecutor.create_settings(), num_workers=4, hosts="localhost:4") as ex:
         ex.start()
-        results = ex.run(train)
+        results = ex.run(ddp_step.train)
     assert len(results) == 4 and len(set(results)) == 1, results
 
 

@@ -16,6 +16,7 @@ if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
 else:
     ray = pytest.importorskip("ray", reason="Ray is not installed (.ci/run installs it)")
 
+import ddp_step  # noqa: E402
 import kolo  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
@@ -171,31 +172,11 @@ def test_a_workers_actor_killed_mid_job_is_reported_and_nothing_is_left(cluster,
 
 
 def test_pytorch_ddp_through_the_ray_engine(cluster, settings, nothing_left):
-    if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
-        import torch
-    else:
-        torch = pytest.importorskip("torch")
-
-    def train():
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        torch.manual_seed(dist.get_rank())
-        for _ in range(3):
-            x = torch.randn(8, 4)
-            loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        total = sum(p.detach().sum().item() for p in model.parameters())
-        dist.destroy_process_group()
-        return total
+    ddp_step.torch_or_skip()
 
     with RayExecutor(settings, num_workers=4, engine="ray") as ex:
         ex.start()
-        results = ex.run(train)
+        results = ex.run(ddp_step.train)
     assert len(results) == 4 and len(set(results)) == 1, results
 
 

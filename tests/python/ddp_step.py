@@ -1,0 +1,35 @@
+"""A PyTorch DDP function for kolo.Executor's tests, shared by the engines'
+tests; workers import it by name (the driver's sys.path goes along)."""
+
+import os
+
+
+def torch_or_skip():
+    """torch; outside CI (KOLO_REQUIRE_FRAMEWORKS unset) a skip without it."""
+    if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
+        import torch
+
+        return torch
+    import pytest  # here: the workers import this module too
+
+    return pytest.importorskip("torch")
+
+
+def train():
+    """Three DDP steps on rank-seeded data; every rank's parameter sum."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    total = sum(p.detach().sum().item() for p in model.parameters())
+    dist.destroy_process_group()
+    return total
