@@ -48,10 +48,7 @@ impl Executor {
         task: &T,
         on_report: impl FnMut(Report),
     ) -> Result<Vec<T::Output>, ExecError> {
-        let (tx, rx) = mpsc::channel(REPORTS_QUEUED);
-        let handles = self.call_all(CallKind::Task, T::NAME, task, None, Some(&tx)).await?;
-        drop(tx);
-        reporting(join_all(handles), rx, on_report).await
+        self.call_reporting(CallKind::Task, T::NAME, task, on_report).await
     }
 
     /// `run` with reports, as `execute_reporting`.
@@ -60,8 +57,18 @@ impl Executor {
         function: &F,
         on_report: impl FnMut(Report),
     ) -> Result<Vec<F::Output>, ExecError> {
+        self.call_reporting(CallKind::Function, F::NAME, function, on_report).await
+    }
+
+    async fn call_reporting<A: serde::Serialize, O: DeserializeOwned + Send + 'static>(
+        &self,
+        kind: CallKind,
+        name: &str,
+        args: &A,
+        on_report: impl FnMut(Report),
+    ) -> Result<Vec<O>, ExecError> {
         let (tx, rx) = mpsc::channel(REPORTS_QUEUED);
-        let handles = self.call_all(CallKind::Function, F::NAME, function, None, Some(&tx)).await?;
+        let handles = self.call_all(kind, name, args, None, Some(&tx)).await?;
         drop(tx);
         reporting(join_all(handles), rx, on_report).await
     }
