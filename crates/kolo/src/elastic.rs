@@ -95,7 +95,8 @@ pub async fn run_elastic(
                 continue;
             }
         };
-        let (outcome, changed) = run_round(&spec, &elastic, &world, &mut membership, started, &mut interrupt).await?;
+        let (outcome, nodes, changed) =
+            run_round(&spec, &elastic, &world, &mut membership, started, &mut interrupt).await?;
         if let Some(signal) = outcome.interrupted_by.filter(|_| changed.is_none()) {
             return Ok(interrupted(Some(outcome), signal));
         }
@@ -109,7 +110,8 @@ pub async fn run_elastic(
             // every rank succeeded
             return Ok(ElasticOutcome { exit_code: 0, last: Some(outcome), stopped: None });
         };
-        let host = world_host_of(&world, failure.rank).unwrap_or_else(|| failure.host.clone());
+        // the host as the world names it (the plan's), not as the worker sees itself
+        let host = nodes.get(failure.rank as usize).cloned().unwrap_or_else(|| failure.host.clone());
         let event = match failure.cause {
             Cause::Lost(_) => Event::HostLost(&host),
             _ => Event::RankFailed(&host),
@@ -142,20 +144,9 @@ async fn rediscover(
     }
 }
 
-/// The host of `rank` in `world`: ranks fill the hosts in order.
-fn world_host_of(world: &World, rank: u32) -> Option<String> {
-    let mut first = 0;
-    for (host, slots) in &world.hosts {
-        if rank < first + slots {
-            return Some(host.clone());
-        }
-        first += slots;
-    }
-    None
-}
-
 /// One round: the world runs until it ends, or discovery changes the hosts
-/// (then it is stopped and the new decision comes back).
+/// (then it is stopped and the new decision comes back). Also each rank's
+/// host, from the round's plan.
 async fn run_round(
     spec: &LaunchSpec,
     elastic: &ElasticSpec,
@@ -163,7 +154,7 @@ async fn run_round(
     membership: &mut Membership,
     started: Instant,
     interrupt: &mut std::pin::Pin<&mut impl Future<Output = Signal>>,
-) -> Result<(JobOutcome, Option<Decision>)> {
+) -> Result<(JobOutcome, Vec<String>, Option<Decision>)> {
     let mut round = spec.clone();
     round.hosts = world.host_specs();
     round.np = world.size().into();
@@ -183,6 +174,7 @@ async fn run_round(
         executor.shutdown().await;
         return Err(e.into());
     }
+    let nodes: Vec<String> = executor.plan().await?.workers.iter().map(|w| w.host.node_id.clone()).collect();
     let mut changed: Option<Decision> = None;
     let stop = async {
         let mut ticks = tokio::time::interval(elastic.discovery_interval);
@@ -202,5 +194,5 @@ async fn run_round(
     };
     let outcome = executor.wait_command(stop).await;
     executor.shutdown().await;
-    Ok((outcome?, changed))
+    Ok((outcome?, nodes, changed))
 }
