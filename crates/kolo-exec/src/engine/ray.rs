@@ -2,12 +2,14 @@
 //! as horovod.ray's strategies place them. A small Python bridge
 //! (`ray_bridge.py`, run with a Python that has Ray) makes the placement
 //! group (one bundle per host with STRICT_SPREAD for colocated, one per
-//! worker with PACK), puts a launcher actor in each bundle to hold its
-//! resources, and has it start the kolo agents as its children. Everything
-//! after that (registration, ranks, rendezvous, collectives) is kolo's;
-//! Ray carries none of the job's traffic.
+//! worker with PACK), which holds the resources; it starts the agents of
+//! its own node itself and those of every other node through a launcher
+//! actor there (one per bundle when bundles have GPUs, whose ids Ray tells
+//! only the actor holding them). Everything after that (registration,
+//! ranks, rendezvous, collectives) is kolo's; Ray carries none of the
+//! job's traffic.
 //!
-//! Faults: an agent's stdin is its lifeline to its actor, so an actor or
+//! Faults: an agent's stdin is its lifeline to its launcher, so an actor or
 //! node that dies takes its agents with it, and the bridge reports it. The
 //! bridge ends with the driver (end of its stdin, or the janitor's
 //! SIGTERM), and Ray removes what a finished job held.
@@ -56,19 +58,12 @@ impl Default for RayOptions {
     }
 }
 
-/// One bundle of the placement group, as its launcher actor found it.
-#[derive(Clone, Debug)]
-struct Bundle {
-    node_id: String,
-    /// Workers it holds.
-    slots: u32,
-}
-
 pub struct RayEngine {
     options: RayOptions,
     request: WorkerRequest,
     bridge: Option<Bridge>,
-    bundles: Vec<Bundle>,
+    /// The node of each bundle of the placement group, in bundle order.
+    bundle_nodes: Vec<String>,
     gcs_host: Option<String>,
     spawned: Vec<u32>,
     reported: HashSet<u32>,
@@ -184,7 +179,7 @@ impl RayEngine {
             options,
             request,
             bridge: None,
-            bundles: Vec::new(),
+            bundle_nodes: Vec::new(),
             gcs_host: None,
             spawned: Vec::new(),
             reported: HashSet::new(),
@@ -192,9 +187,16 @@ impl RayEngine {
         }
     }
 
-    /// The placement group's bundles and Ray's strategy for them
-    /// (horovod.ray's: a bundle per host, or a bundle per worker).
-    fn bundles_asked(&self) -> (Vec<Value>, &'static str, u32) {
+    /// Workers per bundle: horovod.ray's bundle per host, or per worker.
+    fn workers_per_bundle(&self) -> u32 {
+        match self.request.placement {
+            Placement::Pack { .. } => 1,
+            Placement::Colocated { workers_per_host, .. } => workers_per_host,
+        }
+    }
+
+    /// The placement group's bundles and Ray's strategy for them.
+    fn bundles_asked(&self) -> (Vec<Value>, &'static str) {
         let WorkerResources { cpus, gpus } = self.request.resources;
         let bundle = |workers: u32| {
             let mut b = serde_json::Map::new();
@@ -206,9 +208,9 @@ impl RayEngine {
             Value::Object(b)
         };
         match self.request.placement {
-            Placement::Pack { num_workers } => (vec![bundle(1); num_workers as usize], "PACK", 1),
+            Placement::Pack { num_workers } => (vec![bundle(1); num_workers as usize], "PACK"),
             Placement::Colocated { num_hosts, workers_per_host } => {
-                (vec![bundle(workers_per_host); num_hosts as usize], "STRICT_SPREAD", workers_per_host)
+                (vec![bundle(workers_per_host); num_hosts as usize], "STRICT_SPREAD")
             }
         }
     }
@@ -222,7 +224,8 @@ impl Engine for RayEngine {
     /// Places the job on the cluster: the nodes its bundles landed on, in
     /// bundle order, with their CPUs and the GPU ids Ray gave them.
     fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
-        let (bundles, strategy, slots) = self.bundles_asked();
+        let (bundles, strategy) = self.bundles_asked();
+        let slots = self.workers_per_bundle();
         let mut bridge = Bridge::start(&self.options.python)?;
         bridge.send(&json!({
             "op": "place",
@@ -250,7 +253,7 @@ impl Engine for RayEngine {
                 .and_then(Value::as_array)
                 .map(|ids| ids.iter().filter_map(Value::as_u64).map(|g| g as u32).collect())
                 .unwrap_or_default();
-            self.bundles.push(Bundle { node_id: node_id.clone(), slots });
+            self.bundle_nodes.push(node_id.clone());
             match hosts.iter_mut().find(|h| h.node_id == node_id) {
                 Some(host) => {
                     host.cpus += slots * cpus_per_worker;
@@ -276,13 +279,13 @@ impl Engine for RayEngine {
     }
 
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
+        let mut free = vec![self.workers_per_bundle(); self.bundle_nodes.len()];
         let bridge = self.bridge.as_mut().ok_or_else(|| ray_err("spawn before placement"))?;
         let _ = janitor.watch_group(bridge.child.id());
-        let mut free: Vec<u32> = self.bundles.iter().map(|b| b.slots).collect();
         let mut launches = Vec::with_capacity(workers.len());
         for w in &workers {
-            let bundle = (0..self.bundles.len())
-                .find(|&b| free[b] > 0 && self.bundles[b].node_id == w.host.node_id)
+            let bundle = (0..self.bundle_nodes.len())
+                .find(|&b| free[b] > 0 && self.bundle_nodes[b] == w.host.node_id)
                 .ok_or_else(|| ray_err(format!("no bundle left on node {} for worker {}", w.host.node_id, w.index)))?;
             free[bundle] -= 1;
             let mut env: serde_json::Map<String, Value> = w.env.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
