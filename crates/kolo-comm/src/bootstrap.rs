@@ -50,6 +50,41 @@ pub struct Config {
     /// Address this rank listens on for TCP links.
     pub listen: IpAddr,
     pub tuning: Tuning,
+    /// Asked while the bootstrap and the collectives wait (elastic jobs).
+    pub interrupt: Option<Interrupt>,
+}
+
+/// Ends the waits of a communicator when its round is over: asked every
+/// few tens of milliseconds while a bootstrap or a collective makes no
+/// progress, it answers the new round's number once there is one, and the
+/// wait fails with [`CommError::Interrupted`]. An elastic job's
+/// communicators carry one ([`crate::elastic`]), so that a collective stuck
+/// on a peer that vanished without closing its sockets (a host cut off)
+/// ends as soon as kolo's driver has started a round without it.
+#[derive(Clone)]
+pub struct Interrupt(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl Interrupt {
+    pub fn new(check: impl Fn() -> Option<u64> + Send + Sync + 'static) -> Interrupt {
+        Interrupt(Arc::new(check))
+    }
+
+    pub(crate) fn check(&self) -> Result<(), CommError> {
+        match (self.0)() {
+            Some(round) => Err(CommError::Interrupted { round }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Interrupt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Interrupt")
+    }
+}
+
+fn check_interrupt(interrupt: &Option<Interrupt>) -> Result<(), CommError> {
+    interrupt.as_ref().map_or(Ok(()), Interrupt::check)
 }
 
 fn var(name: &str) -> Result<String, CommError> {
@@ -87,7 +122,14 @@ impl Config {
             transport: Transport::Auto,
             listen: IpAddr::from([127, 0, 0, 1]),
             tuning: Tuning::default(),
+            interrupt: None,
         })
+    }
+
+    /// Waits of the bootstrap and of every collective end when `interrupt` says so.
+    pub fn with_interrupt(mut self, interrupt: Interrupt) -> Config {
+        self.interrupt = Some(interrupt);
+        self
     }
 
     pub fn with_timeout(mut self, timeout: Duration) -> Config {
@@ -297,7 +339,7 @@ impl Setup<'_> {
         let auth = |source| CommError::Auth { rank: peer, source };
         match kind {
             Kind::Tcp => {
-                let mut stream = dial_tcp(p.addr, self.deadline)
+                let mut stream = dial_tcp(p.addr, self.deadline, &config.interrupt)?
                     .map_err(self.io_err(format!("cannot reach rank {peer} at {}", p.addr)))?;
                 stream.write_all(&claim).map_err(|e| CommError::Io { rank: peer, source: e })?;
                 dial_handshake(&mut stream, &config.secret, &ctx, handshake_limit(self.deadline)).map_err(auth)?;
@@ -400,6 +442,7 @@ impl Communicator {
             setup.dial(p, peer, if local(p) { Kind::Unix } else { Kind::Tcp })?;
         }
         let mut missing: Vec<usize> = (0..config.rank).collect();
+        let mut last_check = Instant::now();
         listener.set_nonblocking(true).map_err(|source| CommError::BootstrapIo { what: "listener".into(), source })?;
         if let Some((_, l)) = &unix {
             l.set_nonblocking(true)
@@ -436,6 +479,10 @@ impl Communicator {
                 }
             }
             if !accepted {
+                if last_check.elapsed() > Duration::from_millis(50) {
+                    last_check = Instant::now();
+                    check_interrupt(&config.interrupt)?;
+                }
                 if Instant::now() >= deadline {
                     return Err(CommError::Bootstrap(format!(
                         "ranks {missing:?} did not connect within {:.1} s",
@@ -457,6 +504,7 @@ impl Communicator {
             local_pids,
             timeout: config.timeout,
             tuning: config.tuning.clone(),
+            interrupt: config.interrupt.clone(),
             names: Mutex::new(HashMap::from([(WORLD, "world".to_string())])),
         });
         let mut comm = Communicator::new(shared, WORLD, (0..n).collect(), config.rank, nodes);
@@ -467,12 +515,39 @@ impl Communicator {
     }
 }
 
-fn dial_tcp(addr: SocketAddr, deadline: Instant) -> std::io::Result<TcpStream> {
+/// The outer error: the round ended while dialing; the inner: the dial failed.
+fn dial_tcp(
+    addr: SocketAddr,
+    deadline: Instant,
+    interrupt: &Option<Interrupt>,
+) -> Result<std::io::Result<TcpStream>, CommError> {
     loop {
         match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-            Ok(s) => return Ok(s),
-            Err(e) if Instant::now() >= deadline => return Err(e),
-            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            Ok(s) => return Ok(Ok(s)),
+            Err(e) if Instant::now() >= deadline => return Ok(Err(e)),
+            Err(_) => {
+                check_interrupt(interrupt)?;
+                std::thread::sleep(Duration::from_millis(5))
+            }
+        }
+    }
+}
+
+/// Waits for one key, asking `interrupt` between slices of the wait.
+fn wait_key(
+    client: &mut BlockingClient,
+    scope: &str,
+    key: &str,
+    deadline: Instant,
+    interrupt: &Option<Interrupt>,
+) -> Result<Result<Vec<u8>, RendezvousError>, CommError> {
+    let slice = if interrupt.is_some() { Duration::from_millis(100) } else { Duration::MAX };
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match client.wait(scope, &[key], remaining.min(slice)) {
+            Ok(mut values) => return Ok(Ok(values.remove(0))),
+            Err(RendezvousError::WaitTimeout { .. }) if remaining > slice => check_interrupt(interrupt)?,
+            Err(e) => return Ok(Err(e)),
         }
     }
 }
@@ -492,12 +567,11 @@ fn exchange_addresses(
     let scope = format!("kolo-comm-{}", config.job_id);
     let record = format!("{}\t{addr}\t{}\t{unix}", config.node_id, std::process::id());
     client.put(&scope, &config.rank.to_string(), record.as_bytes()).map_err(CommError::Store)?;
-    let remaining = || deadline.saturating_duration_since(Instant::now());
     let table = if config.rank == 0 {
         let mut records = Vec::with_capacity(config.size);
         for r in 0..config.size {
-            match client.wait(&scope, &[&r.to_string()], remaining()) {
-                Ok(mut v) => records.push(String::from_utf8_lossy(&v.remove(0)).into_owned()),
+            match wait_key(&mut client, &scope, &r.to_string(), deadline, &config.interrupt)? {
+                Ok(v) => records.push(String::from_utf8_lossy(&v).into_owned()),
                 Err(RendezvousError::WaitTimeout { .. }) => {
                     let mut missing = Vec::new();
                     for m in r..config.size {
@@ -517,8 +591,8 @@ fn exchange_addresses(
         client.put(&scope, "table", table.as_bytes()).map_err(CommError::Store)?;
         table
     } else {
-        match client.wait(&scope, &["table"], remaining()) {
-            Ok(mut v) => String::from_utf8_lossy(&v.remove(0)).into_owned(),
+        match wait_key(&mut client, &scope, "table", deadline, &config.interrupt)? {
+            Ok(v) => String::from_utf8_lossy(&v).into_owned(),
             Err(RendezvousError::WaitTimeout { .. }) => {
                 return Err(CommError::Bootstrap(format!(
                     "no address table from rank 0 within {:.1} s: rank 0 or another rank did not show up",

@@ -89,6 +89,8 @@ pub(crate) struct Shared {
     pub local_pids: Vec<u32>,
     pub timeout: Duration,
     pub tuning: Tuning,
+    /// Ends waits when an elastic job's round is over.
+    pub interrupt: Option<crate::Interrupt>,
     /// Names of the communicators this rank made, by id, for errors.
     pub names: Mutex<HashMap<u64, String>>,
 }
@@ -397,6 +399,9 @@ impl Communicator {
             if now.duration_since(last_check) > Duration::from_millis(50) {
                 last_check = now;
                 self.check_peers(ops)?;
+                if let Some(interrupt) = &shared.interrupt {
+                    interrupt.check()?;
+                }
             }
             if now.duration_since(since) > shared.timeout {
                 let mut waiting: Vec<usize> = ops

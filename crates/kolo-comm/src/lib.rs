@@ -21,11 +21,12 @@
 mod bootstrap;
 mod comm;
 mod dtype;
+pub mod elastic;
 mod link;
 mod schedule;
 mod shm;
 
-pub use bootstrap::{Config, Transport};
+pub use bootstrap::{Config, Interrupt, Transport};
 pub use comm::{split_counts, Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
 /// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
@@ -74,6 +75,37 @@ pub enum CommError {
     Mismatch { rank: usize, ours: String, theirs: String },
     #[error("{0}")]
     BadArgs(String),
+    /// The job's membership changed (an elastic job's driver started round
+    /// `round`): this communicator's round is over.
+    #[error("interrupted: the job moved on to round {round}")]
+    Interrupted { round: u64 },
+    /// Hosts were added or removed: [`elastic::State::commit`] says so, so
+    /// that the loop joins the new round (Horovod's `HostsUpdatedInterrupt`).
+    #[error("the hosts changed: round {round} is starting")]
+    HostsUpdated { round: u64 },
+    /// This process has no place in the elastic job's new round (its host
+    /// was removed); it should exit.
+    #[error("this worker ({id}) has no place in round {round} of the elastic job")]
+    Removed { id: String, round: u64 },
+}
+
+impl CommError {
+    /// Whether an elastic job gets past this by joining the next round:
+    /// a peer died, vanished or was too slow, or the round moved on.
+    pub fn is_membership(&self) -> bool {
+        matches!(
+            self,
+            CommError::Interrupted { .. }
+                | CommError::HostsUpdated { .. }
+                | CommError::PeerDied { .. }
+                | CommError::Io { .. }
+                | CommError::NoLink(_)
+                | CommError::Timeout { .. }
+                | CommError::Bootstrap(_)
+                | CommError::BootstrapIo { .. }
+                | CommError::Auth { .. }
+        )
+    }
 }
 
 /// Pins this process to one CPU, chosen by `local_rank` among the CPUs it

@@ -167,3 +167,170 @@ fn a_missing_job_secret_is_an_error_not_an_empty_key() {
     let c = Config::from_env().unwrap();
     assert!(!format!("{c:?}").contains("secret: \"x\""));
 }
+
+mod elastic {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use kolo_comm::elastic::{Elastic, State};
+    use kolo_comm::{CommError, ReduceOp};
+    use kolo_rendezvous::RendezvousServer;
+    use kolo_topology::{host_assignments, parse_host_list, Slot};
+
+    fn plan(hosts: &str) -> Vec<Slot> {
+        let hosts = parse_host_list(hosts).unwrap();
+        let np = kolo_topology::total_slots(&hosts);
+        host_assignments(&hosts, np, Some(np)).unwrap()
+    }
+
+    /// A process named `host:0` of the job, from round `first` on; a
+    /// collective that makes no progress would wait `timeout`.
+    fn member(server: &RendezvousServer, host: &str, first: u64, timeout: Duration) -> Elastic {
+        let base = super::config(server, 0, 1, "s3cret", "elastic").with_timeout(timeout);
+        Elastic::new(base, format!("{host}:0"), first, Duration::from_secs(30)).unwrap()
+    }
+
+    #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Progress {
+        step: u64,
+        /// Sum of every step's allreduce of ones: the world size at each step.
+        total: f64,
+    }
+
+    /// Steps to `until`, each an allreduce of ones, committing every `every`
+    /// steps; `at_step` runs after each step (a test's hook).
+    fn train(
+        state: &mut State<Progress>,
+        comm: &mut kolo_comm::Communicator,
+        until: u64,
+        every: u64,
+        errors: &Mutex<Vec<String>>,
+        mut at_step: impl FnMut(u64) -> Result<(), CommError>,
+    ) -> Result<Progress, CommError> {
+        while state.step < until {
+            let mut ones = [1.0f64];
+            comm.allreduce_in_place(&mut ones, ReduceOp::Sum)
+                .inspect_err(|e| errors.lock().unwrap().push(e.to_string()))?;
+            state.total += ones[0];
+            state.step += 1;
+            if state.step.is_multiple_of(every) {
+                state.commit()?;
+            }
+            at_step(state.step)?;
+        }
+        Ok(state.clone())
+    }
+
+    #[test]
+    fn a_stuck_collective_ends_with_the_round_and_survivors_go_on_from_the_last_commit() {
+        let (runtime, server) = super::store();
+        server.set_round(0, &plan("a,b,c"));
+        let server = Arc::new(server);
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let (vanished_tx, vanished) = mpsc::channel();
+        let (release_tx, release) = mpsc::channel::<()>();
+        let release = Arc::new(Mutex::new(release));
+        // a peer that stops answering keeps its sockets open: only the
+        // driver's new round (not a closed link) can end the others' wait;
+        // the collective timeout is far longer than the test may take
+        let slow = Duration::from_secs(600);
+        let survivors: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|host| {
+                let mut elastic = member(&server, host, 0, slow);
+                let errors = errors.clone();
+                std::thread::spawn(move || {
+                    let mut state = State::new(Progress { step: 0, total: 0.0 });
+                    let result = elastic.run(&mut state, |s, comm| train(s, comm, 50, 5, &errors, |_| Ok(())));
+                    (result.unwrap(), elastic.round())
+                })
+            })
+            .collect();
+        let mut elastic = member(&server, "c", 0, slow);
+        let lost = std::thread::spawn(move || {
+            let mut state = State::new(Progress { step: 0, total: 0.0 });
+            elastic.run(&mut state, |s, comm| {
+                train(s, comm, 50, 5, &Mutex::new(Vec::new()), |step| {
+                    if step == 22 {
+                        vanished_tx.send(()).unwrap();
+                        let _ = release.lock().unwrap().recv();
+                        return Err(CommError::Timeout { seconds: 0.0, waiting: vec![] });
+                    }
+                    Ok(())
+                })
+            })
+        });
+        vanished.recv().unwrap();
+        server.set_round(1, &plan("a,b"));
+        for survivor in survivors {
+            let (progress, round) = survivor.join().unwrap();
+            // 20 committed steps of three, then 30 of two; steps 21 and 22 were lost
+            assert_eq!(progress, Progress { step: 50, total: 20.0 * 3.0 + 30.0 * 2.0 });
+            assert_eq!(round, Some(1));
+        }
+        let errors = errors.lock().unwrap().clone();
+        assert!(
+            errors.len() == 2 && errors.iter().all(|e| e.contains("interrupted: the job moved on to round 1")),
+            "survivors' collectives ended by: {errors:?}"
+        );
+        release_tx.send(()).unwrap();
+        match lost.join().unwrap() {
+            Err(CommError::Removed { id, round }) => assert_eq!((id.as_str(), round), ("c:0", 1)),
+            other => panic!("the removed process got {other:?}"),
+        }
+        runtime.block_on(Arc::try_unwrap(server).ok().unwrap().stop());
+    }
+
+    #[test]
+    fn added_hosts_are_joined_at_a_commit_and_a_new_process_takes_the_state_of_rank_0() {
+        let (runtime, server) = super::store();
+        server.set_round(0, &plan("a,b"));
+        let server = Arc::new(server);
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let (reached_tx, reached) = mpsc::channel();
+        let timeout = Duration::from_secs(20);
+        let first: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|host| {
+                let mut elastic = member(&server, host, 0, timeout);
+                let (errors, reached) = (errors.clone(), reached_tx.clone());
+                std::thread::spawn(move || {
+                    let mut state = State::new(Progress { step: 0, total: 0.0 });
+                    let result = elastic.run(&mut state, |s, comm| {
+                        train(s, comm, 100, 1, &errors, |step| {
+                            if step == 10 {
+                                let _ = reached.send(());
+                            }
+                            std::thread::sleep(Duration::from_millis(5));
+                            Ok(())
+                        })
+                    });
+                    (result.unwrap(), elastic.round())
+                })
+            })
+            .collect();
+        reached.recv().unwrap();
+        // the driver started c for round 1, and publishes round 1 with it
+        let mut elastic = member(&server, "c", 1, timeout);
+        let joiner = std::thread::spawn(move || {
+            let mut state = State::new(Progress { step: 0, total: 0.0 });
+            let result = elastic.run(&mut state, |s, comm| {
+                let joined_at = s.step;
+                train(s, comm, 100, 1, &Mutex::new(Vec::new()), |_| Ok(())).map(|p| (p, joined_at))
+            });
+            result.unwrap()
+        });
+        server.set_round(1, &plan("a,b,c"));
+        let (progress, joined_at) = joiner.join().unwrap();
+        // it started from the others' state, not from zero
+        assert!(joined_at >= 10, "the new process started at step {joined_at}");
+        assert_eq!(progress.step, 100);
+        assert_eq!(progress.total, joined_at as f64 * 2.0 + (100 - joined_at) as f64 * 3.0);
+        for member in first {
+            assert_eq!(member.join().unwrap(), (progress.clone(), Some(1)));
+        }
+        assert!(errors.lock().unwrap().is_empty(), "no collective failed: {:?}", errors.lock().unwrap());
+        runtime.block_on(Arc::try_unwrap(server).ok().unwrap().stop());
+    }
+}

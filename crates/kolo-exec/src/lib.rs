@@ -57,7 +57,7 @@ mod registry;
 mod settings;
 mod worker;
 
-pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, Report, WorkerInfo};
+pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo};
 pub use engine::{
     is_this_machine, Engine, EngineChoice, EngineOptions, LocalEngine, RayEngine, RayOptions, SlurmEngine,
     SlurmOptions, SshEngine, SshOptions, WorkerLaunch,

@@ -65,6 +65,12 @@ impl Settings {
         self
     }
 
+    /// A fresh random secret, for jobs of several executors that must
+    /// trust each other's workers (an in-place elastic job's cohorts).
+    pub fn generate_secret() -> String {
+        random_hex(32)
+    }
+
     pub(crate) fn secret(&self) -> &str {
         &self.secret
     }

@@ -35,7 +35,7 @@ pub use blocking::BlockingClient;
 pub use client::Client;
 pub use config::ClientConfig;
 #[cfg(feature = "server")]
-pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
+pub use server::{RendezvousServer, ServerConfig, JOINED_SCOPE, ROUND_KEY, SECRET_HEADER};
 #[cfg(feature = "server")]
 pub use torch_store::{TorchStoreConfig, TorchStoreServer};
 

@@ -29,6 +29,13 @@ pub const SECRET_HEADER: &str = "x-kolo-secret";
 
 /// The scope reserved for elastic rank assignment.
 const RANK_AND_SIZE: &str = "rank_and_size";
+/// A scope that survives new rounds: an elastic job's processes record
+/// there the round they last joined (`<host>:<local_rank>` → round), so
+/// that the driver knows which round last came together.
+pub const JOINED_SCOPE: &str = "kolo_elastic_joined";
+/// `GET /rank_and_size/round`: the number of the round the assignments
+/// belong to (kolo's own; Horovod's slot keys always hold a ':').
+pub const ROUND_KEY: &str = "round";
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -97,6 +104,8 @@ struct Store {
     /// cleared: a set, so that a retried DELETE counts once.
     finished: HashMap<String, HashSet<String>>,
     plan: Vec<Slot>,
+    /// The elastic round the plan belongs to (`GET /rank_and_size/round`).
+    round: u64,
     /// Keys held over all scopes.
     keys: usize,
     /// Bytes held, as [`entry_bytes`] counts them.
@@ -108,8 +117,8 @@ struct Store {
 impl Store {
     fn init(&mut self, plan: &[Slot]) {
         // PUTs in flight still hold their reservations and give them back later
-        let reserved = self.reserved;
-        *self = Store { reserved, ..Store::default() };
+        let (reserved, round) = (self.reserved, self.round);
+        *self = Store { reserved, round, ..Store::default() };
         for slot in plan {
             let i = &slot.info;
             self.plan_sizes.insert("global".into(), i.size as usize);
@@ -195,6 +204,9 @@ impl Store {
     /// `rank,size,local_rank,local_size,cross_rank,cross_size` of the plan's
     /// slot `host:local_rank`, or all -1 for a slot the plan does not have.
     fn rank_and_size(&self, key: &str) -> Option<String> {
+        if key == ROUND_KEY {
+            return Some(self.round.to_string());
+        }
         let (host, local_rank) = key.rsplit_once(':')?;
         let local_rank: u32 = local_rank.parse().ok()?;
         let answer = match self.plan.iter().find(|s| s.host == host && s.info.local_rank == local_rank) {
@@ -316,6 +328,27 @@ impl RendezvousServer {
     /// Resets the store and sizes the scopes from a new plan (a new round).
     pub fn init(&self, plan: &[Slot]) {
         self.shared.store().init(plan);
+    }
+
+    /// Starts elastic round `round`: the store afresh, scopes and
+    /// `rank_and_size` answers from `plan`, and `GET /rank_and_size/round`
+    /// answering `round`, all under one lock, so a worker that sees the new
+    /// round number finds the new assignments.
+    pub fn set_round(&self, round: u64, plan: &[Slot]) {
+        let mut store = self.shared.store();
+        let joined = store.scopes.remove(JOINED_SCOPE).unwrap_or_default();
+        store.init(plan);
+        store.round = round;
+        for (key, value) in joined {
+            store.keys += 1;
+            store.bytes += entry_bytes(JOINED_SCOPE, &key, value.len());
+            store.scopes.entry(JOINED_SCOPE.to_string()).or_default().insert(key, value);
+        }
+    }
+
+    /// The value of `key` in `scope`, as a GET would answer it.
+    pub fn value(&self, scope: &str, key: &str) -> Option<Bytes> {
+        self.shared.store().scopes.get(scope).and_then(|keys| keys.get(key)).cloned()
     }
 
     /// Stops accepting, closes every connection and waits for the tasks to end.

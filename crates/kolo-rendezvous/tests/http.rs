@@ -201,6 +201,34 @@ async fn rank_and_size_is_answered_from_the_plan() {
 }
 
 #[tokio::test]
+async fn a_new_round_answers_rank_and_size_from_its_own_plan() {
+    let server = server(&plan("a:2,b:2", 4)).await;
+    let mut c = Raw::connect(&server).await;
+    assert_eq!(c.request("GET", "/rank_and_size/round", b"").await, (200, b"0".to_vec()));
+    assert_eq!(c.request("PUT", "/global/0", b"old").await.0, 200);
+    // host a is gone: b keeps its slots and becomes ranks 0 and 1
+    server.set_round(3, &plan("b:2", 2));
+    assert_eq!(c.request("GET", "/rank_and_size/round", b"").await, (200, b"3".to_vec()));
+    assert_eq!(c.request("GET", "/rank_and_size/b:1", b"").await, (200, b"1,2,1,2,0,1".to_vec()));
+    assert_eq!(c.request("GET", "/rank_and_size/a:0", b"").await, (200, b"-1,-1,-1,-1,-1,-1".to_vec()));
+    // the old round's keys are gone, and the scopes are sized anew
+    assert_eq!(c.request("GET", "/global/0", b"").await.0, 404);
+    assert_eq!(c.request("PUT", "/global/0", b"x").await.0, 200);
+    assert_eq!(c.request("PUT", "/global/1", b"y").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);
+    assert_eq!(c.request("DELETE", "/global/1", b"").await.0, 200);
+    assert_eq!(c.request("GET", "/global/1", b"").await.0, 404);
+    // where processes record the round they joined outlives rounds
+    assert_eq!(c.request("PUT", "/kolo_elastic_joined/b:0", b"3").await.0, 200);
+    server.set_round(4, &plan("b:2", 2));
+    assert_eq!(server.value("kolo_elastic_joined", "b:0").as_deref(), Some(&b"3"[..]));
+    assert_eq!(c.request("GET", "/kolo_elastic_joined/b:0", b"").await, (200, b"3".to_vec()));
+    // a plain init (a restarted job) keeps the round number
+    server.init(&plan("a:1", 1));
+    assert_eq!(c.request("GET", "/rank_and_size/round", b"").await, (200, b"4".to_vec()));
+}
+
+#[tokio::test]
 async fn secret_is_checked_when_presented_or_required() {
     let mut config = ServerConfig::new("127.0.0.1:0".parse().unwrap());
     config.secret = Some("s3cret".into());

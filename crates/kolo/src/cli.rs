@@ -109,6 +109,12 @@ pub struct RunArgs {
     /// bundles onto as few nodes as fit.
     #[arg(long, value_name = "W")]
     pub workers_per_host: Option<u32>,
+    /// Elastic in place (Horovod's mode): when a rank fails or hosts come
+    /// and go, the surviving processes keep running and join a new round
+    /// with new ranks, instead of every rank starting again. For programs
+    /// that use kolo-comm's elastic API or Horovod's rank_and_size.
+    #[arg(long)]
+    pub in_place: bool,
     /// Elastic (restart mode): the fewest processes the job runs with
     /// (default: -np); it waits for them up to --elastic-timeout.
     #[arg(long, value_name = "N")]

@@ -26,13 +26,16 @@ pub struct ElasticSpec {
     pub discovery_interval: Duration,
     /// Slots of a host the script prints without `:slots`.
     pub slots_per_host: u32,
+    /// Horovod's mode: survivors keep running and join a new round
+    /// (`crate::in_place`), instead of every rank starting again.
+    pub in_place: bool,
 }
 
 /// The longest a discovery script may run.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Runs the discovery script once: its hosts, or why not.
-async fn discover(spec: &ElasticSpec, fixed: &[HostSpec]) -> Result<Vec<HostSpec>> {
+pub(crate) async fn discover(spec: &ElasticSpec, fixed: &[HostSpec]) -> Result<Vec<HostSpec>> {
     let Some(script) = &spec.discovery_script else { return Ok(fixed.to_vec()) };
     let run = tokio::process::Command::new(script).kill_on_drop(true).output();
     let out = tokio::time::timeout(DISCOVERY_TIMEOUT, run)
@@ -129,7 +132,7 @@ fn interrupted(last: Option<JobOutcome>, signal: Signal) -> ElasticOutcome {
 }
 
 /// Asks discovery again; a failing script keeps the last hosts (it said so).
-async fn rediscover(
+pub(crate) async fn rediscover(
     elastic: &ElasticSpec,
     spec: &LaunchSpec,
     membership: &mut Membership,

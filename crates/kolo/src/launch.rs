@@ -49,6 +49,11 @@ pub struct LaunchSpec {
 /// The Executor for a launch: its engine chosen (host names are looked up
 /// off the async runtime), its request checked with Horovod's messages.
 pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
+    executor_with_secret(spec, None).await
+}
+
+/// An executor whose workers share `secret` (with other executors' workers).
+pub async fn executor_with_secret(spec: &LaunchSpec, secret: Option<&str>) -> anyhow::Result<Executor> {
     let np = u32::try_from(spec.np)
         .ok()
         .filter(|&n| n <= kolo_topology::MAX_PROCESSES)
@@ -80,6 +85,9 @@ pub async fn executor(spec: &LaunchSpec) -> anyhow::Result<Executor> {
     settings.nics = spec.nics.clone();
     settings.worker_program = spec.worker_program.clone();
     settings.worker_args = spec.worker_args.clone();
+    if let Some(secret) = secret {
+        settings = settings.with_secret(secret);
+    }
     Ok(Executor::with_engine(settings, request, engine)?)
 }
 

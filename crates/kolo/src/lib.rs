@@ -4,6 +4,7 @@
 
 mod cli;
 mod elastic;
+mod in_place;
 mod launch;
 mod out;
 mod run;

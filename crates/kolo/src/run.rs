@@ -21,7 +21,7 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
     }
     if let Some(elastic) = elastic_spec(&args, spec.np)? {
         if args.dry_run {
-            bail!("--dry-run shows a fixed job: drop the elastic options (--min-np, --max-np, --max-restarts, --host-discovery-script)");
+            bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
         }
         return run_elastic_job(spec, elastic).await;
     }
@@ -35,7 +35,8 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
 
 /// The elastic options, if any was given (restart mode).
 fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
-    let elastic = args.min_np.is_some()
+    let elastic = args.in_place
+        || args.min_np.is_some()
         || args.max_np.is_some()
         || args.max_restarts.is_some()
         || args.reset_limit.is_some()
@@ -44,9 +45,7 @@ fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
         return Ok(None);
     }
     if matches!(args.engine, EngineArg::Slurm | EngineArg::Ray) {
-        bail!(
-            "restart mode places workers with the local or ssh engine; Slurm and Ray allocations are not elastic yet"
-        );
+        bail!("elastic jobs place workers with the local or ssh engine; Slurm and Ray allocations are not elastic yet");
     }
     let np = u32::try_from(np).context("-np is too large")?;
     let min_np = args.min_np.unwrap_or(np);
@@ -56,7 +55,12 @@ fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
         (None, None) => np.max(min_np),
     };
     let mut config = kolo_topology::ElasticConfig::new(min_np, max_np)?;
-    config.max_restarts = Some(args.max_restarts.unwrap_or(0));
+    // in place, failures re-form the job like any change (Horovod has no
+    // restart limit; --reset-limit bounds both)
+    config.max_restarts = match args.in_place {
+        true => args.max_restarts,
+        false => Some(args.max_restarts.unwrap_or(0)),
+    };
     config.reset_limit = args.reset_limit;
     config.elastic_timeout = Duration::from_secs(args.elastic_timeout);
     if let Some(range) = &args.cooldown_range {
@@ -78,11 +82,15 @@ fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
         discovery_script: args.host_discovery_script.clone(),
         discovery_interval: Duration::from_secs_f64(args.discovery_interval),
         slots_per_host: args.slots_per_host,
+        in_place: args.in_place,
     }))
 }
 
 async fn run_elastic_job(spec: LaunchSpec, elastic: ElasticSpec) -> Result<i32> {
-    let outcome = run_elastic(spec, elastic, stop_signal()).await?;
+    let outcome = match elastic.in_place {
+        true => crate::in_place::run_in_place(spec, elastic, stop_signal()).await?,
+        false => run_elastic(spec, elastic, stop_signal()).await?,
+    };
     if let Some(last) = &outcome.last {
         if outcome.exit_code != 0 {
             report(last);

@@ -5,7 +5,7 @@ use std::future::Future;
 
 use nix::sys::signal::Signal;
 
-use super::link::Ended;
+use super::link::RankEvent;
 use super::Executor;
 use crate::policy::{Cause, JobAction, JobEvent, Teardown};
 use crate::proto::ToWorker;
@@ -45,7 +45,7 @@ impl Executor {
             let deadline = teardown.deadline().map(tokio::time::Instant::from_std);
             let event = tokio::select! {
                 ended = running.events.recv() => match ended {
-                    Some(Ended { rank, cause }) => JobEvent::Ended { rank, cause },
+                    Some(RankEvent { rank, cause }) => JobEvent::RankEvent { rank, cause },
                     None => break,
                 },
                 signal = &mut interrupt, if !interrupted => {

@@ -30,7 +30,8 @@ pub(crate) enum CallError {
 pub(crate) type CallResult = Result<Vec<u8>, CallError>;
 
 /// A rank's command ended (or could not start, or its worker was lost).
-pub(crate) struct Ended {
+#[derive(Clone, Debug)]
+pub struct RankEvent {
     pub rank: u32,
     pub cause: Cause,
 }
@@ -143,7 +144,7 @@ pub(crate) async fn read_worker(
     link: Arc<Link>,
     reader: OwnedReadHalf,
     output: mpsc::Sender<Chunk>,
-    events: mpsc::UnboundedSender<Ended>,
+    events: mpsc::UnboundedSender<RankEvent>,
     stopping: Arc<AtomicBool>,
 ) {
     let rank = link.info.rank;
@@ -178,14 +179,14 @@ pub(crate) async fn read_worker(
                 }
             }
             ToDriver::CommandStartFailed { message, code } => {
-                let _ = events.send(Ended { rank, cause: Cause::StartFailed { message, code } });
+                let _ = events.send(RankEvent { rank, cause: Cause::StartFailed { message, code } });
             }
             ToDriver::CommandError { message, traceback } => {
                 *link.command_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(RankError { message, traceback });
             }
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
-                let _ = events.send(Ended { rank, cause: Cause::Exited { code, signal } });
+                let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
             }
             ToDriver::Created { result } => {
                 if let Some(tx) = link.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -214,7 +215,7 @@ pub(crate) async fn read_worker(
     let expected = stopping.load(Ordering::Relaxed);
     if link.mark_lost(if expected { "the executor was shut down" } else { &reason }) && !expected {
         tracing::warn!("worker {} was lost: {reason}", link.describe());
-        let _ = events.send(Ended { rank, cause: Cause::Lost(reason) });
+        let _ = events.send(RankEvent { rank, cause: Cause::Lost(reason) });
     }
 }
 
@@ -241,7 +242,7 @@ async fn forward<T>(link: &Link, queue: &mpsc::Sender<T>, item: T) -> Result<(),
 pub(crate) async fn watch_heartbeats(
     links: Vec<(Arc<Link>, tokio::task::AbortHandle)>,
     liveness: Liveness,
-    events: mpsc::UnboundedSender<Ended>,
+    events: mpsc::UnboundedSender<RankEvent>,
     stopping: Arc<AtomicBool>,
 ) {
     let mut ticks = tokio::time::interval((liveness.timeout / 10).max(Duration::from_millis(10)));
@@ -258,7 +259,7 @@ pub(crate) async fn watch_heartbeats(
                 reading.abort();
                 if link.mark_lost(&reason) {
                     tracing::warn!("worker {} was lost: {reason}", link.describe());
-                    let _ = events.send(Ended { rank: link.info.rank, cause: Cause::Lost(reason) });
+                    let _ = events.send(RankEvent { rank: link.info.rank, cause: Cause::Lost(reason) });
                 }
             }
         }

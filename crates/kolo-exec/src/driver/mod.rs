@@ -17,7 +17,7 @@ mod start;
 
 pub use calls::{CallHandle, Report};
 pub use command::{Failure, JobOutcome};
-pub use link::RankError;
+pub use link::{RankError, RankEvent};
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -39,7 +39,7 @@ use crate::proto::ToWorker;
 use crate::registry::Executable;
 use crate::settings::{Settings, WorkerRequest};
 use crate::ExecError;
-use link::{Ended, Link};
+use link::Link;
 
 /// A registered worker and its place in the job.
 #[derive(Clone, Debug)]
@@ -60,7 +60,7 @@ struct Running {
     server: RendezvousServer,
     torch_store: TorchStoreServer,
     output: OutputWriter,
-    events: mpsc::UnboundedReceiver<Ended>,
+    events: mpsc::UnboundedReceiver<RankEvent>,
     /// One reader per worker; they end when the workers' connections do.
     readers: JoinSet<()>,
     /// Heartbeats and the watchdog; they run until shutdown.
@@ -176,6 +176,28 @@ impl Executor {
     /// The rendezvous server's address (after `start`).
     pub fn rendezvous_addr(&self) -> Option<SocketAddr> {
         self.running.as_ref().map(|r| r.server.addr())
+    }
+
+    /// The rendezvous server (after `start`): an elastic driver starts its
+    /// rounds there ([`RendezvousServer::set_round`]).
+    pub fn rendezvous_server(&self) -> Option<&RendezvousServer> {
+        self.running.as_ref().map(|r| &r.server)
+    }
+
+    /// Takes the stream of rank events of a command job (a rank's command
+    /// ended, could not start, or its worker was lost), for a caller that
+    /// supervises the ranks itself (an in-place elastic job) instead of
+    /// [`Executor::wait_command`], which has nothing to wait on afterwards.
+    pub fn take_rank_events(&mut self) -> Option<mpsc::UnboundedReceiver<RankEvent>> {
+        let running = self.running.as_mut()?;
+        let (_, empty) = mpsc::unbounded_channel();
+        Some(std::mem::replace(&mut running.events, empty))
+    }
+
+    /// Sends `signal` to one rank's command (its process group).
+    pub async fn signal_rank(&self, rank: u32, signal: nix::sys::signal::Signal) -> Result<(), ExecError> {
+        let link = self.running()?.links.get(rank as usize).ok_or(ExecError::NotStarted)?;
+        link.send(&ToWorker::SignalCommand { signal: signal as i32 }).await
     }
 
     /// Starts the workers and creates the executable `E` in each from `args`.
