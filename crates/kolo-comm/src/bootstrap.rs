@@ -541,7 +541,7 @@ fn wait_key(
     deadline: Instant,
     interrupt: &Option<Interrupt>,
 ) -> Result<Result<Vec<u8>, RendezvousError>, CommError> {
-    let slice = if interrupt.is_some() { Duration::from_millis(100) } else { Duration::MAX };
+    let slice = if interrupt.is_some() { Duration::from_millis(20) } else { Duration::MAX };
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
         match client.wait(scope, &[key], remaining.min(slice)) {

@@ -59,7 +59,7 @@ const ROUND: &str = "round";
 /// Where a process records the round it joined (kept across rounds).
 const JOINED: &str = "kolo_elastic_joined";
 /// How often a waiting collective asks whether its round is over.
-const CHECK_EVERY: Duration = Duration::from_millis(50);
+const CHECK_EVERY: Duration = Duration::from_millis(20);
 
 /// One process's place in one round (Horovod's six numbers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

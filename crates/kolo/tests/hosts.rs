@@ -606,3 +606,70 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
     wait_for("h3's command to end", Duration::from_secs(30), || on_h3.iter().all(|&p| !alive(p)));
     assert_nothing_left();
 }
+
+/// The pids of kolo's processes (agents and ranks) on `host`.
+fn job_processes(host: &str) -> Vec<i32> {
+    leftovers(host)
+        .into_iter()
+        .filter(|p| p.ends_with(" kolo") || p.ends_with(" train"))
+        .filter_map(|p| p.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
+    let cfg = ssh_config();
+    let t = testhosts();
+    let train = example("train");
+    let mut child = Command::new(t.join("hx"))
+        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--min-np", "1"])
+        .args(["--ssh-config", &cfg, "--", &train, "--epochs", "40", "--step-ms", "5", "--commit-every", "8"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let collected = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let readers: Vec<_> = [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ]
+    .into_iter()
+    .map(|pipe| {
+        let collected = collected.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                collected.lock().unwrap().push_str(&(line + "\n"));
+            }
+        })
+    })
+    .collect();
+    let seen = |what: &str| collected.lock().unwrap().contains(what);
+    wait_for("training on three hosts", Duration::from_secs(60), || seen("epoch   2"));
+    // every process of the job on h2, agent and rank, dies at once
+    let on_h2 = job_processes("h2");
+    assert!(on_h2.len() >= 2, "h2 runs {on_h2:?}");
+    for pid in on_h2 {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    wait_for("a round without h2", Duration::from_secs(30), || seen("round 1: 2 processes on h1:1,h3:1"));
+    let on_h3 = job_processes("h3");
+    // h3 vanishes without closing anything: h1's collective waits on it
+    // until kolo's driver starts a round without it
+    let cut = LinkDown::cut("h3");
+    wait_for("a round without h3", Duration::from_secs(30), || seen("round 2: 1 process on h1:1"));
+    let status = child.wait().unwrap();
+    for reader in readers {
+        reader.join().unwrap();
+    }
+    let text = collected.lock().unwrap().clone();
+    assert!(status.success(), "{text}");
+    assert!(text.contains("on host h2 was lost") && text.contains("on host h3 was lost"), "{text}");
+    assert!(text.contains("1 ranks from epoch"), "{text}");
+    let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(loss < 0.35, "{text}");
+    drop(cut);
+    wait_for("h3's processes to end", Duration::from_secs(30), || on_h3.iter().all(|&p| !alive(p)));
+    assert_nothing_left();
+}
