@@ -46,6 +46,7 @@
 //! ```
 
 mod driver;
+pub mod elastic;
 mod engine;
 mod guard;
 mod nics;

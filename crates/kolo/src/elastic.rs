@@ -9,9 +9,10 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
+use kolo_exec::elastic::Discovery;
 use kolo_exec::{Cause, JobOutcome};
-use kolo_topology::{parse_discovery, Decision, ElasticConfig, Event, HostSpec, Membership, World};
+use kolo_topology::{Decision, ElasticConfig, Event, HostSpec, Membership, World};
 use nix::sys::signal::Signal;
 
 use crate::launch::{executor, LaunchSpec};
@@ -31,27 +32,16 @@ pub struct ElasticSpec {
     pub in_place: bool,
 }
 
-/// The longest a discovery script may run.
-const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Runs the discovery script once: its hosts, or why not.
-pub(crate) async fn discover(spec: &ElasticSpec, fixed: &[HostSpec]) -> Result<Vec<HostSpec>> {
-    let Some(script) = &spec.discovery_script else { return Ok(fixed.to_vec()) };
-    let run = tokio::process::Command::new(script).kill_on_drop(true).output();
-    let out = tokio::time::timeout(DISCOVERY_TIMEOUT, run)
-        .await
-        .with_context(|| format!("host discovery script {} ran longer than {DISCOVERY_TIMEOUT:?}", script.display()))?
-        .with_context(|| format!("cannot run host discovery script {} (is it executable?)", script.display()))?;
-    if !out.status.success() {
-        bail!(
-            "host discovery script {} failed ({}): {}",
-            script.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+impl ElasticSpec {
+    /// The hosts' source: the script, or `fixed` (the host list).
+    pub fn discovery(&self, fixed: &[HostSpec]) -> Discovery {
+        Discovery {
+            script: self.discovery_script.clone(),
+            fixed: fixed.to_vec(),
+            interval: self.discovery_interval,
+            slots_per_host: self.slots_per_host,
+        }
     }
-    let text = String::from_utf8(out.stdout).context("the host discovery script printed something not UTF-8")?;
-    parse_discovery(&text, spec.slots_per_host).with_context(|| format!("host discovery script {}", script.display()))
 }
 
 /// How an elastic job ended: the last round's outcome, or why it stopped.
@@ -71,7 +61,8 @@ pub async fn run_elastic(
     tokio::pin!(interrupt);
     let started = Instant::now();
     let mut membership = Membership::new(elastic.config.clone());
-    let first = discover(&elastic, &spec.hosts).await?;
+    let discovery = elastic.discovery(&spec.hosts);
+    let first = discovery.hosts().await?;
     let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
     let mut last: Option<JobOutcome> = None;
     loop {
@@ -131,20 +122,14 @@ fn interrupted(last: Option<JobOutcome>, signal: Signal) -> ElasticOutcome {
     ElasticOutcome { last, stopped: None, exit_code: 128 + signal as i32 }
 }
 
-/// Asks discovery again; a failing script keeps the last hosts (it said so).
-pub(crate) async fn rediscover(
+/// Asks discovery again; a failing script keeps the last hosts (it says so).
+async fn rediscover(
     elastic: &ElasticSpec,
     spec: &LaunchSpec,
     membership: &mut Membership,
     started: Instant,
 ) -> Decision {
-    match discover(elastic, &spec.hosts).await {
-        Ok(hosts) => membership.on(Event::Discovered(&hosts), started.elapsed()),
-        Err(e) => {
-            tracing::warn!("{e:#}; keeping the hosts discovered before");
-            membership.on(Event::Tick, started.elapsed())
-        }
-    }
+    elastic.discovery(&spec.hosts).poll(membership, started.elapsed()).await
 }
 
 /// One round: the world runs until it ends, or discovery changes the hosts

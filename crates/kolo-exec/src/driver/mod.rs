@@ -194,10 +194,12 @@ impl Executor {
         Some(std::mem::replace(&mut running.events, empty))
     }
 
-    /// Sends `signal` to one rank's command (its process group).
-    pub async fn signal_rank(&self, rank: u32, signal: nix::sys::signal::Signal) -> Result<(), ExecError> {
-        let link = self.running()?.links.get(rank as usize).ok_or(ExecError::NotStarted)?;
-        link.send(&ToWorker::SignalCommand { signal: signal as i32 }).await
+    /// Stops one rank's worker: its command (SIGTERM, then SIGKILL after
+    /// the grace), then the worker itself; a call it runs finishes first.
+    pub async fn stop_rank(&self, rank: u32) {
+        if let Some(link) = self.running.as_ref().and_then(|r| r.links.get(rank as usize)) {
+            let _ = link.send(&ToWorker::Stop).await;
+        }
     }
 
     /// Starts the workers and creates the executable `E` in each from `args`.

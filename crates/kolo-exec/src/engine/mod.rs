@@ -41,7 +41,7 @@ pub struct WorkerLaunch {
 /// What an engine does. The driver calls these off its async runtime
 /// where they may block (`hosts`, `driver_addr`, `spawn`); `exited`,
 /// `all_exited` and `kill_all` never block.
-pub trait Engine: Send {
+pub trait Engine: Send + Sync {
     fn name(&self) -> &'static str;
     /// What the engine can place workers on; an engine that waits for
     /// resources (a Slurm queue) gives up after `placement_timeout`.

@@ -73,8 +73,9 @@ pub struct RayEngine {
 struct Bridge {
     child: Child,
     stdin: Option<ChildStdin>,
-    answers: Receiver<Value>,
-    events: Receiver<(u32, String)>,
+    // in mutexes only so that an engine may be shared between threads (Sync)
+    answers: Mutex<Receiver<Value>>,
+    events: Mutex<Receiver<(u32, String)>>,
     stderr_tail: Arc<Mutex<Vec<String>>>,
 }
 
@@ -125,7 +126,13 @@ impl Bridge {
                 tail.drain(..excess);
             }
         });
-        Ok(Bridge { stdin: child.stdin.take(), child, answers, events, stderr_tail })
+        Ok(Bridge {
+            stdin: child.stdin.take(),
+            child,
+            answers: Mutex::new(answers),
+            events: Mutex::new(events),
+            stderr_tail,
+        })
     }
 
     fn send(&mut self, message: &Value) -> Result<(), ExecError> {
@@ -137,7 +144,7 @@ impl Bridge {
 
     /// The answer to the request just sent, within `limit`.
     fn answer(&mut self, what: &str, limit: Duration) -> Result<Value, ExecError> {
-        let answer = match self.answers.recv_timeout(limit) {
+        let answer = match self.answers.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(limit) {
             Ok(answer) => answer,
             Err(RecvTimeoutError::Timeout) => {
                 return Err(ray_err(format!(
@@ -308,7 +315,13 @@ impl Engine for RayEngine {
 
     fn exited(&mut self) -> Vec<(u32, String)> {
         let Some(bridge) = self.bridge.as_mut() else { return Vec::new() };
-        let mut out: Vec<(u32, String)> = bridge.events.try_iter().filter(|(i, _)| self.reported.insert(*i)).collect();
+        let mut out: Vec<(u32, String)> = bridge
+            .events
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .try_iter()
+            .filter(|(i, _)| self.reported.insert(*i))
+            .collect();
         if self.kill_sent.is_none() && bridge.exited() {
             let why = format!("kolo's Ray bridge exited{}", bridge.last_words());
             for &index in &self.spawned {
