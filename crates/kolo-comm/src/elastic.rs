@@ -139,6 +139,8 @@ pub struct Elastic {
     first_round: u64,
     wait_timeout: Duration,
     assignment: Option<Assignment>,
+    /// Watches for a round after the one joined last.
+    watch: Option<Arc<RoundWatch>>,
 }
 
 impl Elastic {
@@ -170,12 +172,18 @@ impl Elastic {
     /// `<host>:<local_rank>`.
     pub fn new(base: Config, id: String, first_round: u64, wait_timeout: Duration) -> Result<Elastic, CommError> {
         let client = store_client(&base);
-        Ok(Elastic { id, base, client, joined: None, first_round, wait_timeout, assignment: None })
+        Ok(Elastic { id, base, client, joined: None, first_round, wait_timeout, assignment: None, watch: None })
     }
 
     /// The round joined last, if any.
     pub fn round(&self) -> Option<u64> {
         self.joined
+    }
+
+    /// The number of a round the driver started after the one joined last
+    /// (hosts came or went), if any; asks the store at most every 20 ms.
+    pub fn newer_round(&self) -> Option<u64> {
+        self.watch.as_ref().and_then(|w| w.newer())
     }
 
     /// This process's ranks in the round joined last.
@@ -196,6 +204,7 @@ impl Elastic {
                 return Err(CommError::Removed { id: self.id.clone(), round });
             };
             let watch = Arc::new(self.watch(round));
+            self.watch = Some(watch.clone());
             let config = Config {
                 rank: a.rank,
                 size: a.size,
@@ -267,7 +276,7 @@ impl Elastic {
     {
         loop {
             let mut comm = self.join()?;
-            state.watch = self.joined.map(|round| Arc::new(self.watch(round)));
+            state.watch = self.watch.clone();
             let result = state.sync(&mut comm).and_then(|()| train(state, &mut comm));
             match result {
                 Ok(done) => return Ok(done),

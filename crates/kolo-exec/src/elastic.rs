@@ -7,10 +7,12 @@
 //! they join it (`kolo_comm::elastic`) and go on from their last commit.
 //!
 //! Membership (limits, blacklisting, cooldowns, timeouts) is kolo-topology's
-//! `Membership`. A host is in a round with all the processes last started
-//! there, or not at all (Horovod's rule): when one of them fails, the
-//! others there are removed and the host gets a fresh set of processes,
-//! which joins a later round, as added hosts do. Processes are started in
+//! `Membership`, with Horovod's rule: a host where a process failed is
+//! blacklisted at once (for good, or for its cooldown), so failures cannot
+//! loop. A host is in a round with all the processes last started there,
+//! or not at all: the others there are removed; a host back from its
+//! cooldown, like an added host, gets a fresh set of processes, which
+//! joins a later round (at the survivors' next commit). Processes are started in
 //! cohorts, one executor each (the first one's rendezvous server is the
 //! job's); they share the job's secret, store and interfaces.
 
@@ -128,14 +130,13 @@ impl std::fmt::Display for ElasticEvent {
                 let processes = if n == 1 { "process" } else { "processes" };
                 write!(f, "round {round}: {n} {processes} on {}", names.join(","))
             }
-            ElasticEvent::Failed { rank: Some(rank), host, reason } => {
-                write!(f, "rank {rank} on host {host} {reason}; the others go on in place")
-            }
+            ElasticEvent::Failed { rank: Some(rank), host, reason } => write!(f, "rank {rank} on host {host} {reason}"),
             ElasticEvent::Failed { rank: None, host, reason } => {
-                write!(f, "a process starting on host {host} {reason}; the others go on in place")
+                write!(f, "a process starting on host {host} {reason}")
             }
             ElasticEvent::Blacklisted { host, duration: Some(d) } => {
-                write!(f, "host {host} is blacklisted for {:.0} s", d.as_secs_f64())
+                let precision = if d.as_secs() < 10 { 1 } else { 0 };
+                write!(f, "host {host} is blacklisted for {:.*} s", precision, d.as_secs_f64())
             }
             ElasticEvent::Blacklisted { host, duration: None } => {
                 write!(f, "host {host} is blacklisted for the rest of the job")
@@ -374,6 +375,9 @@ impl<W: ElasticWork> ElasticJob<W> {
     ) -> Result<ElasticOutcome<W::Output>, ExecError> {
         tokio::pin!(interrupt);
         let (ends_tx, mut ends) = mpsc::unbounded_channel();
+        // in place nothing else bounds failures: Horovod's rule
+        let mut config = config;
+        config.blacklist_failed_hosts = true;
         let mut job = ElasticJob {
             work: Arc::new(work),
             factory,
@@ -646,10 +650,8 @@ impl<W: ElasticWork> ElasticJob<W> {
             return self.finished();
         }
         let rank = self.members.iter().position(|&m| m == p).map(|r| r as u32);
+        self.tell(ElasticEvent::Failed { rank, host: host.clone(), reason });
         let decision = self.membership.on(event, self.started.elapsed());
-        if !matches!(decision, Decision::Stop(_)) {
-            self.tell(ElasticEvent::Failed { rank, host, reason });
-        }
         self.apply(decision).await
     }
 

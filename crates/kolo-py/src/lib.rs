@@ -13,6 +13,8 @@ use kolo_exec::{
     EngineChoice, Executable, Executor, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest,
 };
 
+mod elastic;
+
 /// The Python state in each worker (what `start(executable_cls)` made).
 struct PyWorker {
     state: Py<PyAny>,
@@ -111,6 +113,18 @@ fn error(e: impl std::fmt::Display) -> PyErr {
 #[pyclass]
 struct Driver {
     inner: std::sync::Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
+    /// How to make more executors like it (an elastic job's cohorts).
+    spec: CohortSpec,
+}
+
+#[derive(Clone)]
+struct CohortSpec {
+    settings: Settings,
+    cpus_per_worker: u32,
+    gpus_per_worker: u32,
+    choice: EngineChoice,
+    hosts: Vec<kolo_topology::HostSpec>,
+    options: kolo_exec::EngineOptions,
 }
 
 /// Waits for `work` with the GIL released, looking for Python's signals
@@ -227,11 +241,19 @@ impl Driver {
             EngineChoice::Auto => !kolo_exec::SlurmEngine::in_allocation(),
             _ => false,
         };
+        let options = kolo_exec::EngineOptions { ssh: settings.ssh.clone(), ray, ..Default::default() };
+        let spec = CohortSpec {
+            settings: settings.clone(),
+            cpus_per_worker,
+            gpus_per_worker,
+            choice,
+            hosts: host_list.clone(),
+            options: options.clone(),
+        };
         let executor = if host_list.is_empty() && this_machine {
             // no host list: this machine
             Executor::new(settings, request)
         } else {
-            let options = kolo_exec::EngineOptions { ssh: settings.ssh.clone(), ray, ..Default::default() };
             choice
                 .engine(host_list, &request, options)
                 .and_then(|engine| Executor::with_engine(settings, request, engine))
@@ -247,7 +269,7 @@ impl Driver {
             .enable_all()
             .build()
             .map_err(error)?;
-        Ok(Driver { inner: std::sync::Mutex::new(Some((runtime, executor))) })
+        Ok(Driver { inner: std::sync::Mutex::new(Some((runtime, executor))), spec })
     }
 
     /// Starts the workers and creates each one's state from `args`.
@@ -290,6 +312,110 @@ impl Driver {
         Ok(PyBytes::new(py, &answer).unbind())
     }
 
+    /// Runs the pickled call in place, elastically (Horovod's elastic
+    /// executor): workers are started per cohort on the hosts (or those a
+    /// discovery script prints) with state `args` and `env`; the answers
+    /// of the last round's members, in rank order. `on_event(dict)` hears
+    /// each membership change; if it raises, it is not called again and
+    /// its exception is raised at the end.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (args, env, payload, min_workers, max_workers, reset_limit=None, cooldown_range=None, elastic_timeout_s=600.0, discovery_script=None, discovery_interval_s=1.0, slots_per_host=1, on_event=None))]
+    fn run_elastic(
+        &self,
+        py: Python<'_>,
+        args: Vec<u8>,
+        env: Vec<(String, String)>,
+        payload: Vec<u8>,
+        min_workers: u32,
+        max_workers: u32,
+        reset_limit: Option<u32>,
+        cooldown_range: Option<(f64, f64)>,
+        elastic_timeout_s: f64,
+        discovery_script: Option<String>,
+        discovery_interval_s: f64,
+        slots_per_host: u32,
+        on_event: Option<Py<PyAny>>,
+    ) -> PyResult<Vec<Py<PyBytes>>> {
+        use kolo_exec::elastic::{Discovery, ElasticJob, TaskWork};
+        use std::time::Duration;
+        if matches!(self.spec.choice, EngineChoice::Slurm | EngineChoice::Ray) {
+            return Err(error(
+                "elastic executors place workers with the local or ssh engine; Slurm and Ray are not elastic yet",
+            ));
+        }
+        let seconds = |what: &str, s: f64| {
+            (s.is_finite() && s > 0.0)
+                .then(|| Duration::from_secs_f64(s))
+                .ok_or_else(|| error(format!("{what} must be a positive number of seconds, got {s}")))
+        };
+        let mut config = kolo_topology::ElasticConfig::new(min_workers, max_workers).map_err(error)?;
+        config.reset_limit = reset_limit;
+        config.elastic_timeout = seconds("elastic_timeout", elastic_timeout_s)?;
+        if let Some((lo, hi)) = cooldown_range {
+            config.cooldown = Some(
+                kolo_topology::Cooldown::new(seconds("cooldown_range", lo)?, seconds("cooldown_range", hi)?)
+                    .map_err(error)?,
+            );
+        }
+        let fixed = match self.spec.hosts.is_empty() {
+            true => vec![kolo_topology::HostSpec::new("localhost", max_workers)],
+            false => self.spec.hosts.clone(),
+        };
+        let discovery = Discovery {
+            script: discovery_script.map(Into::into),
+            fixed,
+            interval: seconds("discovery_interval", discovery_interval_s)?,
+            slots_per_host: slots_per_host.max(1),
+        };
+        let spec = self.spec.clone();
+        let factory: kolo_exec::elastic::CohortFactory = std::sync::Arc::new(move |hosts, np, secret| {
+            let spec = spec.clone();
+            Box::pin(async move {
+                let request = WorkerRequest::pack(np as u32)
+                    .cpus_per_worker(spec.cpus_per_worker)
+                    .gpus_per_worker(spec.gpus_per_worker);
+                let settings = spec.settings.clone().with_secret(secret);
+                let choice = match spec.choice {
+                    EngineChoice::Auto if spec.hosts.is_empty() => EngineChoice::Local,
+                    other => other,
+                };
+                // engines look host names up: off the runtime
+                let engine = tokio::task::spawn_blocking(move || {
+                    choice.engine(hosts, &request, spec.options).map(|e| (e, request))
+                })
+                .await
+                .map_err(|e| kolo_exec::ExecError::BadSettings(e.to_string()))?;
+                let (engine, request) = engine?;
+                Executor::with_engine(settings, request, engine)
+            })
+        });
+        let failed: std::sync::Arc<std::sync::Mutex<Option<PyErr>>> = Default::default();
+        let heard = failed.clone();
+        let listener = move |event: kolo_exec::elastic::ElasticEvent| {
+            let Some(callback) = &on_event else { return };
+            let mut failed = heard.lock().unwrap_or_else(|p| p.into_inner());
+            if failed.is_none() {
+                Python::with_gil(|py| {
+                    *failed = elastic::event_dict(py, &event).and_then(|d| callback.call1(py, (d,))).err();
+                });
+            }
+        };
+        let work = TaskWork::<PyWorker, PyCall> { args, task: PyCall { payload } };
+        let answers = py.allow_threads(|| {
+            let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let (runtime, _) = inner.as_ref().ok_or_else(|| error("the executor was shut down"))?;
+            let job = ElasticJob::run(work, config, discovery, factory, env, listener, std::future::pending());
+            interruptible(runtime, job)
+        })?;
+        if let Some(e) = failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(e);
+        }
+        if let Some(reason) = answers.stopped {
+            return Err(error(format!("the elastic job stopped: {reason}")));
+        }
+        Ok(answers.results.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
+    }
+
     /// `(rank, host)` of every worker, in rank order.
     fn workers(&self, py: Python<'_>) -> PyResult<Vec<(u32, String)>> {
         self.with(py, |_, ex| Ok(ex.workers().into_iter().map(|w| (w.rank, w.hostname)).collect()))
@@ -312,5 +438,6 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(report, m)?)?;
     m.add_class::<Driver>()?;
+    elastic::register(m)?;
     Ok(())
 }

@@ -71,6 +71,10 @@ pub struct ElasticConfig {
     pub cooldown: Option<Cooldown>,
     /// The longest wait for `min_np` slots.
     pub elastic_timeout: Duration,
+    /// Horovod's rule: a host where a rank failed is blacklisted at once
+    /// (in place, where nothing else bounds failures); otherwise only a
+    /// host failing two rounds in a row, and only with a cooldown.
+    pub blacklist_failed_hosts: bool,
 }
 
 impl ElasticConfig {
@@ -90,6 +94,7 @@ impl ElasticConfig {
             max_restarts: None,
             cooldown: None,
             elastic_timeout: Duration::from_secs(600),
+            blacklist_failed_hosts: false,
         })
     }
 }
@@ -272,7 +277,8 @@ impl Membership {
                 if self.running && self.in_world(host) {
                     // without a cooldown a blacklisting is for good: a
                     // failing script must not exile every host
-                    if self.failed_last_round.contains(host) && self.config.cooldown.is_some() {
+                    let again = self.failed_last_round.contains(host) && self.config.cooldown.is_some();
+                    if again || self.config.blacklist_failed_hosts {
                         self.blacklist(host, now);
                     }
                     self.failed_this_round.insert(host.to_string());
@@ -411,6 +417,24 @@ mod tests {
 
     fn config(min: u32, max: u32) -> ElasticConfig {
         ElasticConfig::new(min, max).unwrap()
+    }
+
+    #[test]
+    fn in_place_a_failed_rank_blacklists_its_host_at_once() {
+        let mut c = ElasticConfig::new(1, 4).unwrap();
+        c.blacklist_failed_hosts = true;
+        let mut m = Membership::new(c.clone());
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(1))), [("a", 2)]);
+        assert_eq!(m.blacklisted(), [("b", None)]);
+        // with a cooldown it comes back, then doubles
+        c.cooldown = Some(Cooldown::new(secs(10), secs(100)).unwrap());
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(1))), [("a", 2)]);
+        assert_eq!(world_of(&m.on(Event::Tick, secs(11))), [("a", 2), ("b", 2)]);
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(12))), [("a", 2)]);
+        assert_eq!(m.blacklisted(), [("b", Some(secs(32)))]);
     }
 
     #[test]

@@ -145,19 +145,20 @@ fn a_killed_rank_leaves_the_others_running_and_the_demo_ends_where_a_clean_run_d
     let tag = "in-place-killed";
     let job = in_place_job(tag, &["-H", "a:2,b:2", "-np", "4", "--min-np", "2"]);
     job.wait_for_output("epoch   2", Duration::from_secs(60));
-    let survivors = [process(tag, "a", 0), process(tag, "a", 1), process(tag, "b", 0)];
+    let survivors = [process(tag, "a", 0), process(tag, "a", 1)];
+    let on_b = process(tag, "b", 0);
     kill(Pid::from_raw(process(tag, "b", 1)), Signal::SIGKILL).unwrap();
-    // host b gets a fresh pair, which joins the survivors at a commit
-    job.wait_for_output("round 2: 4 processes on a:2,b:2", Duration::from_secs(30));
-    assert!(alive(survivors[0]) && alive(survivors[1]), "host a's processes were restarted");
-    // b:0 had no place in round 1: removed, and replaced
-    wait_for("b:0 of the first round to end", Duration::from_secs(10), || !alive(survivors[2]));
+    // Horovod's rule: host b is out, with its other process
+    job.wait_for_output("round 1: 2 processes on a:2", Duration::from_secs(30));
+    wait_for("b:0 to be removed", Duration::from_secs(10), || !alive(on_b));
+    assert!(survivors.iter().all(|&p| alive(p)), "host a's processes were restarted");
     let (status, out, err) = job.finish();
     assert!(status.success(), "{out}{err}");
-    assert!(err.contains("rank 3 on host b was killed by signal 9 (SIGKILL); the others go on in place"), "{err}");
-    assert!(err.contains("round 1: 2 processes on a:2"), "{err}");
+    assert!(err.contains("rank 3 on host b was killed by signal 9 (SIGKILL)"), "{err}");
+    assert!(err.contains("host b is blacklisted for the rest of the job"), "{err}");
+    assert!(!err.contains("round 2"), "{err}");
     assert!(out.contains("round ended at epoch"), "{out}");
-    assert!(out.contains("4 ranks from epoch"), "the new processes did not join: {out}");
+    assert!(out.contains("2 ranks from epoch"), "{out}");
     let loss = final_loss(&out);
     assert!((loss - reference).abs() < 0.01, "final loss {loss}, {reference} without the fault\n{out}");
     nothing_left(tag);
@@ -228,6 +229,10 @@ fn past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing() {
         "1",
         "--reset-limit",
         "2",
+        "--cooldown-range",
+        "0.1:0.1",
+        "--discovery-interval",
+        "0.05",
         "-x",
         &format!("KOLO_TEST_TAG={tag}"),
         "--",
@@ -237,7 +242,7 @@ fn past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing() {
     ]);
     let (status, out, err) = job.finish();
     assert_eq!(status.code(), Some(1), "{out}{err}");
-    assert_eq!(err.matches("on host b exited with code 5; the others go on in place").count(), 2, "{err}");
+    assert_eq!(err.matches("rank 1 on host b exited with code 5").count(), 2, "{err}");
     assert!(err.contains("--reset-limit"), "{err}");
     wait_for("the job's processes to be gone", Duration::from_secs(10), || pids_of_tagged_shells(tag).is_empty());
 }
@@ -246,7 +251,8 @@ fn past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing() {
 fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() {
     let tag = "in-place-cooldown";
     let dir = TempDir::new("in-place-cooldown");
-    // b's first two processes fail; the third succeeds and lets a finish
+    // b's first two processes fail, each sending b out for its cooldown;
+    // the third succeeds and lets a finish
     let script = format!(
         "cd {}; if [ $HOROVOD_HOSTNAME = b ]; then echo x >> tries; [ $(wc -l < tries) -le 2 ] && exit 5; touch done; exit 0; fi; \
          while [ ! -e done ]; do sleep 0.05; done",
@@ -276,8 +282,9 @@ fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() 
     let (status, out, err) = job.finish();
     assert!(status.success(), "{out}{err}");
     assert_eq!(err.matches("rank 1 on host b exited with code 5").count(), 2, "{err}");
-    // out after its second failure in a row, back after the cooldown
-    let blacklisted = err.find("host b is blacklisted for 1 s").unwrap_or_else(|| panic!("{err}"));
+    // out after each failure, back after the cooldown
+    assert_eq!(err.matches("host b is blacklisted for 1.0 s").count(), 2, "{err}");
+    let blacklisted = err.find("host b is blacklisted for 1.0 s").unwrap_or_else(|| panic!("{err}"));
     let without_b = err.find("round 3: 1 process on a:1").unwrap_or_else(|| panic!("{err}"));
     let back = err.find("round 4: 2 processes on a:1,b:1").unwrap_or_else(|| panic!("{err}"));
     assert!(blacklisted < back && without_b < back, "{err}");

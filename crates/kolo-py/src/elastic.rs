@@ -1,0 +1,201 @@
+//! Elastic jobs in place for Python: in the workers, kolo-comm's elastic
+//! API (`ElasticWorker` joins rounds, `Comm` is the round's communicator);
+//! in the driver, kolo-exec's `ElasticJob` running the pickled function
+//! in every process of every cohort. `kolo.elastic` and `kolo.Executor`
+//! wrap these.
+
+use std::sync::Mutex;
+
+use kolo_comm::elastic::Elastic;
+use kolo_comm::{CommError, Communicator, ReduceOp};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+pyo3::create_exception!(_kolo, MembershipError, PyRuntimeError, "The job's membership changed: join the next round.");
+pyo3::create_exception!(_kolo, HostsUpdated, MembershipError, "Hosts came or went: join the new round.");
+pyo3::create_exception!(_kolo, Removed, pyo3::exceptions::PyException, "This worker has no place in the new round.");
+
+fn comm_error(e: CommError) -> PyErr {
+    match e {
+        CommError::Removed { .. } => Removed::new_err(e.to_string()),
+        CommError::HostsUpdated { .. } => HostsUpdated::new_err(e.to_string()),
+        e if e.is_membership() => MembershipError::new_err(e.to_string()),
+        e => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// This process in an elastic job: joins rounds.
+#[pyclass(module = "kolo._kolo")]
+pub struct ElasticWorker {
+    inner: Mutex<Elastic>,
+}
+
+#[pymethods]
+impl ElasticWorker {
+    /// From the variables kolo sets for an elastic job's processes.
+    #[staticmethod]
+    fn from_env() -> PyResult<Self> {
+        Ok(ElasticWorker { inner: Mutex::new(Elastic::from_env().map_err(comm_error)?) })
+    }
+
+    /// Waits for the next round that has a place for this process and
+    /// joins it; raises `Removed` when the round has none.
+    fn join(&self, py: Python<'_>) -> PyResult<Comm> {
+        let comm = py.allow_threads(|| self.lock().join()).map_err(comm_error)?;
+        Ok(Comm { inner: Mutex::new(comm) })
+    }
+
+    /// The round joined last.
+    #[getter]
+    fn round(&self) -> Option<u64> {
+        self.lock().round()
+    }
+
+    /// A round started after the one joined last (hosts came or went), if any.
+    fn newer_round(&self, py: Python<'_>) -> Option<u64> {
+        py.allow_threads(|| self.lock().newer_round())
+    }
+}
+
+impl ElasticWorker {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Elastic> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A round's communicator: kolo-comm's collectives over bytes.
+#[pyclass(module = "kolo._kolo")]
+pub struct Comm {
+    inner: Mutex<Communicator>,
+}
+
+fn op_of(op: &str) -> PyResult<ReduceOp> {
+    Ok(match op {
+        "sum" => ReduceOp::Sum,
+        "avg" | "mean" => ReduceOp::Avg,
+        "min" => ReduceOp::Min,
+        "max" => ReduceOp::Max,
+        "prod" => ReduceOp::Prod,
+        other => return Err(PyValueError::new_err(format!("unknown op '{other}': use sum, avg, min, max or prod"))),
+    })
+}
+
+macro_rules! reduce_as {
+    ($t:ty, $comm:expr, $data:expr, $op:expr) => {{
+        const SIZE: usize = std::mem::size_of::<$t>();
+        if $data.len() % SIZE != 0 {
+            return Err(PyValueError::new_err(format!("{} bytes are not whole {}-byte elements", $data.len(), SIZE)));
+        }
+        let mut values: Vec<$t> =
+            $data.chunks_exact(SIZE).map(|c| <$t>::from_ne_bytes(c.try_into().expect("SIZE"))).collect();
+        $comm.allreduce_in_place(&mut values, $op).map_err(comm_error)?;
+        values.iter().flat_map(|v| v.to_ne_bytes()).collect::<Vec<u8>>()
+    }};
+}
+
+#[pymethods]
+impl Comm {
+    #[getter]
+    fn rank(&self) -> usize {
+        self.lock().rank()
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.lock().size()
+    }
+
+    /// Reduces `data` (the bytes of `dtype` elements: float32, float64,
+    /// int32 or int64) over every rank; the result's bytes.
+    fn allreduce<'py>(&self, py: Python<'py>, data: Vec<u8>, dtype: &str, op: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let op = op_of(op)?;
+        let out = py.allow_threads(|| -> PyResult<Vec<u8>> {
+            let mut comm = self.lock();
+            Ok(match dtype {
+                "float32" => reduce_as!(f32, comm, data, op),
+                "float64" => reduce_as!(f64, comm, data, op),
+                "int32" => reduce_as!(i32, comm, data, op),
+                "int64" => reduce_as!(i64, comm, data, op),
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "dtype '{other}' is not supported: use float32, float64, int32 or int64"
+                    )))
+                }
+            })
+        })?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// `root`'s bytes, on every rank (others pass anything, or None).
+    #[pyo3(signature = (data, root=0))]
+    fn broadcast<'py>(&self, py: Python<'py>, data: Option<Vec<u8>>, root: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let out = py.allow_threads(|| -> Result<Vec<u8>, CommError> {
+            let mut comm = self.lock();
+            let mut bytes = if comm.rank() == root { data.unwrap_or_default() } else { Vec::new() };
+            let mut len = [bytes.len() as i64];
+            comm.broadcast(&mut len, root)?;
+            bytes.resize(usize::try_from(len[0]).unwrap_or(0), 0);
+            comm.broadcast(&mut bytes, root)?;
+            Ok(bytes)
+        });
+        Ok(PyBytes::new(py, &out.map_err(comm_error)?))
+    }
+
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.lock().barrier()).map_err(comm_error)
+    }
+}
+
+impl Comm {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Communicator> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// An elastic event as the Python callbacks get it: a dict with `event`
+/// and its fields, and `message`, the line kolo would print.
+pub fn event_dict<'py>(py: Python<'py>, event: &kolo_exec::elastic::ElasticEvent) -> PyResult<Bound<'py, PyDict>> {
+    use kolo_exec::elastic::ElasticEvent as E;
+    let d = PyDict::new(py);
+    d.set_item("message", event.to_string())?;
+    match event {
+        E::Round { round, hosts } => {
+            d.set_item("event", "round")?;
+            d.set_item("round", round)?;
+            d.set_item("hosts", hosts.clone())?;
+            d.set_item("size", hosts.iter().map(|(_, n)| n).sum::<u32>())?;
+        }
+        E::Failed { rank, host, reason } => {
+            d.set_item("event", "failed")?;
+            d.set_item("rank", rank)?;
+            d.set_item("host", host)?;
+            d.set_item("reason", reason)?;
+        }
+        E::Blacklisted { host, duration } => {
+            d.set_item("event", "blacklisted")?;
+            d.set_item("host", host)?;
+            d.set_item("seconds", duration.map(|d| d.as_secs_f64()))?;
+        }
+        E::Starting { hosts } => {
+            d.set_item("event", "starting")?;
+            d.set_item("hosts", hosts.clone())?;
+        }
+        E::Waiting { needed, available, left } => {
+            d.set_item("event", "waiting")?;
+            d.set_item("needed", needed)?;
+            d.set_item("available", available)?;
+            d.set_item("seconds_left", left.as_secs_f64())?;
+        }
+    }
+    Ok(d)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ElasticWorker>()?;
+    m.add_class::<Comm>()?;
+    m.add("MembershipError", m.py().get_type::<MembershipError>())?;
+    m.add("HostsUpdated", m.py().get_type::<HostsUpdated>())?;
+    m.add("Removed", m.py().get_type::<Removed>())?;
+    Ok(())
+}
