@@ -45,3 +45,14 @@ def call(state, payload):
         except Exception:  # noqa: BLE001 - an exception that does not pickle goes as text
             exception = None
         return cloudpickle.dumps((False, (f"{type(e).__name__}: {e}", remote_traceback, exception)))
+
+
+def call_elastic(state, payload):
+    """A call of an elastic job: the pickled value, or, if the function
+    raised, an exception carrying its traceback (the process failed)."""
+    kind, fn, args, kwargs = cloudpickle.loads(payload)
+    try:
+        value = fn(state) if kind == "execute" else fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the driver hears of every failure
+        raise RuntimeError(f"{type(e).__name__}: {e}\n\nremote traceback:\n{traceback.format_exc()}") from None
+    return _dumps((True, value))

@@ -120,7 +120,43 @@ class Executor:
         use_current_placement_group: bool = True,
         engine: Optional[str] = None,
         hosts: Optional[str] = None,
+        min_workers: Optional[int] = None,
+        max_workers: Optional[int] = None,
+        reset_limit: Optional[int] = None,
+        cooldown_range: Optional[tuple] = None,
+        elastic_timeout: float = 600,
+        host_discovery_script: Optional[str] = None,
+        discovery_interval: float = 1.0,
     ):
+        # elastic (horovod.ray's elastic executor): min_workers makes it so
+        self._elastic = None
+        if min_workers is not None:
+            max_workers = max_workers if max_workers is not None else (num_workers or min_workers)
+            for name, value in (("min_workers", min_workers), ("max_workers", max_workers)):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if min_workers > max_workers:
+                raise ValueError(f"min_workers ({min_workers}) must not be more than max_workers ({max_workers})")
+            if num_hosts is not None:
+                raise ValueError("an elastic executor places workers by host slots: give hosts, not num_hosts")
+            if engine in ("slurm", "ray"):
+                raise ValueError("elastic executors place workers with the local or ssh engine, not " + engine)
+            if cooldown_range is not None:
+                lo, hi = cooldown_range
+                if not (0 < lo <= hi):
+                    raise ValueError(f"cooldown_range must be (min, max) seconds with 0 < min <= max, got {cooldown_range!r}")
+            self._elastic = dict(
+                min_workers=min_workers,
+                max_workers=max_workers,
+                reset_limit=reset_limit,
+                cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1])) if cooldown_range else None,
+                elastic_timeout_s=float(elastic_timeout),
+                discovery_script=host_discovery_script,
+                discovery_interval_s=float(discovery_interval),
+            )
+            num_workers = max_workers
+        elif max_workers is not None or host_discovery_script is not None:
+            raise ValueError("max_workers and host_discovery_script are for elastic executors: give min_workers too")
         if num_workers is None and num_hosts is None:
             raise ValueError("Either `num_workers` or `num_hosts` must be set.")
         if num_workers is not None and num_hosts is not None:
@@ -150,6 +186,8 @@ class Executor:
         self._driver = None
         self._workers: List[tuple] = []
         self._pool = None
+        # an elastic executor starts its workers in run(): what start() gave
+        self._elastic_start = None
 
     # lifecycle
 
@@ -189,6 +227,8 @@ class Executor:
 
     def _start(self, identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars):
         s = self.settings
+        if self._elastic is not None and s.ssh_str and not s.ssh_identity_file:
+            raise ValueError("an elastic executor starts workers for as long as it runs: give ssh_identity_file with ssh_str")
         driver = _kolo.Driver(
             start_timeout_s=float(s.timeout_s),
             placement_timeout_s=float(s.placement_group_timeout_s),
@@ -206,6 +246,10 @@ class Executor:
         executable = cloudpickle.dumps((executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {})))
         args = pickle.dumps((list(sys.path), executable))
         env = [(str(k), str(v)) for k, v in (extra_env_vars or {}).items()]
+        if self._elastic is not None:
+            # workers come and go in run(), as the hosts do
+            self._driver, self._elastic_start = driver, (args, env)
+            return
         try:
             driver.start(args, env)
         except BaseException:
@@ -234,18 +278,48 @@ class Executor:
     def execute(self, fn: Callable, callbacks=None) -> list:
         """`fn(executable)` on every worker; the results in rank order. Each
         callback gets every value rank 0 reports (`kolo.report`) meanwhile."""
+        self._not_elastic("execute")
         on_report = _on_report(callbacks)
         return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {})), on_report))
 
     def run(self, fn: Callable, args=None, kwargs=None, callbacks=None) -> list:
         """`fn(*args, **kwargs)` on every worker; the results in rank order.
-        Callbacks as for `execute`."""
-        on_report = _on_report(callbacks)
+        Callbacks as for `execute`.
+
+        Elastic executors (`min_workers`): `fn` runs in every process of
+        the job, which come and go with the hosts (use `kolo.elastic.run`
+        inside); the results of the last round's processes, in rank order;
+        each callback gets every membership change as a dict (`event`:
+        round, failed, blacklisted, starting or waiting; `message`: the
+        line kolo would print)."""
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
+        if self._elastic is not None:
+            return self._run_elastic(payload, callbacks)
+        on_report = _on_report(callbacks)
         return self._answers(self._running().execute(payload, on_report))
+
+    def _run_elastic(self, payload, callbacks):
+        driver = self._running()
+        callbacks = list(callbacks or [])
+        for callback in callbacks:
+            if not callable(callback):
+                raise TypeError(f"each callback must be callable, got {callback!r}")
+
+        def on_event(event):
+            for callback in callbacks:
+                callback(event)
+
+        args, env = self._elastic_start
+        answers = driver.run_elastic(args, env, payload, on_event=on_event if callbacks else None, **self._elastic)
+        return self._answers(answers)
+
+    def _not_elastic(self, what):
+        if self._elastic is not None:
+            raise RuntimeError(f"an elastic executor runs functions with run(), not {what}(): its workers come and go")
 
     def run_remote(self, fn: Callable, args=None, kwargs=None) -> List[Handle]:
         """Like `run`, but returns a handle per rank at once (`kolo.get`)."""
+        self._not_elastic("run_remote")
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
         driver = self._running()
         if self._pool is None:
@@ -257,6 +331,7 @@ class Executor:
 
     def execute_single(self, fn: Callable) -> Any:
         """`fn(executable)` on rank 0 only."""
+        self._not_elastic("execute_single")
         return self._answer(0, self._running().execute_single(cloudpickle.dumps(("execute", fn, (), {}))))
 
     # helpers

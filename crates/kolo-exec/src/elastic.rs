@@ -268,6 +268,7 @@ fn ends_of<O: DeserializeOwned + Send + 'static>(handles: Vec<crate::CallHandle<
             let end = match handle.join().await {
                 Ok(output) => ProcessEnd::Succeeded(output),
                 Err(ExecError::WorkerLost { reason, .. }) => ProcessEnd::Lost(reason),
+                Err(ExecError::Task { message, .. }) => ProcessEnd::Failed(format!("raised {message}")),
                 Err(e) => ProcessEnd::Failed(e.to_string()),
             };
             let _ = tx.send((rank, end));

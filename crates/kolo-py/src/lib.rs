@@ -78,10 +78,34 @@ impl Task<PyWorker> for PyCall {
     }
 }
 
+/// A pickled call of an elastic job: the pickled value, or, if the
+/// function raised, a failure (the process failed, as Horovod's elastic
+/// driver sees a worker that raised).
+#[derive(Serialize, Deserialize)]
+struct PyElasticCall {
+    payload: Vec<u8>,
+}
+
+impl Task<PyWorker> for PyElasticCall {
+    const NAME: &'static str = "kolo.python.elastic-call";
+    type Output = Vec<u8>;
+    fn run(self, worker: &mut PyWorker, _: &WorkerContext) -> Result<Vec<u8>, UserError> {
+        Python::with_gil(|py| {
+            let call = || -> PyResult<Vec<u8>> {
+                let remote = py.import("kolo._remote")?;
+                let args = (worker.state.bind(py), PyBytes::new(py, &self.payload));
+                remote.call_method1("call_elastic", args)?.extract::<Vec<u8>>()
+            };
+            // the exception's own text: what the function raised, and where
+            call().map_err(|e| UserError::from(e.value(py).to_string()))
+        })
+    }
+}
+
 /// What a Python worker can run: the same in the driver (its build id) and
 /// in the agents.
 fn registry() -> Registry {
-    Registry::new().executable::<PyWorker>().task::<PyWorker, PyCall>()
+    Registry::new().executable::<PyWorker>().task::<PyWorker, PyCall>().task::<PyWorker, PyElasticCall>()
 }
 
 /// Runs kolo's command line (`argv[0]` is the program's name) and returns
@@ -390,8 +414,12 @@ impl Driver {
             })
         });
         let failed: std::sync::Arc<std::sync::Mutex<Option<PyErr>>> = Default::default();
-        let heard = failed.clone();
+        let last_failure: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
+        let (heard, failure) = (failed.clone(), last_failure.clone());
         let listener = move |event: kolo_exec::elastic::ElasticEvent| {
+            if let kolo_exec::elastic::ElasticEvent::Failed { .. } = &event {
+                *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(event.to_string());
+            }
             let Some(callback) = &on_event else { return };
             let mut failed = heard.lock().unwrap_or_else(|p| p.into_inner());
             if failed.is_none() {
@@ -400,7 +428,7 @@ impl Driver {
                 });
             }
         };
-        let work = TaskWork::<PyWorker, PyCall> { args, task: PyCall { payload } };
+        let work = TaskWork::<PyWorker, PyElasticCall> { args, task: PyElasticCall { payload } };
         let answers = py.allow_threads(|| {
             let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let (runtime, _) = inner.as_ref().ok_or_else(|| error("the executor was shut down"))?;
@@ -411,7 +439,11 @@ impl Driver {
             return Err(e);
         }
         if let Some(reason) = answers.stopped {
-            return Err(error(format!("the elastic job stopped: {reason}")));
+            let last = match last_failure.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                Some(failure) => format!("; the last failure: {failure}"),
+                None => String::new(),
+            };
+            return Err(error(format!("the elastic job stopped: {reason}{last}")));
         }
         Ok(answers.results.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
     }

@@ -1,0 +1,101 @@
+"""kolo.Executor as horovod.ray's elastic executor (min_workers...), with
+kolo.elastic in the workers: real worker processes of the local engine on
+simulated hosts; a worker dies mid-training, the others go on in place
+from their last commit, and the callbacks hear every membership change."""
+
+import os
+import subprocess
+
+import pytest
+
+import kolo
+
+
+def workers_left():
+    out = subprocess.run(["pgrep", "-f", "kolo._worker"], capture_output=True, text=True).stdout.split()
+    return [p for p in out if int(p) != os.getpid()]
+
+
+def train(steps, victim, die_after):
+    import numpy as np
+
+    import kolo
+
+    state = kolo.elastic.ObjectState(step=0, total=0.0)
+
+    @kolo.elastic.run
+    def loop(state, comm):
+        while state.step < steps:
+            if os.environ["HOROVOD_HOSTNAME"] == victim and state.step == die_after:
+                os._exit(9)
+            ones = comm.allreduce(np.ones(3, dtype=np.float32), op="sum")
+            state.total += float(ones[0])
+            state.step += 1
+            state.commit()
+        return state.step, state.total, comm.rank, comm.size, kolo.elastic.current_round()
+
+    return loop(state)
+
+
+def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
+    events = []
+    settings = kolo.Executor.create_settings(timeout_s=30)
+    with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
+        ex.start()
+        results = ex.run(train, args=[60, "c", 20], callbacks=[events.append])
+    # 20 committed steps of three, then 40 of two
+    assert results == [(60, 20 * 3 + 40 * 2, 0, 2, 1), (60, 20 * 3 + 40 * 2, 1, 2, 1)]
+    kinds = [(e["event"], e.get("round"), e.get("host"), e.get("size")) for e in events]
+    assert kinds[0] == ("round", 0, None, 3), events
+    assert ("failed", None, "c", None) in kinds, events
+    assert ("blacklisted", None, "c", None) in kinds, events
+    assert kinds[-1] == ("round", 1, None, 2), events
+    failed = next(e for e in events if e["event"] == "failed")
+    assert failed["rank"] == 2 and "lost" in failed["reason"], failed
+    assert not workers_left()
+
+
+def raises():
+    import kolo
+
+    @kolo.elastic.run
+    def loop(state, comm):
+        raise ValueError("a bug in the training loop")
+
+    return loop(kolo.elastic.ObjectState())
+
+
+def test_a_function_that_raises_everywhere_stops_the_job_with_its_traceback():
+    settings = kolo.Executor.create_settings(timeout_s=30)
+    ex = kolo.Executor(settings, min_workers=2, max_workers=2, engine="local", hosts="a:1,b:1", elastic_timeout=1)
+    ex.start()
+    with pytest.raises(RuntimeError) as raised:
+        ex.run(raises)
+    ex.shutdown()
+    message = str(raised.value)
+    assert "the elastic job stopped" in message and "timed out" in message, message
+    assert "ValueError: a bug in the training loop" in message, message
+    assert not workers_left()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_workers=3, max_workers=2), r"min_workers \(3\) must not be more than max_workers \(2\)"),
+        (dict(min_workers=0), "min_workers must be a positive integer"),
+        (dict(max_workers=2, num_workers=2), "give min_workers too"),
+        (dict(min_workers=1, engine="slurm"), "local or ssh engine"),
+        (dict(min_workers=1, cooldown_range=(5, 1)), "cooldown_range"),
+    ],
+)
+def test_bad_elastic_arguments_are_refused_naming_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        kolo.Executor(kolo.Executor.create_settings(), **kwargs)
+
+
+def test_an_elastic_executor_runs_functions_with_run_only():
+    ex = kolo.Executor(kolo.Executor.create_settings(), min_workers=1, max_workers=1, engine="local")
+    ex.start()
+    with pytest.raises(RuntimeError, match=r"runs functions with run\(\), not execute\(\)"):
+        ex.execute(lambda w: w)
+    ex.shutdown()
