@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """In-place recovery (`kolo run --in-place`) on the training demo
-(kolo-comm's `train` example in its elastic mode): one process per
-simulated host, a rank SIGKILLed mid-training; the time from its death to
-training resumed (rank 0's "N ranks from ..." line, after the new
-round's communicator is up and the state synced), to the
-world at full size again (a fresh process on the dead one's host, joined
-at a commit), and the steps done again (from the failure back to the last
-commit).
+(kolo-comm's `train` example in its elastic mode), one process per
+simulated host, a rank (or its agent, `--fault host`) SIGKILLed
+mid-training, at a random point between two commits. It measures the time
+from the death to training resumed (rank 0's "N ranks from ..." line,
+once the new round's communicator is up and the state synced), with
+`--cooldown S` also to the world at full size again (a fresh process on
+the dead one's host once its blacklisting ends, joined at a commit), and
+the steps done again (from the failure back to the last commit).
 
     cargo build --release --bins --examples
     python3 bench/elastic_in_place.py --workers 4 --trials 3
@@ -44,7 +45,10 @@ def once(workers, trial, args):
     tag = f"bench-{os.getpid()}-{trial}"
     hosts = ",".join(f"n{i}:1" for i in range(workers))
     argv = [os.path.join(RELEASE, "kolo"), "run", "--in-place", "--engine", "local", "-H", hosts,
-            "--min-np", "2", "-x", f"KOLO_TEST_TAG={tag}", "--", os.path.join(RELEASE, "examples", "train"),
+            "--min-np", "2", "-x", f"KOLO_TEST_TAG={tag}"]
+    if args.cooldown:
+        argv += ["--cooldown-range", f"{args.cooldown}:{args.cooldown}", "--discovery-interval", "0.1"]
+    argv += ["--", os.path.join(RELEASE, "examples", "train"),
             "--epochs", str(args.epochs), "--step-ms", str(args.step_ms), "--commit-every", str(args.commit_every)]
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines = queue.Queue()
@@ -80,7 +84,7 @@ def once(workers, trial, args):
     size = int(resumed.group(1))
     # the replacement may start before the survivors' round comes together:
     # then they resume at full size at once
-    if size == workers or args.fault == "host":
+    if size == workers or not args.cooldown:
         full_at = resumed_at
     else:
         full_at = until(rf"^\[0\]<stdout>:{workers} ranks from")[0]
@@ -100,11 +104,13 @@ def main():
     p.add_argument("--step-ms", type=int, default=5)
     p.add_argument("--commit-every", type=int, default=16)
     p.add_argument("--fault", choices=["rank", "host"], default="rank",
-                   help="kill the rank (its host gets a fresh process) or its agent (the host is lost)")
+                   help="kill the rank or its agent (the host is lost); either way its host is blacklisted")
+    p.add_argument("--cooldown", type=float, default=None,
+                   help="the blacklisting's length (--cooldown-range S:S): measure the return to full size too")
     args = p.parse_args()
     for trial in range(args.trials):
         resumed, size, full, redone = once(args.workers, trial, args)
-        again = "" if args.fault == "host" else f"to full size again {full * 1000:.0f} ms, "
+        again = f"to full size again {full * 1000:.0f} ms, " if args.cooldown else ""
         print(f"workers {args.workers}, {args.fault} killed: death to resumed {resumed * 1000:.0f} ms ({size} ranks), "
               f"{again}steps done again {redone} "
               f"(commit every {args.commit_every})", flush=True)
