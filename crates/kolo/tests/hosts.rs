@@ -624,7 +624,8 @@ fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
     let train = example("train");
     let mut child = Command::new(t.join("hx"))
         .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--min-np", "1"])
-        .args(["--ssh-config", &cfg, "--", &train, "--epochs", "40", "--step-ms", "5", "--commit-every", "8"])
+        .args(["--ssh-config", &cfg, "--", &train, "--epochs", "12", "--samples", "32768", "--step-ms", "5"])
+        .args(["--commit-every", "8"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -671,5 +672,163 @@ fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
     assert!(loss < 0.35, "{text}");
     drop(cut);
     wait_for("h3's processes to end", Duration::from_secs(30), || on_h3.iter().all(|&p| !alive(p)));
+    assert_nothing_left();
+}
+
+/// A discovery script printing h1 and h2, and h3 too once `grow` exists.
+fn discovery_on_hosts(dir: &std::path::Path, grow: &std::path::Path) -> String {
+    let path = dir.join("discover.sh");
+    std::fs::write(&path, format!("#!/bin/sh\necho h1:1\necho h2:1\n[ -e {} ] && echo h3:1\nexit 0\n", grow.display()))
+        .unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+/// `kolo ARGS` in h1 with its stdout and stderr collected as they come.
+struct Streaming {
+    child: std::process::Child,
+    text: std::sync::Arc<std::sync::Mutex<String>>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Streaming {
+    fn start(args: &[&str]) -> Streaming {
+        let mut child = Command::new(testhosts().join("hx"))
+            .arg("h1")
+            .arg(env!("CARGO_BIN_EXE_kolo"))
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let pipes: [Box<dyn std::io::Read + Send>; 2] =
+            [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+        let readers = pipes
+            .into_iter()
+            .map(|pipe| {
+                let text = text.clone();
+                std::thread::spawn(move || {
+                    use std::io::BufRead;
+                    for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                        text.lock().unwrap().push_str(&(line + "\n"));
+                    }
+                })
+            })
+            .collect();
+        Streaming { child, text, readers }
+    }
+
+    fn wait_for(&self, what: &str) {
+        wait_for(&format!("'{what}'"), Duration::from_secs(60), || self.text.lock().unwrap().contains(what));
+    }
+
+    fn finish(mut self) -> (bool, String) {
+        let ok = self.child.wait().unwrap().success();
+        for reader in self.readers.drain(..) {
+            reader.join().unwrap();
+        }
+        let text = self.text.lock().unwrap().clone();
+        (ok, text)
+    }
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn restart_mode_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
+    let cfg = ssh_config();
+    let dir = TempDir::new("hosts-restart-grow");
+    let grow = dir.path().join("grow");
+    let discover = discovery_on_hosts(dir.path(), &grow);
+    let script = format!(
+        "echo $$ > {}/$RANK.$KOLO_RESTART_COUNT.pid; [ $WORLD_SIZE = 3 ] && echo grown $RANK on $(hostname) && exit 0; \
+         exec sleep 1000",
+        dir.path().display()
+    );
+    let job = Streaming::start(&[
+        "run",
+        "--min-np",
+        "2",
+        "--max-np",
+        "3",
+        "--max-restarts",
+        "2",
+        "--host-discovery-script",
+        &discover,
+        "--discovery-interval",
+        "0.2",
+        "--ssh-config",
+        &cfg,
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let pid = |rank: u32, restart: u32| dir.path().join(format!("{rank}.{restart}.pid"));
+    wait_for("the first world", Duration::from_secs(30), || pid(0, 0).exists() && pid(1, 0).exists());
+    let on_h2: i32 = std::fs::read_to_string(pid(1, 0)).unwrap().trim().parse().unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(on_h2), nix::sys::signal::Signal::SIGKILL).unwrap();
+    wait_for("the restarted world", Duration::from_secs(30), || pid(0, 1).exists() && pid(1, 1).exists());
+    std::fs::write(&grow, "").unwrap();
+    let (ok, text) = job.finish();
+    assert!(ok, "{text}");
+    assert!(text.contains("rank 1 on host h2 was killed by signal 9 (SIGKILL); restarting the job"), "{text}");
+    assert!(text.contains("the hosts changed; re-forming the job"), "{text}");
+    for host in ["h1", "h2", "h3"] {
+        assert!(text.contains(&format!(" on {host}\n")), "{host} did not run in the grown world: {text}");
+    }
+    assert_eq!(text.matches("grown").count(), 3, "{text}");
+    assert_nothing_left();
+}
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn in_place_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
+    let cfg = ssh_config();
+    let dir = TempDir::new("hosts-in-place-grow");
+    let grow = dir.path().join("grow");
+    let discover = discovery_on_hosts(dir.path(), &grow);
+    let train = example("train");
+    let job = Streaming::start(&[
+        "run",
+        "--in-place",
+        "--min-np",
+        "1",
+        "--max-np",
+        "3",
+        "--host-discovery-script",
+        &discover,
+        "--discovery-interval",
+        "0.2",
+        "--ssh-config",
+        &cfg,
+        "--",
+        &train,
+        "--epochs",
+        "30",
+        "--step-ms",
+        "5",
+        "--commit-every",
+        "8",
+    ]);
+    job.wait_for("epoch   2");
+    let on_h1: Vec<i32> = job_processes("h1");
+    let rank_on_h2: Vec<i32> = job_processes("h2")
+        .into_iter()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "train"))
+        .collect();
+    assert_eq!(rank_on_h2.len(), 1, "{rank_on_h2:?}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_on_h2[0]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    job.wait_for("round 1: 1 process on h1:1");
+    std::fs::write(&grow, "").unwrap();
+    job.wait_for("round 2: 2 processes on h1:1,h3:1");
+    assert!(on_h1.iter().all(|&p| alive(p)), "h1's processes were restarted");
+    let (ok, text) = job.finish();
+    assert!(ok, "{text}");
+    assert!(text.contains("rank 1 on host h2 was killed by signal 9 (SIGKILL)"), "{text}");
+    assert!(text.contains("host h2 is blacklisted for the rest of the job"), "{text}");
+    assert!(text.contains("2 ranks from epoch"), "h3 did not join: {text}");
+    let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(loss < 0.35, "{text}");
     assert_nothing_left();
 }
