@@ -608,21 +608,34 @@ impl<W: ElasticWork> ElasticJob<W> {
                 }
             }
             Err(e) => {
+                // a start that failed on some hosts (named in the error) costs
+                // only those; otherwise every host of the cohort
+                let message = e.to_string();
+                let named: Vec<String> = hosts.iter().filter(|h| names_host(&message, h)).cloned().collect();
+                let hosts = if named.is_empty() { hosts } else { named };
+                let mut decision = Decision::Continue;
                 for host in &hosts {
                     let reason = format!("could not start: {e}");
                     self.tell(ElasticEvent::Failed { rank: None, host: host.clone(), reason });
-                    let decision = self.membership.on(Event::HostLost(host), self.started.elapsed());
-                    if let Decision::Stop(reason) = decision {
-                        return Some(Ended::Stopped(reason.to_string()));
+                    decision = self.membership.on(Event::HostLost(host), self.started.elapsed());
+                    if matches!(decision, Decision::Stop(_)) {
+                        break;
                     }
                 }
+                return self.apply(decision).await;
             }
         }
-        // the world this cohort was started for (or one formed since)
-        if let Some(world) = self.membership.world().cloned() {
-            self.reform(&world).await;
+        // the world as membership sees it now (hosts may have gone meanwhile)
+        match self.membership.on(Event::Tick, self.started.elapsed()) {
+            Decision::Continue => match self.membership.world().cloned() {
+                Some(world) => {
+                    self.reform(&world).await;
+                    None
+                }
+                None => None,
+            },
+            other => self.apply(other).await,
         }
-        None
     }
 
     async fn on_end(&mut self, cohort: usize, rank: u32, end: ProcessEnd<W::Output>) -> Option<Ended> {
@@ -698,6 +711,16 @@ impl<W: ElasticWork> ElasticJob<W> {
     }
 }
 
+/// Whether `message` names `host` as a word (not inside a longer name).
+fn names_host(message: &str, host: &str) -> bool {
+    let word = |c: char| c.is_alphanumeric() || c == '-' || c == '_' || c == '.';
+    message.match_indices(host).any(|(at, _)| {
+        let before = message[..at].chars().next_back();
+        let after = message[at + host.len()..].chars().next();
+        !before.is_some_and(word) && !after.is_some_and(|c| word(c) && c != '.')
+    })
+}
+
 enum Ended {
     Done,
     Stopped(String),
@@ -712,4 +735,19 @@ async fn spawn_done<O>(spawning: &mut Spawning<O>) -> (Result<Started<O>, ExecEr
     };
     let (_, hosts) = spawning.take().expect("awaited above");
     (result, hosts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_host;
+
+    #[test]
+    fn a_start_error_names_the_hosts_it_is_about() {
+        let e = "worker 2 on host h1 could not start: ssh: connect to host h1 port 22: No route to host.";
+        assert!(names_host(e, "h1"));
+        assert!(!names_host(e, "h"));
+        assert!(!names_host("host h10 is down", "h1"));
+        assert!(names_host("on host node-a.", "node-a"));
+        assert!(!names_host("on host node-ab", "node-a"));
+    }
 }

@@ -20,6 +20,14 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
         spec.worker_args = worker.args;
     }
     if let Some(elastic) = elastic_spec(&args, spec.np)? {
+        let no_host_list = args.hosts.is_none() && args.hostfile.is_none();
+        if no_host_list && matches!(args.engine, EngineArg::Auto | EngineArg::Slurm) {
+            // inside an allocation: its nodes are the hosts there are
+            let allocation = allocation_hosts()?;
+            if !allocation.is_empty() {
+                spec.hosts = allocation;
+            }
+        }
         if args.dry_run {
             bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
         }
@@ -33,6 +41,17 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
     Ok(outcome.exit_code)
 }
 
+/// The nodes and tasks of the Slurm allocation this runs in, as hosts
+/// (none outside one).
+fn allocation_hosts() -> Result<Vec<HostSpec>> {
+    if !kolo_exec::SlurmEngine::in_allocation() {
+        return Ok(Vec::new());
+    }
+    let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
+    let hosts = kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?;
+    Ok(hosts.into_iter().map(|h| HostSpec::new(h.hostname, h.cpus)).collect())
+}
+
 /// The elastic options, if any was given (restart mode).
 fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
     let elastic = args.in_place
@@ -44,8 +63,11 @@ fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
     if !elastic {
         return Ok(None);
     }
-    if matches!(args.engine, EngineArg::Slurm | EngineArg::Ray) {
-        bail!("elastic jobs place workers with the local or ssh engine; Slurm and Ray allocations are not elastic yet");
+    if args.engine == EngineArg::Ray {
+        bail!("elastic jobs place workers with the local, ssh or Slurm engine (inside an allocation); Ray is not elastic yet");
+    }
+    if args.engine == EngineArg::Slurm && !kolo_exec::SlurmEngine::in_allocation() {
+        bail!("an elastic job under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow one it asked for");
     }
     let np = u32::try_from(np).context("-np is too large")?;
     let min_np = args.min_np.unwrap_or(np);

@@ -832,3 +832,74 @@ fn in_place_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
     assert!(loss < 0.35, "{text}");
     assert_nothing_left();
 }
+
+#[test]
+#[ignore = "needs the test hosts"]
+fn both_elastic_modes_inside_a_slurm_allocation() {
+    let kolo = env!("CARGO_BIN_EXE_kolo");
+    // restart mode: every rank starts again on the allocation's nodes
+    let out = in_h1(&[
+        "salloc",
+        "-N3",
+        "--ntasks-per-node=1",
+        kolo,
+        "run",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "[ $KOLO_RESTART_COUNT = 1 ] && echo restarted $RANK on $(hostname) && exit 0; [ $RANK = 1 ] && exit 4; \
+         exec sleep 100",
+    ]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(stderr(&out).contains("rank 1 on host h2 exited with code 4; restarting the job"), "{}", stderr(&out));
+    for (rank, host) in [(0, "h1"), (1, "h2"), (2, "h3")] {
+        assert!(text.contains(&format!("restarted {rank} on {host}")), "{text}");
+    }
+    // in place: h2 leaves for its cooldown and comes back in a step of its own
+    let t = testhosts();
+    let train = example("train");
+    let mut child = Command::new(t.join("hx"))
+        .args(["h1", "salloc", "-N3", "--ntasks-per-node=1", kolo, "run", "--in-place", "--min-np", "1"])
+        .args(["--cooldown-range", "1:1", "--", &train, "--epochs", "40", "--samples", "16384", "--step-ms", "5"])
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let collected = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+    let pipes: [Box<dyn std::io::Read + Send>; 2] =
+        [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
+    let readers: Vec<_> = pipes
+        .into_iter()
+        .map(|pipe| {
+            let collected = collected.clone();
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
+                    collected.lock().unwrap().push_str(&(line + "\n"));
+                }
+            })
+        })
+        .collect();
+    wait_for("training", Duration::from_secs(60), || collected.lock().unwrap().contains("epoch   2"));
+    let rank_on_h2: Vec<i32> = job_processes("h2")
+        .into_iter()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "train"))
+        .collect();
+    assert_eq!(rank_on_h2.len(), 1, "{rank_on_h2:?}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_on_h2[0]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let status = child.wait().unwrap();
+    for reader in readers {
+        reader.join().unwrap();
+    }
+    let text = collected.lock().unwrap().clone();
+    assert!(status.success(), "{text}");
+    assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");
+    assert!(text.contains("round 2: 3 processes on h1:1,h3:1,h2:1"), "{text}");
+    assert!(text.contains("final loss"), "{text}");
+    wait_for("the allocations to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}

@@ -103,7 +103,8 @@ impl EngineChoice {
     }
 
     /// The engine this choice stands for, resolved with `resolve` first:
-    /// Slurm's allocation when inside one, else one asked for, sized for
+    /// Slurm's allocation when inside one (the hosts of it named, if any),
+    /// else one asked for, sized for
     /// the request; Ray places the request itself and takes no host list.
     pub fn engine(
         self,
@@ -118,7 +119,7 @@ impl EngineChoice {
                 ))
             }
             EngineChoice::Ray => Box::new(RayEngine::new(options.ray, *request)),
-            EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::from_allocation()?),
+            EngineChoice::Slurm if SlurmEngine::in_allocation() => Box::new(SlurmEngine::within_allocation(&hosts)?),
             EngineChoice::Slurm => Box::new(SlurmEngine::allocate(request.num_workers(), options.slurm)),
             EngineChoice::Ssh => Box::new(SshEngine::new(hosts, options.ssh)),
             _ => Box::new(LocalEngine::with_hosts(hosts)),

@@ -78,6 +78,34 @@ impl SlurmEngine {
         Ok(Self::new(Some(job_id), nodes.into_iter().zip(tasks).collect(), None))
     }
 
+    /// The allocation this process runs in, restricted to `hosts` (all of
+    /// it when empty), each with its slots as tasks: an elastic job's
+    /// round or cohort on the nodes it keeps.
+    pub fn within_allocation(hosts: &[kolo_topology::HostSpec]) -> Result<Self, ExecError> {
+        let mut engine = Self::from_allocation()?;
+        if hosts.is_empty() {
+            return Ok(engine);
+        }
+        let mut nodes = Vec::with_capacity(hosts.len());
+        for host in hosts {
+            if !engine.nodes.iter().any(|(name, _)| name == &host.name) {
+                let have: Vec<&str> = engine.nodes.iter().map(|(n, _)| n.as_str()).collect();
+                return Err(slurm_err(
+                    "host list",
+                    format!(
+                        "{} is not a node of allocation {} ({})",
+                        host.name,
+                        engine.job_id.as_deref().unwrap_or("?"),
+                        have.join(",")
+                    ),
+                ));
+            }
+            nodes.push((host.name.clone(), host.slots));
+        }
+        engine.nodes = nodes;
+        Ok(engine)
+    }
+
     /// An engine that asks Slurm for `np` tasks (on `options.nodes` nodes,
     /// evenly) when the driver first needs hosts, and gives them back.
     pub fn allocate(np: u32, options: SlurmOptions) -> Self {
@@ -229,6 +257,9 @@ impl Engine for SlurmEngine {
         let mut srun = Command::new("srun");
         srun.args(["--jobid", &job_id, "-n", &workers.len().to_string(), "--distribution=arbitrary"]);
         srun.args(["--kill-on-bad-exit=0", "--export=ALL", "--quiet"]);
+        // an elastic job starts more steps on nodes whose CPUs an earlier
+        // step still holds (its removed tasks): they may share them
+        srun.arg("--overlap");
         // a name to find the step by at teardown (`kill_all`)
         let step_name =
             format!("kolo-{}-{}", std::process::id(), dir.path().file_name().unwrap_or_default().to_string_lossy());
