@@ -318,3 +318,27 @@ fn too_few_processes_for_longer_than_the_elastic_timeout_stop_the_job_saying_so(
     assert!(err.contains("timed out after 1 s waiting for 4 slots (--min-np) with 2 available"), "{err}");
     nothing_left(tag);
 }
+
+#[test]
+fn processes_that_cannot_start_take_their_host_out_once_and_the_job_stops_saying_why() {
+    let out = run(&[
+        "run",
+        "--in-place",
+        "--engine",
+        "local",
+        "-H",
+        "a:1",
+        "--worker-program",
+        "/nonexistent/agent",
+        "--elastic-timeout",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    // once: a start that failed is not retried in a loop
+    assert_eq!(err.matches("could not start").count(), 1, "{err}");
+    assert!(err.contains("host a is blacklisted for the rest of the job"), "{err}");
+    assert!(err.contains("timed out after"), "{err}");
+}
