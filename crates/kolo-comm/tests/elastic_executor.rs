@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use kolo_comm::elastic::{Elastic, State};
 use kolo_comm::{CommError, ReduceOp};
-use kolo_exec::elastic::{CohortFactory, Discovery, ElasticEvent, ElasticJob, FunctionWork};
+use kolo_exec::elastic::{Cohort, CohortFactory, Discovery, ElasticEvent, ElasticJob, FunctionWork};
 use kolo_exec::{Executor, Function, LocalEngine, Registry, Settings, UserError, WorkerContext, WorkerRequest};
 use kolo_topology::{ElasticConfig, HostSpec};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -61,11 +61,11 @@ fn registry() -> Registry {
 }
 
 fn factory() -> CohortFactory {
-    Arc::new(|hosts: Vec<HostSpec>, np: u64, secret: String| {
+    Arc::new(|cohort: Cohort| {
         Box::pin(async move {
-            let settings = Settings::default().with_secret(secret);
-            let engine = Box::new(LocalEngine::with_hosts(hosts));
-            Executor::with_engine(settings, WorkerRequest::pack(np as u32), engine)
+            let settings = Settings::default().with_secret(cohort.secret);
+            let engine = Box::new(LocalEngine::with_hosts(cohort.hosts));
+            Executor::with_engine(settings, WorkerRequest::pack(cohort.np as u32), engine)
         })
     })
 }

@@ -277,10 +277,21 @@ fn ends_of<O: DeserializeOwned + Send + 'static>(handles: Vec<crate::CallHandle<
     ends
 }
 
-/// Makes an executor for a cohort: these hosts, this many processes,
-/// workers that share `secret`.
-pub type CohortFactory =
-    Arc<dyn Fn(Vec<HostSpec>, u64, String) -> BoxFuture<'static, Result<Executor, ExecError>> + Send + Sync>;
+/// What a cohort's executor is made for.
+#[derive(Clone, Debug)]
+pub struct Cohort {
+    pub hosts: Vec<HostSpec>,
+    /// Processes (the hosts' slots).
+    pub np: u64,
+    /// The job's secret: every cohort's workers share it.
+    pub secret: String,
+    /// Processes started before this cohort: its output labels follow
+    /// theirs (`OutputOptions::first_label`).
+    pub first_process: usize,
+}
+
+/// Makes an executor for a cohort.
+pub type CohortFactory = Arc<dyn Fn(Cohort) -> BoxFuture<'static, Result<Executor, ExecError>> + Send + Sync>;
 
 /// How an elastic job ended.
 #[derive(Debug)]
@@ -562,9 +573,10 @@ impl<W: ElasticWork> ElasticJob<W> {
         if !self.cohorts.is_empty() {
             self.tell(ElasticEvent::Starting { hosts: names.clone() });
         }
-        let (factory, work, secret) = (self.factory.clone(), self.work.clone(), self.secret.clone());
+        let (factory, work) = (self.factory.clone(), self.work.clone());
+        let cohort = Cohort { hosts: specs, np, secret: self.secret.clone(), first_process: self.procs.len() };
         let handle = tokio::spawn(async move {
-            let mut executor = factory(specs, np, secret).await?;
+            let mut executor = factory(cohort).await?;
             let ends = match work.start(&mut executor, &extra).await {
                 Ok(ends) => ends,
                 Err(e) => {

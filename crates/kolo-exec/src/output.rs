@@ -82,6 +82,9 @@ pub struct OutputOptions {
     pub output_dir: Option<PathBuf>,
     pub timestamp: bool,
     pub disable_prefix: bool,
+    /// Added to each rank in prefixes and file names: an elastic job's
+    /// later cohorts number their processes after the earlier ones'.
+    pub first_label: usize,
 }
 
 /// Last stderr lines kept per rank for the failure report.
@@ -110,7 +113,7 @@ impl OutputSink {
         let width = (ranks.saturating_sub(1)).to_string().len();
         for rank in 0..ranks {
             let opened = match &options.output_dir {
-                Some(dir) => Some(open_rank_files(dir, rank, width)?),
+                Some(dir) => Some(open_rank_files(dir, options.first_label + rank, width)?),
                 None => None,
             };
             files.push(Mutex::new(opened));
@@ -148,7 +151,7 @@ impl OutputSink {
                 let now = chrono::Local::now().format("%a %b %e %H:%M:%S %Y");
                 let _ = write!(text, "{now}");
             }
-            let _ = write!(text, "[{rank}]<{}>:", stream.name());
+            let _ = write!(text, "[{}]<{}>:", self.options.first_label + rank, stream.name());
         }
         text.extend_from_slice(line);
         if !line.ends_with(b"\n") && !line.ends_with(b"\r") {

@@ -392,13 +392,15 @@ impl Driver {
             slots_per_host: slots_per_host.max(1),
         };
         let spec = self.spec.clone();
-        let factory: kolo_exec::elastic::CohortFactory = std::sync::Arc::new(move |hosts, np, secret| {
+        let factory: kolo_exec::elastic::CohortFactory = std::sync::Arc::new(move |cohort| {
             let spec = spec.clone();
+            let kolo_exec::elastic::Cohort { hosts, np, secret, first_process } = cohort;
             Box::pin(async move {
                 let request = WorkerRequest::pack(np as u32)
                     .cpus_per_worker(spec.cpus_per_worker)
                     .gpus_per_worker(spec.gpus_per_worker);
-                let settings = spec.settings.clone().with_secret(secret);
+                let mut settings = spec.settings.clone().with_secret(secret);
+                settings.output.first_label = first_process;
                 let choice = match spec.choice {
                     EngineChoice::Auto if spec.hosts.is_empty() => EngineChoice::Local,
                     other => other,

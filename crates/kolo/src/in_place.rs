@@ -6,7 +6,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use anyhow::Result;
-use kolo_exec::elastic::{CohortFactory, CommandWork, ElasticJob};
+use kolo_exec::elastic::{Cohort, CohortFactory, CommandWork, ElasticJob};
 use nix::sys::signal::Signal;
 
 use crate::elastic::{ElasticOutcome, ElasticSpec};
@@ -22,12 +22,13 @@ pub async fn run_in_place(
     interrupt: impl Future<Output = Signal>,
 ) -> Result<ElasticOutcome> {
     let template = spec.clone();
-    let factory: CohortFactory = Arc::new(move |hosts, np, secret| {
-        let mut cohort = template.clone();
-        cohort.hosts = hosts;
-        cohort.np = np;
+    let factory: CohortFactory = Arc::new(move |cohort: Cohort| {
+        let mut spec = template.clone();
+        spec.hosts = cohort.hosts;
+        spec.np = cohort.np;
+        spec.output.first_label = cohort.first_process;
         Box::pin(async move {
-            executor_with_secret(&cohort, Some(&secret))
+            executor_with_secret(&spec, Some(&cohort.secret))
                 .await
                 .map_err(|e| kolo_exec::ExecError::BadSettings(format!("{e:#}")))
         })

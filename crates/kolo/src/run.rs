@@ -200,6 +200,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
             output_dir: args.output_filename.clone(),
             timestamp: args.prefix_output_with_timestamp,
             disable_prefix: args.disable_prefix,
+            first_label: 0,
         },
         require_secret: args.require_secret,
         gpus_per_worker: args.gpus_per_worker,

@@ -254,7 +254,7 @@ fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() 
     // b's first two processes fail, each sending b out for its cooldown;
     // the third succeeds and lets a finish
     let script = format!(
-        "cd {}; if [ $HOROVOD_HOSTNAME = b ]; then echo x >> tries; [ $(wc -l < tries) -le 2 ] && exit 5; touch done; exit 0; fi; \
+        "cd {}; if [ $HOROVOD_HOSTNAME = b ]; then echo try; echo x >> tries; [ $(wc -l < tries) -le 2 ] && exit 5; touch done; exit 0; fi; \
          while [ ! -e done ]; do sleep 0.05; done",
         dir.path().display()
     );
@@ -282,6 +282,10 @@ fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() 
     let (status, out, err) = job.finish();
     assert!(status.success(), "{out}{err}");
     assert_eq!(err.matches("rank 1 on host b exited with code 5").count(), 2, "{err}");
+    // each cohort's processes are labelled after the earlier ones'
+    for label in 1..=3 {
+        assert!(out.contains(&format!("[{label}]<stdout>:try")), "{out}");
+    }
     // out after each failure, back after the cooldown
     assert_eq!(err.matches("host b is blacklisted for 1.0 s").count(), 2, "{err}");
     let blacklisted = err.find("host b is blacklisted for 1.0 s").unwrap_or_else(|| panic!("{err}"));
