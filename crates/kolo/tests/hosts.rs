@@ -620,52 +620,42 @@ fn job_processes(host: &str) -> Vec<i32> {
 #[ignore = "needs the test hosts"]
 fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
     let cfg = ssh_config();
-    let t = testhosts();
     let train = example("train");
-    let mut child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--min-np", "1"])
-        .args(["--ssh-config", &cfg, "--", &train, "--epochs", "12", "--samples", "32768", "--step-ms", "5"])
-        .args(["--commit-every", "8"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let collected = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let readers: Vec<_> = [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ]
-    .into_iter()
-    .map(|pipe| {
-        let collected = collected.clone();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
-                collected.lock().unwrap().push_str(&(line + "\n"));
-            }
-        })
-    })
-    .collect();
-    let seen = |what: &str| collected.lock().unwrap().contains(what);
-    wait_for("training on three hosts", Duration::from_secs(60), || seen("epoch   2"));
+    let job = Streaming::start(&[
+        "run",
+        "--in-place",
+        "-H",
+        "h1:1,h2:1,h3:1",
+        "--min-np",
+        "1",
+        "--ssh-config",
+        &cfg,
+        "--",
+        &train,
+        "--epochs",
+        "12",
+        "--samples",
+        "32768",
+        "--step-ms",
+        "5",
+        "--commit-every",
+        "8",
+    ]);
+    job.wait_for("epoch   2");
     // every process of the job on h2, agent and rank, dies at once
     let on_h2 = job_processes("h2");
     assert!(on_h2.len() >= 2, "h2 runs {on_h2:?}");
     for pid in on_h2 {
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
     }
-    wait_for("a round without h2", Duration::from_secs(30), || seen("round 1: 2 processes on h1:1,h3:1"));
+    job.wait_for("round 1: 2 processes on h1:1,h3:1");
     let on_h3 = job_processes("h3");
     // h3 vanishes without closing anything: h1's collective waits on it
     // until kolo's driver starts a round without it
     let cut = LinkDown::cut("h3");
-    wait_for("a round without h3", Duration::from_secs(30), || seen("round 2: 1 process on h1:1"));
-    let status = child.wait().unwrap();
-    for reader in readers {
-        reader.join().unwrap();
-    }
-    let text = collected.lock().unwrap().clone();
-    assert!(status.success(), "{text}");
+    job.wait_for("round 2: 1 process on h1:1");
+    let (ok, text) = job.finish();
+    assert!(ok, "{text}");
     assert!(text.contains("on host h2 was lost") && text.contains("on host h3 was lost"), "{text}");
     assert!(text.contains("1 ranks from epoch"), "{text}");
     let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
@@ -673,6 +663,16 @@ fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
     drop(cut);
     wait_for("h3's processes to end", Duration::from_secs(30), || on_h3.iter().all(|&p| !alive(p)));
     assert_nothing_left();
+}
+
+/// The pid of the one training process (the demo) on `host`.
+fn training_rank_on(host: &str) -> i32 {
+    let ranks: Vec<i32> = job_processes(host)
+        .into_iter()
+        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "train"))
+        .collect();
+    assert_eq!(ranks.len(), 1, "training processes on {host}: {ranks:?}");
+    ranks[0]
 }
 
 /// A discovery script printing h1 and h2, and h3 too once `grow` exists.
@@ -684,7 +684,8 @@ fn discovery_on_hosts(dir: &std::path::Path, grow: &std::path::Path) -> String {
     path.to_string_lossy().into_owned()
 }
 
-/// `kolo ARGS` in h1 with its stdout and stderr collected as they come.
+/// A command in h1 (`kolo ARGS`, or any) with its stdout and stderr
+/// collected as they come.
 struct Streaming {
     child: std::process::Child,
     text: std::sync::Arc<std::sync::Mutex<String>>,
@@ -693,10 +694,17 @@ struct Streaming {
 
 impl Streaming {
     fn start(args: &[&str]) -> Streaming {
-        let mut child = Command::new(testhosts().join("hx"))
+        let mut cmd = vec![env!("CARGO_BIN_EXE_kolo")];
+        cmd.extend_from_slice(args);
+        Streaming::in_h1(&cmd)
+    }
+
+    fn in_h1(cmd: &[&str]) -> Streaming {
+        let t = testhosts();
+        let mut child = Command::new(t.join("hx"))
             .arg("h1")
-            .arg(env!("CARGO_BIN_EXE_kolo"))
-            .args(args)
+            .args(cmd)
+            .env("SLURM_CONF", t.join("slurm/slurm.conf"))
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -813,12 +821,8 @@ fn in_place_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
     ]);
     job.wait_for("epoch   2");
     let on_h1: Vec<i32> = job_processes("h1");
-    let rank_on_h2: Vec<i32> = job_processes("h2")
-        .into_iter()
-        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "train"))
-        .collect();
-    assert_eq!(rank_on_h2.len(), 1, "{rank_on_h2:?}");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_on_h2[0]), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(training_rank_on("h2")), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
     job.wait_for("round 1: 1 process on h1:1");
     std::fs::write(&grow, "").unwrap();
     job.wait_for("round 2: 2 processes on h1:1,h3:1");
@@ -859,44 +863,32 @@ fn both_elastic_modes_inside_a_slurm_allocation() {
         assert!(text.contains(&format!("restarted {rank} on {host}")), "{text}");
     }
     // in place: h2 leaves for its cooldown and comes back in a step of its own
-    let t = testhosts();
     let train = example("train");
-    let mut child = Command::new(t.join("hx"))
-        .args(["h1", "salloc", "-N3", "--ntasks-per-node=1", kolo, "run", "--in-place", "--min-np", "1"])
-        .args(["--cooldown-range", "1:1", "--", &train, "--epochs", "40", "--samples", "16384", "--step-ms", "5"])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
+    let job = Streaming::in_h1(&[
+        "salloc",
+        "-N3",
+        "--ntasks-per-node=1",
+        kolo,
+        "run",
+        "--in-place",
+        "--min-np",
+        "1",
+        "--cooldown-range",
+        "1:1",
+        "--",
+        &train,
+        "--epochs",
+        "40",
+        "--samples",
+        "16384",
+        "--step-ms",
+        "5",
+    ]);
+    job.wait_for("epoch   2");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(training_rank_on("h2")), nix::sys::signal::Signal::SIGKILL)
         .unwrap();
-    let collected = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-    let pipes: [Box<dyn std::io::Read + Send>; 2] =
-        [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];
-    let readers: Vec<_> = pipes
-        .into_iter()
-        .map(|pipe| {
-            let collected = collected.clone();
-            std::thread::spawn(move || {
-                use std::io::BufRead;
-                for line in std::io::BufReader::new(pipe).lines().map_while(Result::ok) {
-                    collected.lock().unwrap().push_str(&(line + "\n"));
-                }
-            })
-        })
-        .collect();
-    wait_for("training", Duration::from_secs(60), || collected.lock().unwrap().contains("epoch   2"));
-    let rank_on_h2: Vec<i32> = job_processes("h2")
-        .into_iter()
-        .filter(|p| std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "train"))
-        .collect();
-    assert_eq!(rank_on_h2.len(), 1, "{rank_on_h2:?}");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(rank_on_h2[0]), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let status = child.wait().unwrap();
-    for reader in readers {
-        reader.join().unwrap();
-    }
-    let text = collected.lock().unwrap().clone();
-    assert!(status.success(), "{text}");
+    let (ok, text) = job.finish();
+    assert!(ok, "{text}");
     assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");
     assert!(text.contains("round 2: 3 processes on h1:1,h3:1,h2:1"), "{text}");
     assert!(text.contains("final loss"), "{text}");
