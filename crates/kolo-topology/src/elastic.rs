@@ -655,9 +655,11 @@ mod tests {
             extra in 0u32..6,
             reset_limit in prop::option::of(0u32..6),
             max_restarts in prop::option::of(0u32..4),
+            in_place in any::<bool>(),
             events in prop::collection::vec(event_strategy(), 1..40),
         ) {
             let mut c = ElasticConfig::new(min, min + extra).unwrap();
+            c.blacklist_failed_hosts = in_place;
             c.reset_limit = reset_limit;
             c.max_restarts = max_restarts;
             c.cooldown = Some(Cooldown::new(secs(3), secs(20)).unwrap());
@@ -667,6 +669,8 @@ mod tests {
             let mut discovered: Vec<HostSpec> = Vec::new();
             let mut last: Option<World> = None;
             let mut stopped = false;
+            // a world formed and running (no wait or stop since)
+            let mut running = false;
             for (step, (kind, listed, host)) in events.into_iter().enumerate() {
                 let now = secs(step as u64 * 2);
                 let decision = match kind {
@@ -679,7 +683,15 @@ mod tests {
                         }
                         m.on(Event::Discovered(&discovered), now)
                     }
-                    1 => m.on(Event::RankFailed(&name(host)), now),
+                    1 => {
+                        let was_in = running && last.as_ref().is_some_and(|w| w.hosts.iter().any(|(h, _)| *h == name(host)));
+                        let decision = m.on(Event::RankFailed(&name(host)), now);
+                        if let (true, true, Decision::Reform(w)) = (in_place, was_in, &decision) {
+                            // in place, a host where a rank failed is out at once
+                            prop_assert!(w.hosts.iter().all(|(h, _)| *h != name(host)), "{} kept", name(host));
+                        }
+                        decision
+                    }
                     2 => m.on(Event::HostLost(&name(host)), now),
                     _ => m.on(Event::Tick, now),
                 };
@@ -708,9 +720,16 @@ mod tests {
                         prop_assert!(max_restarts.is_none_or(|l| w.restarts <= l));
                         prop_assert!(w.restarts <= w.resets);
                         last = Some(w);
+                        running = true;
                     }
-                    Decision::Stop(_) => stopped = true,
-                    Decision::Wait { available, needed, .. } => prop_assert!(available < needed),
+                    Decision::Stop(_) => {
+                        stopped = true;
+                        running = false;
+                    }
+                    Decision::Wait { available, needed, .. } => {
+                        prop_assert!(available < needed);
+                        running = false;
+                    }
                     Decision::Continue => {}
                 }
             }
