@@ -20,14 +20,6 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
         spec.worker_args = worker.args;
     }
     if let Some(elastic) = elastic_spec(&args, spec.np)? {
-        let no_host_list = args.hosts.is_none() && args.hostfile.is_none();
-        if no_host_list && matches!(args.engine, EngineArg::Auto | EngineArg::Slurm) {
-            // inside an allocation: its nodes are the hosts there are
-            let allocation = allocation_hosts()?;
-            if !allocation.is_empty() {
-                spec.hosts = allocation;
-            }
-        }
         if args.dry_run {
             bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
         }
@@ -249,8 +241,17 @@ fn hosts(args: &RunArgs) -> Result<Vec<HostSpec>> {
             parse_hostfile(&text).with_context(|| format!("host file {}", path.display()))?
         }
         (None, None) => {
-            let slots = u32::try_from(args.np.unwrap_or(1).max(1)).context("-np is too large")?;
-            vec![HostSpec::new("localhost", slots)]
+            // inside an allocation: its nodes are the hosts there are
+            let allocation = match args.engine {
+                EngineArg::Auto | EngineArg::Slurm => allocation_hosts()?,
+                _ => Vec::new(),
+            };
+            if allocation.is_empty() {
+                let slots = u32::try_from(args.np.unwrap_or(1).max(1)).context("-np is too large")?;
+                vec![HostSpec::new("localhost", slots)]
+            } else {
+                allocation
+            }
         }
     })
 }
