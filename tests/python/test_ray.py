@@ -3,10 +3,12 @@ through kolo's Ray engine. The cluster has three nodes on this machine
 (ray.cluster_utils.Cluster): a head without GPUs and two nodes with 4 CPUs
 and 2 fake GPUs each, so that colocation lands on distinct node ids."""
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -212,12 +214,19 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
         time.sleep(0.1)
     commands = sleepers()
     assert len(commands) == 2
+    rank_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
+    assert rank_dirs, "the commands' private directories"
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in commands) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in commands)  # the commands too, not only the agents (nothing_left)
+    # the agents were asked to stop (SIGTERM) before they were killed: they removed their files
+    deadline = time.monotonic() + 10
+    while rank_dirs & set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not rank_dirs & set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
 
 
 def _comm(pid):

@@ -105,12 +105,18 @@ class Launcher:
         return code, " / ".join(w for w in self.last_words[index] if w)
 
     def kill(self):
-        for agent in self.agents.values():
-            if agent.poll() is None:
+        # SIGTERM first: an agent ends its command and removes its files;
+        # what is left after a moment is killed
+        for sig, wait in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0)):
+            live = [a for a in self.agents.values() if a.poll() is None]
+            for agent in live:
                 try:
-                    os.killpg(agent.pid, signal.SIGKILL)
+                    os.killpg(agent.pid, sig)
                 except ProcessLookupError:
                     pass
+            deadline = time.monotonic() + wait
+            while any(a.poll() is None for a in live) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return True
 
 
