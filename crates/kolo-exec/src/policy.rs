@@ -52,7 +52,7 @@ impl std::fmt::Display for Cause {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JobEvent {
     /// A rank's command ended (successfully or not).
-    RankEvent { rank: u32, cause: Cause },
+    Ended { rank: u32, cause: Cause },
     /// kolo was asked to stop (the signal's number).
     Interrupted(i32),
     /// Time passed (a deadline this machine asked for came).
@@ -96,7 +96,7 @@ impl Teardown {
     pub fn on_event(&mut self, event: JobEvent, now: Instant) -> Vec<JobAction> {
         let mut actions = Vec::new();
         match event {
-            JobEvent::RankEvent { rank, cause } => {
+            JobEvent::Ended { rank, cause } => {
                 let Some(slot) = self.running.get_mut(rank as usize) else { return actions };
                 if !std::mem::replace(slot, false) {
                     return actions;
@@ -183,7 +183,7 @@ mod tests {
     const OK: Cause = Cause::Exited { code: Some(0), signal: None };
 
     fn ended(rank: u32, cause: Cause) -> JobEvent {
-        JobEvent::RankEvent { rank, cause }
+        JobEvent::Ended { rank, cause }
     }
 
     #[test]

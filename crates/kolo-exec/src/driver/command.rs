@@ -45,7 +45,7 @@ impl Executor {
             let deadline = teardown.deadline().map(tokio::time::Instant::from_std);
             let event = tokio::select! {
                 ended = running.events.recv() => match ended {
-                    Some(RankEvent { rank, cause }) => JobEvent::RankEvent { rank, cause },
+                    Some(RankEvent { rank, cause }) => JobEvent::Ended { rank, cause },
                     None => break,
                 },
                 signal = &mut interrupt, if !interrupted => {
