@@ -349,20 +349,16 @@ pub struct ElasticJob<W: ElasticWork> {
     discovery: Discovery,
     extra_env: Vec<(String, String)>,
     secret: String,
-    elastic_timeout: Duration,
     cohorts: Vec<Executor>,
     procs: Vec<Proc>,
     results: HashMap<usize, W::Output>,
     /// Each host's processes of the cohort that last started there.
     generation: HashMap<String, Vec<usize>>,
-    /// Members of the round published last, in rank order.
-    members: Vec<usize>,
-    /// Members of every round published, by round.
+    /// Members of every round published, by round, in rank order.
     rounds: Vec<Vec<usize>>,
     /// Once a process has succeeded: the members of the last round that
     /// came together, whose end ends the job.
     finishing: Option<Vec<usize>>,
-    next_round: u64,
     ends: mpsc::UnboundedSender<(usize, u32, ProcessEnd<W::Output>)>,
     spawning: Spawning<W::Output>,
     membership: Membership,
@@ -396,16 +392,13 @@ impl<W: ElasticWork> ElasticJob<W> {
             discovery,
             extra_env,
             secret: crate::Settings::generate_secret(),
-            elastic_timeout: config.elastic_timeout,
             membership: Membership::new(config),
             cohorts: Vec::new(),
             procs: Vec::new(),
             results: HashMap::new(),
             generation: HashMap::new(),
-            members: Vec::new(),
             rounds: Vec::new(),
             finishing: None,
-            next_round: 0,
             ends: ends_tx,
             spawning: None,
             blacklisted: HashSet::new(),
@@ -502,7 +495,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         }
         let leaving: Vec<usize> =
             (0..self.procs.len()).filter(|p| self.procs[*p].life == Life::Running && !members.contains(p)).collect();
-        if members.len() as u32 >= self.membership.config().min_np && members != self.members {
+        if members.len() as u32 >= self.membership.config().min_np && members != self.members() {
             self.publish(members);
         }
         for p in leaving {
@@ -517,7 +510,17 @@ impl<W: ElasticWork> ElasticJob<W> {
         }
     }
 
-    /// Starts round `next_round` with `members` (in rank order).
+    /// Members of the round published last, in rank order.
+    fn members(&self) -> &[usize] {
+        self.rounds.last().map_or(&[], Vec::as_slice)
+    }
+
+    /// The number the next round gets.
+    fn next_round(&self) -> u64 {
+        self.rounds.len() as u64
+    }
+
+    /// Starts the next round with `members` (in rank order).
     fn publish(&mut self, members: Vec<usize>) {
         let Some(server) = self.cohorts.first().and_then(|c| c.rendezvous_server()) else { return };
         let mut hosts: Vec<HostSpec> = Vec::new();
@@ -525,7 +528,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             let host = &self.procs[p].host;
             match hosts.last_mut() {
                 Some(last) if &last.name == host => last.slots += 1,
-                _ => hosts.push(HostSpec { name: host.clone(), slots: 1, gpus: None }),
+                _ => hosts.push(HostSpec::new(host.clone(), 1)),
             }
         }
         let np = members.len() as u64;
@@ -536,11 +539,9 @@ impl<W: ElasticWork> ElasticJob<W> {
                 return;
             }
         };
-        let round = self.next_round;
-        self.next_round += 1;
+        let round = self.next_round();
         server.set_round(round, &slots);
-        self.rounds.push(members.clone());
-        self.members = members;
+        self.rounds.push(members);
         self.tell(ElasticEvent::Round { round, hosts: hosts.into_iter().map(|h| (h.name, h.slots)).collect() });
     }
 
@@ -555,13 +556,12 @@ impl<W: ElasticWork> ElasticJob<W> {
     }
 
     fn start_cohort(&mut self, hosts: Vec<(String, u32)>) {
-        let specs: Vec<HostSpec> =
-            hosts.iter().map(|(name, slots)| HostSpec { name: name.clone(), slots: *slots, gpus: None }).collect();
+        let specs: Vec<HostSpec> = hosts.iter().map(|(name, slots)| HostSpec::new(name.clone(), *slots)).collect();
         let np: u64 = hosts.iter().map(|(_, s)| u64::from(*s)).sum();
         let mut env = vec![
             ("HOROVOD_ELASTIC".to_string(), "1".to_string()),
-            (ENV_ROUND.to_string(), self.next_round.to_string()),
-            (ENV_TIMEOUT.to_string(), self.elastic_timeout.as_secs().max(1).to_string()),
+            (ENV_ROUND.to_string(), self.next_round().to_string()),
+            (ENV_TIMEOUT.to_string(), self.membership.config().elastic_timeout.as_secs().max(1).to_string()),
         ];
         if let Some(first) = self.cohorts.first().and_then(|c| c.workers().into_iter().next()) {
             env.extend(SHARED_VARS.iter().filter_map(|k| first.env.get(*k).map(|v| (k.to_string(), v.clone()))));
@@ -675,7 +675,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             }
             return self.finished();
         }
-        let rank = self.members.iter().position(|&m| m == p).map(|r| r as u32);
+        let rank = self.members().iter().position(|&m| m == p).map(|r| r as u32);
         self.tell(ElasticEvent::Failed { rank, host: host.clone(), reason });
         let decision = self.membership.on(event, self.started.elapsed());
         self.apply(decision).await
@@ -706,7 +706,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             .find(|(round, members)| members.iter().any(|&m| joined(m) == Some(*round as u64)));
         match last {
             Some((_, members)) => members.clone(),
-            None => self.members.clone(),
+            None => self.members().to_vec(),
         }
     }
 

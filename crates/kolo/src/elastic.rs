@@ -6,42 +6,26 @@
 //! checkpoints.
 
 use std::future::Future;
-use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 use kolo_exec::elastic::Discovery;
 use kolo_exec::{Cause, JobOutcome};
-use kolo_topology::{Decision, ElasticConfig, Event, HostSpec, Membership, World};
+use kolo_topology::{Decision, ElasticConfig, Event, Membership, World};
 use nix::sys::signal::Signal;
 
 use crate::launch::{executor, LaunchSpec};
 use crate::out::tell;
 
-/// Where the hosts come from and how often to ask.
+/// An elastic job's limits, where its hosts come from, and its mode.
 #[derive(Clone, Debug)]
 pub struct ElasticSpec {
     pub config: ElasticConfig,
-    /// A script printing `host[:slots]` lines; none: the host list, fixed.
-    pub discovery_script: Option<PathBuf>,
-    pub discovery_interval: Duration,
-    /// Slots of a host the script prints without `:slots`.
-    pub slots_per_host: u32,
+    /// The discovery script, or the host list, fixed.
+    pub discovery: Discovery,
     /// Horovod's mode: survivors keep running and join a new round
     /// (`crate::in_place`), instead of every rank starting again.
     pub in_place: bool,
-}
-
-impl ElasticSpec {
-    /// The hosts' source: the script, or `fixed` (the host list).
-    pub fn discovery(&self, fixed: &[HostSpec]) -> Discovery {
-        Discovery {
-            script: self.discovery_script.clone(),
-            fixed: fixed.to_vec(),
-            interval: self.discovery_interval,
-            slots_per_host: self.slots_per_host,
-        }
-    }
 }
 
 /// How an elastic job ended: the last round's outcome, or why it stopped.
@@ -61,8 +45,7 @@ pub async fn run_elastic(
     tokio::pin!(interrupt);
     let started = Instant::now();
     let mut membership = Membership::new(elastic.config.clone());
-    let discovery = elastic.discovery(&spec.hosts);
-    let first = discovery.hosts().await?;
+    let first = elastic.discovery.hosts().await?;
     let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
     let mut last: Option<JobOutcome> = None;
     loop {
@@ -78,14 +61,14 @@ pub async fn run_elastic(
                     deadline.saturating_sub(started.elapsed()).as_secs_f64()
                 ));
                 tokio::select! {
-                    _ = tokio::time::sleep(elastic.discovery_interval) => {}
+                    _ = tokio::time::sleep(elastic.discovery.interval) => {}
                     signal = &mut interrupt => return Ok(interrupted(last, signal)),
                 }
-                decision = rediscover(&elastic, &spec, &mut membership, started).await;
+                decision = elastic.discovery.poll(&mut membership, started.elapsed()).await;
                 continue;
             }
             Decision::Continue => {
-                decision = rediscover(&elastic, &spec, &mut membership, started).await;
+                decision = elastic.discovery.poll(&mut membership, started.elapsed()).await;
                 continue;
             }
         };
@@ -122,16 +105,6 @@ fn interrupted(last: Option<JobOutcome>, signal: Signal) -> ElasticOutcome {
     ElasticOutcome { last, stopped: None, exit_code: 128 + signal as i32 }
 }
 
-/// Asks discovery again; a failing script keeps the last hosts (it says so).
-async fn rediscover(
-    elastic: &ElasticSpec,
-    spec: &LaunchSpec,
-    membership: &mut Membership,
-    started: Instant,
-) -> Decision {
-    elastic.discovery(&spec.hosts).poll(membership, started.elapsed()).await
-}
-
 /// One round: the world runs until it ends, or discovery changes the hosts
 /// (then it is stopped and the new decision comes back). Also each rank's
 /// host, from the round's plan.
@@ -165,13 +138,13 @@ async fn run_round(
     let nodes: Vec<String> = executor.plan().await?.workers.iter().map(|w| w.host.node_id.clone()).collect();
     let mut changed: Option<Decision> = None;
     let stop = async {
-        let mut ticks = tokio::time::interval(elastic.discovery_interval);
+        let mut ticks = tokio::time::interval(elastic.discovery.interval);
         ticks.tick().await;
         loop {
             tokio::select! {
                 signal = &mut *interrupt => return signal,
                 _ = ticks.tick() => {
-                    let decision = rediscover(elastic, spec, membership, started).await;
+                    let decision = elastic.discovery.poll(membership, started.elapsed()).await;
                     if decision != Decision::Continue {
                         changed = Some(decision);
                         return Signal::SIGTERM;

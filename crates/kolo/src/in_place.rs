@@ -34,11 +34,10 @@ pub async fn run_in_place(
         })
     });
     let work = CommandWork { argv: spec.command.clone() };
-    let discovery = elastic.discovery(&spec.hosts);
     let outcome = ElasticJob::run(
         work,
-        elastic.config.clone(),
-        discovery,
+        elastic.config,
+        elastic.discovery,
         factory,
         spec.extra_env.clone(),
         |event| tell(&format!("kolo: {event}")),

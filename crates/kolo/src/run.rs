@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use kolo_exec::elastic::Discovery;
 use kolo_exec::{EngineChoice, OutputOptions, SshOptions};
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
 use kolo_topology::{host_assignments, parse_host_list, parse_hostfile, total_slots, HostSpec, JobEnv, ENV_SECRET};
@@ -19,7 +20,7 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
         spec.worker_program = worker.program;
         spec.worker_args = worker.args;
     }
-    if let Some(elastic) = elastic_spec(&args, spec.np)? {
+    if let Some(elastic) = elastic_spec(&args, spec.np, &spec.hosts)? {
         if args.dry_run {
             bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
         }
@@ -45,7 +46,7 @@ fn allocation_hosts() -> Result<Vec<HostSpec>> {
 }
 
 /// The elastic options, if any was given (restart mode).
-fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
+fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<ElasticSpec>> {
     let elastic = args.in_place
         || args.min_np.is_some()
         || args.max_np.is_some()
@@ -93,9 +94,12 @@ fn elastic_spec(args: &RunArgs, np: u64) -> Result<Option<ElasticSpec>> {
     }
     Ok(Some(ElasticSpec {
         config,
-        discovery_script: args.host_discovery_script.clone(),
-        discovery_interval: Duration::from_secs_f64(args.discovery_interval),
-        slots_per_host: args.slots_per_host,
+        discovery: Discovery {
+            script: args.host_discovery_script.clone(),
+            fixed: hosts.to_vec(),
+            interval: Duration::from_secs_f64(args.discovery_interval),
+            slots_per_host: args.slots_per_host,
+        },
         in_place: args.in_place,
     }))
 }
@@ -149,13 +153,14 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
     let np = match args.np {
         Some(0) => bail!("-np must be at least 1, got 0"),
         Some(np) => np,
-        None if args.hosts.is_some() || args.hostfile.is_some() => total_slots(&hosts),
-        // inside an allocation: every task Slurm gave
-        None if matches!(args.engine, EngineArg::Auto | EngineArg::Slurm)
-            && kolo_exec::SlurmEngine::in_allocation() =>
+        // every slot of the host list; inside an allocation, whose nodes
+        // are the hosts (`hosts`), every task Slurm gave
+        None if args.hosts.is_some()
+            || args.hostfile.is_some()
+            || (matches!(args.engine, EngineArg::Auto | EngineArg::Slurm)
+                && kolo_exec::SlurmEngine::in_allocation()) =>
         {
-            let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
-            kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?.iter().map(|h| u64::from(h.cpus)).sum()
+            total_slots(&hosts)
         }
         None if ray => bail!("give the number of processes with -np N"),
         None if args.min_np.is_some() => u64::from(args.min_np.unwrap_or(1)),
