@@ -41,6 +41,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kolo_rendezvous::elastic::{JOINED_SCOPE, RANK_AND_SIZE, ROUND_KEY};
 use kolo_rendezvous::{BlockingClient, ClientConfig};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -53,11 +54,6 @@ pub const ENV_ROUND: &str = "KOLO_ELASTIC_ROUND";
 /// How long a process waits for a round that includes it (default 600 s,
 /// kolo's `--elastic-timeout`).
 pub const ENV_TIMEOUT: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
-/// The rendezvous scope of the assignments, and its key for the round.
-const SCOPE: &str = "rank_and_size";
-const ROUND: &str = "round";
-/// Where a process records the round it joined (kept across rounds).
-const JOINED: &str = "kolo_elastic_joined";
 /// How often a waiting collective asks whether its round is over.
 const CHECK_EVERY: Duration = Duration::from_millis(20);
 
@@ -121,7 +117,7 @@ impl RoundWatch {
 }
 
 fn read_round(client: &mut BlockingClient) -> Result<u64, CommError> {
-    let value = client.get(SCOPE, ROUND).map_err(CommError::Store)?;
+    let value = client.get(RANK_AND_SIZE, ROUND_KEY).map_err(CommError::Store)?;
     let text = value.map(|v| String::from_utf8_lossy(&v).into_owned()).unwrap_or_default();
     text.trim().parse().map_err(|_| CommError::Bootstrap(format!("the store's round is '{text}', not a number")))
 }
@@ -216,7 +212,7 @@ impl Elastic {
                 Ok(comm) => {
                     self.assignment = Some(a);
                     // the driver ends a finishing job once this round's members are done
-                    self.client.put(JOINED, &self.id, round.to_string().as_bytes()).map_err(CommError::Store)?;
+                    self.client.put(JOINED_SCOPE, &self.id, round.to_string().as_bytes()).map_err(CommError::Store)?;
                     return Ok(comm);
                 }
                 Err(e) if e.is_membership() => {
@@ -234,7 +230,7 @@ impl Elastic {
         loop {
             let round = read_round(&mut self.client)?;
             if round >= wanted {
-                let text = self.client.get(SCOPE, &self.id).map_err(CommError::Store)?.unwrap_or_default();
+                let text = self.client.get(RANK_AND_SIZE, &self.id).map_err(CommError::Store)?.unwrap_or_default();
                 let assignment = parse_assignment(&String::from_utf8_lossy(&text))?;
                 if read_round(&mut self.client)? != round {
                     continue;

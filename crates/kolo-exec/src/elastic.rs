@@ -695,7 +695,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         let joined = |p: usize| -> Option<u64> {
             let proc = &self.procs[p];
             let key = format!("{}:{}", proc.host, proc.local_rank);
-            let value = server?.value(kolo_rendezvous::JOINED_SCOPE, &key)?;
+            let value = server?.value(kolo_rendezvous::elastic::JOINED_SCOPE, &key)?;
             std::str::from_utf8(&value).ok()?.trim().parse().ok()
         };
         let last = self

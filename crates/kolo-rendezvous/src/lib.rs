@@ -25,6 +25,7 @@ pub mod blocking;
 #[cfg(feature = "async-client")]
 mod client;
 mod config;
+pub mod elastic;
 #[cfg(feature = "server")]
 mod server;
 #[cfg(feature = "server")]
@@ -35,7 +36,7 @@ pub use blocking::BlockingClient;
 pub use client::Client;
 pub use config::ClientConfig;
 #[cfg(feature = "server")]
-pub use server::{RendezvousServer, ServerConfig, JOINED_SCOPE, ROUND_KEY, SECRET_HEADER};
+pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
 #[cfg(feature = "server")]
 pub use torch_store::{TorchStoreConfig, TorchStoreServer};
 

@@ -10,6 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+
+use crate::elastic::{JOINED_SCOPE, RANK_AND_SIZE, ROUND_KEY};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, CONNECTION, CONTENT_LENGTH};
@@ -26,16 +28,6 @@ use crate::RendezvousError;
 
 /// Header in which kolo's own clients present the job's secret.
 pub const SECRET_HEADER: &str = "x-kolo-secret";
-
-/// The scope reserved for elastic rank assignment.
-const RANK_AND_SIZE: &str = "rank_and_size";
-/// A scope that survives new rounds: an elastic job's processes record
-/// there the round they last joined (`<host>:<local_rank>` → round), so
-/// that the driver knows which round last came together.
-pub const JOINED_SCOPE: &str = "kolo_elastic_joined";
-/// `GET /rank_and_size/round`: the number of the round the assignments
-/// belong to (kolo's own; Horovod's slot keys always hold a ':').
-pub const ROUND_KEY: &str = "round";
 
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -340,9 +332,8 @@ impl RendezvousServer {
         store.init(plan);
         store.round = round;
         for (key, value) in joined {
-            store.keys += 1;
-            store.bytes += entry_bytes(JOINED_SCOPE, &key, value.len());
-            store.scopes.entry(JOINED_SCOPE.to_string()).or_default().insert(key, value);
+            // the store was emptied: what it held before fits again
+            let _ = store.put(&self.shared.config, JOINED_SCOPE.to_string(), key, value);
         }
     }
 
