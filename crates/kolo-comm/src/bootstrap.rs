@@ -552,6 +552,15 @@ fn wait_key(
     }
 }
 
+/// A client of the job's store, with the secret, its requests bounded by
+/// the configured timeout (at most 30 s).
+pub(crate) fn store_client(config: &Config) -> BlockingClient {
+    let mut client = ClientConfig::new(config.store.clone());
+    client.secret = Some(config.secret.expose().to_string());
+    client.request_timeout = config.timeout.min(Duration::from_secs(30));
+    BlockingClient::new(client)
+}
+
 /// Rank records through the store: each rank PUTs its own, rank 0 reads
 /// them all and PUTs the table, every other rank reads the table once.
 fn exchange_addresses(
@@ -560,10 +569,7 @@ fn exchange_addresses(
     unix: &str,
     deadline: Instant,
 ) -> Result<Vec<Peer>, CommError> {
-    let mut client_config = ClientConfig::new(config.store.clone());
-    client_config.secret = Some(config.secret.expose().to_string());
-    client_config.request_timeout = config.timeout.min(Duration::from_secs(30));
-    let mut client = BlockingClient::new(client_config);
+    let mut client = store_client(config);
     let scope = format!("kolo-comm-{}", config.job_id);
     let record = format!("{}\t{addr}\t{}\t{unix}", config.node_id, std::process::id());
     client.put(&scope, &config.rank.to_string(), record.as_bytes()).map_err(CommError::Store)?;

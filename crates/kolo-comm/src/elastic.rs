@@ -42,11 +42,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kolo_rendezvous::elastic::{JOINED_SCOPE, RANK_AND_SIZE, ROUND_KEY};
-use kolo_rendezvous::{BlockingClient, ClientConfig};
+use kolo_rendezvous::BlockingClient;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::bootstrap::Interrupt;
+use crate::bootstrap::{store_client, Interrupt};
 use crate::{CommError, Communicator, Config};
 
 /// Set by `kolo run --in-place`: the first round this process belongs to.
@@ -287,13 +287,6 @@ impl Elastic {
             }
         }
     }
-}
-
-fn store_client(config: &Config) -> BlockingClient {
-    let mut client = ClientConfig::new(config.store.clone());
-    client.secret = Some(config.secret.expose().to_string());
-    client.request_timeout = config.timeout.min(Duration::from_secs(30));
-    BlockingClient::new(client)
 }
 
 /// Training state that survives rounds (Horovod's `ObjectState`): what
