@@ -76,14 +76,20 @@ def report(value, chief_only: bool = True) -> None:
         warnings.warn("kolo.report called outside a call of kolo.Executor: the value goes nowhere", stacklevel=2)
 
 
-def _on_report(callbacks):
-    """What hands each reported value to every callback, or None."""
-    if not callbacks:
-        return None
-    callbacks = list(callbacks)
+def _checked(callbacks) -> list:
+    """The callbacks, each callable (or a TypeError naming the one that is not)."""
+    callbacks = list(callbacks or [])
     for callback in callbacks:
         if not callable(callback):
             raise TypeError(f"each callback must be callable, got {callback!r}")
+    return callbacks
+
+
+def _on_report(callbacks):
+    """What hands each reported value to every callback, or None."""
+    callbacks = _checked(callbacks)
+    if not callbacks:
+        return None
 
     def on_report(_rank, data):
         value = cloudpickle.loads(data)
@@ -300,10 +306,7 @@ class Executor:
 
     def _run_elastic(self, payload, callbacks):
         driver = self._running()
-        callbacks = list(callbacks or [])
-        for callback in callbacks:
-            if not callable(callback):
-                raise TypeError(f"each callback must be callable, got {callback!r}")
+        callbacks = _checked(callbacks)
 
         def on_event(event):
             for callback in callbacks:
