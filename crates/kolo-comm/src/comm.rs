@@ -834,6 +834,17 @@ impl Communicator {
         self.collective(|c, io| c.ring_allgather_chunks(io, recv, &at, c.rank))
     }
 
+    /// Rank `root`'s bytes, of a length only it knows, to every rank: the
+    /// length first, then the bytes. Other ranks' `bytes` are replaced.
+    pub fn broadcast_bytes(&mut self, bytes: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        let mut len = [if self.rank == root { bytes.len() as i64 } else { 0 }];
+        self.broadcast(&mut len, root)?;
+        let len = usize::try_from(len[0])
+            .map_err(|_| CommError::BadArgs(format!("rank {root} sent a negative length ({})", len[0])))?;
+        bytes.resize(len, 0);
+        self.broadcast(bytes, root)
+    }
+
     /// Rank `root`'s `buf` to every rank (binomial tree).
     pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
         let n = self.size();

@@ -336,13 +336,7 @@ impl<T: Clone + Serialize + DeserializeOwned> State<T> {
         } else {
             Vec::new()
         };
-        let mut len = [bytes.len() as i64];
-        comm.broadcast(&mut len, 0)?;
-        bytes.resize(
-            usize::try_from(len[0]).map_err(|_| CommError::BadArgs("rank 0 sent a negative state length".into()))?,
-            0,
-        );
-        comm.broadcast(&mut bytes, 0)?;
+        comm.broadcast_bytes(&mut bytes, 0)?;
         if comm.rank() != 0 {
             self.value = postcard::from_bytes(&bytes)
                 .map_err(|e| CommError::BadArgs(format!("cannot decode rank 0's state: {e}")))?;

@@ -132,11 +132,8 @@ impl Comm {
     fn broadcast<'py>(&self, py: Python<'py>, data: Option<Vec<u8>>, root: usize) -> PyResult<Bound<'py, PyBytes>> {
         let out = py.allow_threads(|| -> Result<Vec<u8>, CommError> {
             let mut comm = self.lock();
-            let mut bytes = if comm.rank() == root { data.unwrap_or_default() } else { Vec::new() };
-            let mut len = [bytes.len() as i64];
-            comm.broadcast(&mut len, root)?;
-            bytes.resize(usize::try_from(len[0]).unwrap_or(0), 0);
-            comm.broadcast(&mut bytes, root)?;
+            let mut bytes = data.unwrap_or_default();
+            comm.broadcast_bytes(&mut bytes, root)?;
             Ok(bytes)
         });
         Ok(PyBytes::new(py, &out.map_err(comm_error)?))
