@@ -201,3 +201,60 @@ fn the_dry_run_is_what_runs() {
         }
     }
 }
+
+/// `root` and every process below it, from /proc.
+fn process_tree(root: i32) -> Vec<i32> {
+    let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut tree = vec![root];
+    let mut at = 0;
+    while at < tree.len() {
+        let parent = tree[at];
+        tree.extend(parents.iter().filter(|&&(_, ppid)| ppid == parent).map(|&(pid, _)| pid));
+        at += 1;
+    }
+    tree
+}
+
+#[test]
+fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let tmp = TempDir::new("all-killed-tmp");
+    let dir = TempDir::new("all-killed");
+    let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
+    let mut child = kolo()
+        .env("TMPDIR", tmp.path())
+        .args(["run", "-np", "2", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    commands_and_agents(dir.path(), 2);
+    // stopped first, so that none of them sees another die and cleans up
+    let everyone = process_tree(child.id() as i32);
+    assert!(everyone.len() >= 5, "driver, agents and ranks: {everyone:?}");
+    for &pid in &everyone {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
+    }
+    for &pid in &everyone {
+        let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+    }
+    child.wait().unwrap();
+    wait_for("every process of the job to end", Duration::from_secs(10), || everyone.iter().all(|&p| !alive(p)));
+    let abandoned: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
+    assert_eq!(abandoned.len(), 2, "each rank's directory, abandoned: {abandoned:?}");
+
+    let out = kolo().env("TMPDIR", tmp.path()).args(["run", "-np", "1", "--", "true"]).output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(left.is_empty(), "left in TMPDIR after the next job: {left:?}");
+}

@@ -66,19 +66,14 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // file (`@record` writes a failing rank's exception there, and the
     // driver's report shows it) unless the caller chose one, and the
     // Python hook that lets JAX find the job; gone with the command
-    let rank_dir = {
-        use std::os::unix::fs::PermissionsExt;
-        let private = std::fs::Permissions::from_mode(0o700);
-        tempfile::Builder::new().prefix("kolo-rank-").permissions(private).tempdir().ok()
-    };
+    // (and first, those of jobs on this host whose every process was killed)
+    super::rank_dir::sweep_abandoned(&std::env::temp_dir());
+    let rank_dir = super::rank_dir::RankDir::create(guard.as_deref());
     let lookup = |name: &str| {
         env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
     };
     let mut error_file = false;
     if let Some(dir) = &rank_dir {
-        if let Some(guard) = &guard {
-            let _ = guard.remove_path(dir.path());
-        }
         // on the driver's host the driver removes it if this agent dies
         if let (Some(registry), Some(record)) = (&agent.group_registry, super::dir_record(dir.path())) {
             let _ = nix::unistd::write(registry, &record);

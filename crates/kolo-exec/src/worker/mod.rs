@@ -5,6 +5,7 @@
 //! stops what it started and exits.
 
 mod command;
+mod rank_dir;
 mod reader;
 
 use std::any::Any;
