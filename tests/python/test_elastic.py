@@ -74,6 +74,8 @@ def test_a_function_that_raises_everywhere_stops_the_job_with_its_traceback():
     ex.shutdown()
     message = str(raised.value)
     assert "the elastic job stopped" in message and "timed out" in message, message
+    # the limits are named as this user gave them
+    assert "lower min_workers, or raise elastic_timeout" in message and "--" not in message, message
     assert "ValueError: a bug in the training loop" in message, message
     assert not workers_left()
 

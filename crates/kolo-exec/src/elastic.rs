@@ -455,7 +455,7 @@ impl<W: ElasticWork> ElasticJob<W> {
                 self.tell(ElasticEvent::Waiting { needed, available, left });
                 None
             }
-            Decision::Stop(reason) => Some(Ended::Stopped(reason.to_string())),
+            Decision::Stop(reason) => Some(Ended::Stopped(reason.explain(&self.membership.config().names))),
         }
     }
 

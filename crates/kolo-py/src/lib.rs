@@ -374,6 +374,7 @@ impl Driver {
         };
         let mut config = kolo_topology::ElasticConfig::new(min_workers, max_workers).map_err(error)?;
         config.reset_limit = reset_limit;
+        config.names = kolo_topology::OptionNames::PYTHON;
         config.elastic_timeout = seconds("elastic_timeout", elastic_timeout_s)?;
         if let Some((lo, hi)) = cooldown_range {
             config.cooldown = Some(

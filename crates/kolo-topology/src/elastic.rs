@@ -58,6 +58,32 @@ impl Cooldown {
     }
 }
 
+/// The names a user gave the elastic limits under, for the messages that
+/// tell them which to change: `kolo run`'s options or Python's arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OptionNames {
+    pub min_np: &'static str,
+    pub reset_limit: &'static str,
+    pub max_restarts: &'static str,
+    pub elastic_timeout: &'static str,
+}
+
+impl OptionNames {
+    pub const CLI: OptionNames = OptionNames {
+        min_np: "--min-np",
+        reset_limit: "--reset-limit",
+        max_restarts: "--max-restarts",
+        elastic_timeout: "--elastic-timeout",
+    };
+    /// `kolo.Executor`'s arguments (horovod.ray's elastic executor's).
+    pub const PYTHON: OptionNames = OptionNames {
+        min_np: "min_workers",
+        reset_limit: "reset_limit",
+        max_restarts: "max_restarts",
+        elastic_timeout: "elastic_timeout",
+    };
+}
+
 /// What an elastic job may do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElasticConfig {
@@ -75,6 +101,8 @@ pub struct ElasticConfig {
     /// (in place, where nothing else bounds failures); otherwise only a
     /// host failing two rounds in a row, and only with a cooldown.
     pub blacklist_failed_hosts: bool,
+    /// How stop messages name the limits.
+    pub names: OptionNames,
 }
 
 impl ElasticConfig {
@@ -95,6 +123,7 @@ impl ElasticConfig {
             cooldown: None,
             elastic_timeout: Duration::from_secs(600),
             blacklist_failed_hosts: false,
+            names: OptionNames::CLI,
         })
     }
 }
@@ -169,18 +198,43 @@ impl World {
 }
 
 /// Why an elastic job stops.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StopReason {
-    #[error("the job was re-formed {limit} times, its reset limit; raise --reset-limit to allow more")]
     ResetLimit { limit: u32 },
-    #[error("ranks failed and the job was restarted {limit} times, its --max-restarts; raise it to allow more")]
     RestartLimit { limit: u32 },
-    #[error(
-        "timed out after {:.0} s waiting for {needed} slots (--min-np) with {available} available on hosts not blacklisted; add hosts or lower --min-np, or raise --elastic-timeout",
-        waited.as_secs_f64()
-    )]
     Timeout { needed: u32, available: u32, waited: Duration },
 }
+
+impl StopReason {
+    /// The reason, naming the limits as the user gave them.
+    pub fn explain(&self, names: &OptionNames) -> String {
+        match self {
+            StopReason::ResetLimit { limit } => format!(
+                "the job was re-formed {limit} times, its reset limit; raise {} to allow more",
+                names.reset_limit
+            ),
+            StopReason::RestartLimit { limit } => format!(
+                "ranks failed and the job was restarted {limit} times, its {}; raise it to allow more",
+                names.max_restarts
+            ),
+            StopReason::Timeout { needed, available, waited } => format!(
+                "timed out after {:.0} s waiting for {needed} slots ({}) with {available} available on hosts not blacklisted; add hosts or lower {}, or raise {}",
+                waited.as_secs_f64(),
+                names.min_np,
+                names.min_np,
+                names.elastic_timeout
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.explain(&OptionNames::CLI))
+    }
+}
+
+impl std::error::Error for StopReason {}
 
 /// What to do now.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -495,6 +549,10 @@ mod tests {
         let Decision::Stop(reason) = m.on(Event::Tick, secs(35)) else { panic!("no stop") };
         assert_eq!(reason, StopReason::Timeout { needed: 4, available: 2, waited: secs(30) });
         assert!(reason.to_string().contains("waiting for 4 slots (--min-np) with 2 available"), "{reason}");
+        // Python's users read their own argument names
+        let python = reason.explain(&OptionNames::PYTHON);
+        assert!(python.contains("(min_workers)") && python.contains("raise elastic_timeout"), "{python}");
+        assert!(!python.contains("--"), "{python}");
         // and it stays stopped
         assert!(matches!(m.on(Event::Discovered(&hosts(&[("a", 9)])), secs(36)), Decision::Stop(_)));
     }

@@ -18,7 +18,9 @@ mod slurm;
 /// `-H host:10000000` must be an error, not an out-of-memory kill.
 pub const MAX_PROCESSES: u32 = 65536;
 
-pub use elastic::{parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, StopReason, World};
+pub use elastic::{
+    parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, OptionNames, StopReason, World,
+};
 pub use env::{caller_defaults, forwards_caller_var, rank_env, JobEnv, ENV_SECRET, OMP_NUM_THREADS};
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
 pub use placement::{
