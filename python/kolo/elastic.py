@@ -16,13 +16,14 @@ its last commit.
                 state.weights -= 0.1 * comm.allreduce(grads, op="avg")
                 state.step += 1
                 state.commit()      # also: hosts changed, join the new round
+                kolo.report({"step": state.step})   # from the round's rank 0
             return state.weights
 
         return loop(state)
 
     executor = kolo.Executor(settings, min_workers=2, max_workers=4, hosts="a:2,b:2")
     executor.start()
-    weights = executor.run(train, callbacks=[print])   # membership events
+    weights = executor.run(train, callbacks=[print], on_event=print)
 """
 
 import functools
@@ -114,6 +115,8 @@ class ObjectState:
 
 
 _worker = None
+# this process's rank in the round it joined last (kolo.report's chief)
+_round_rank = None
 
 
 def run(func):
@@ -126,14 +129,16 @@ def run(func):
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        global _worker
+        global _worker, _round_rank
         if _worker is None:
             _worker = _kolo.ElasticWorker.from_env()
         while True:
+            _round_rank = None
             try:
                 comm = Communicator(_worker.join())
             except Removed:
                 return None
+            _round_rank = comm.rank
             state._worker = _worker
             try:
                 state.sync(comm)

@@ -69,11 +69,22 @@ def report(value, chief_only: bool = True) -> None:
     driver's callbacks (horovod.ray's `ray_logger.log`). With `chief_only`,
     only rank 0's values go; others' calls do nothing."""
     global _warned_unreported
-    if chief_only and os.environ.get("HOROVOD_RANK") != "0":
+    if chief_only and _rank() != 0:
         return
     if not _kolo.report(cloudpickle.dumps(value)) and not _warned_unreported:
         _warned_unreported = True
         warnings.warn("kolo.report called outside a call of kolo.Executor: the value goes nowhere", stacklevel=2)
+
+
+def _rank():
+    """This worker's rank: in an elastic job, in the round it joined last."""
+    from . import elastic
+
+    rank = elastic._round_rank
+    if rank is not None:
+        return rank
+    rank = os.environ.get("HOROVOD_RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
 
 
 def _checked(callbacks) -> list:
@@ -288,32 +299,32 @@ class Executor:
         on_report = _on_report(callbacks)
         return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {})), on_report))
 
-    def run(self, fn: Callable, args=None, kwargs=None, callbacks=None) -> list:
+    def run(self, fn: Callable, args=None, kwargs=None, callbacks=None, on_event=None) -> list:
         """`fn(*args, **kwargs)` on every worker; the results in rank order.
         Callbacks as for `execute`.
 
         Elastic executors (`min_workers`): `fn` runs in every process of
         the job, which come and go with the hosts (use `kolo.elastic.run`
-        inside); the results of the last round's processes, in rank order;
-        each callback gets every membership change as a dict (`event`:
-        round, failed, blacklisted, starting or waiting; `message`: the
-        line kolo would print)."""
+        inside); the results of the last round's processes, in rank order.
+        Callbacks get what the current round's rank 0 reports; `on_event`
+        gets every membership change as a dict (`event`: round, failed,
+        blacklisted, starting or waiting; `message`: the line kolo would
+        print)."""
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
         if self._elastic is not None:
-            return self._run_elastic(payload, callbacks)
+            return self._run_elastic(payload, callbacks, on_event)
+        if on_event is not None:
+            raise ValueError("on_event hears membership changes, which only elastic executors (min_workers) have")
         on_report = _on_report(callbacks)
         return self._answers(self._running().execute(payload, on_report))
 
-    def _run_elastic(self, payload, callbacks):
+    def _run_elastic(self, payload, callbacks, on_event):
         driver = self._running()
-        callbacks = _checked(callbacks)
-
-        def on_event(event):
-            for callback in callbacks:
-                callback(event)
-
+        on_report = _on_report(callbacks)
+        if on_event is not None:
+            _checked([on_event])
         args, env = self._elastic_start
-        answers = driver.run_elastic(args, env, payload, on_event=on_event if callbacks else None, **self._elastic)
+        answers = driver.run_elastic(args, env, payload, on_event=on_event, on_report=on_report, **self._elastic)
         return self._answers(answers)
 
     def _not_elastic(self, what):

@@ -1,7 +1,8 @@
 """kolo.Executor as horovod.ray's elastic executor (min_workers...), with
 kolo.elastic in the workers: real worker processes of the local engine on
 simulated hosts; a worker dies mid-training, the others go on in place
-from their last commit, and the callbacks hear every membership change."""
+from their last commit, on_event hears every membership change and the
+callbacks what the round's rank 0 reports."""
 
 import os
 import subprocess
@@ -32,17 +33,18 @@ def train(steps, victim, die_after):
             state.total += float(ones[0])
             state.step += 1
             state.commit()
+            kolo.report((state.step, comm.size))
         return state.step, state.total, comm.rank, comm.size, kolo.elastic.current_round()
 
     return loop(state)
 
 
 def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
-    events = []
+    events, reports = [], []
     settings = kolo.Executor.create_settings(timeout_s=30)
     with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
         ex.start()
-        results = ex.run(train, args=[60, "c", 20], callbacks=[events.append])
+        results = ex.run(train, args=[60, "c", 20], callbacks=[reports.append], on_event=events.append)
     # 20 committed steps of three, then 40 of two
     assert results == [(60, 20 * 3 + 40 * 2, 0, 2, 1), (60, 20 * 3 + 40 * 2, 1, 2, 1)]
     kinds = [(e["event"], e.get("round"), e.get("host"), e.get("size")) for e in events]
@@ -52,6 +54,12 @@ def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
     assert kinds[-1] == ("round", 1, None, 2), events
     failed = next(e for e in events if e["event"] == "failed")
     assert failed["rank"] == 2 and "lost" in failed["reason"], failed
+    # only each round's rank 0 reports (chief_only), so every step once
+    # but those done again after the fault, and nothing is lost at the end
+    assert [step for step, _ in reports][:20] == list(range(1, 21)), reports
+    assert reports[-1] == (60, 2), reports
+    assert {size for _, size in reports} == {3, 2}, reports
+    assert len(reports) <= 60 + 20, reports
     assert not workers_left()
 
 
@@ -101,3 +109,9 @@ def test_an_elastic_executor_runs_functions_with_run_only():
     with pytest.raises(RuntimeError, match=r"runs functions with run\(\), not execute\(\)"):
         ex.execute(lambda w: w)
     ex.shutdown()
+
+
+def test_on_event_is_refused_where_there_is_no_membership():
+    ex = kolo.Executor(kolo.Executor.create_settings(), num_workers=1, engine="local")
+    with pytest.raises(ValueError, match="only elastic executors"):
+        ex.run(lambda: 1, on_event=print)

@@ -34,7 +34,7 @@ struct Train {
 impl Function for Train {
     const NAME: &'static str = "elastic-train";
     type Output = (Progress, u64, usize);
-    fn call(self, _: &WorkerContext) -> Result<Self::Output, UserError> {
+    fn call(self, ctx: &WorkerContext) -> Result<Self::Output, UserError> {
         let mut elastic = Elastic::from_env()?;
         let me = std::env::var("HOROVOD_HOSTNAME").unwrap_or_default();
         let mut state = State::new(Progress { step: 0, total: 0.0 });
@@ -48,6 +48,9 @@ impl Function for Train {
                 state.total += ones[0];
                 state.step += 1;
                 state.commit()?;
+                if comm.rank() == 0 {
+                    let _ = ctx.report(&(state.step, comm.size() as u32));
+                }
                 std::thread::sleep(Duration::from_millis(2));
             }
             Ok::<usize, CommError>(comm.rank())
@@ -106,6 +109,19 @@ fn a_dead_worker_leaves_the_others_going_from_their_last_commit() -> Result<(), 
     if !lost || !blacklisted || rounds != [&round(0, &[("a", 1), ("b", 1), ("c", 1)]), &round(1, &[("a", 1), ("b", 1)])]
     {
         return Err(format!("events {events:?}").into());
+    }
+    // rank 0's reports reach the driver from both rounds, with their round rank
+    let reports: Vec<(Option<u32>, (u64, u32))> = events
+        .iter()
+        .filter_map(|e| match e {
+            ElasticEvent::Reported { rank, .. } => Some((*rank, e.reported()?.ok()?)),
+            _ => None,
+        })
+        .collect();
+    let sizes = |size| reports.iter().filter(|(_, (_, s))| *s == size).count();
+    let last = reports.last().map(|(_, r)| *r);
+    if reports.iter().any(|(rank, _)| *rank != Some(0)) || sizes(3) < 10 || sizes(2) < 30 || last != Some((60, 2)) {
+        return Err(format!("reports {reports:?}").into());
     }
     Ok(())
 }

@@ -30,8 +30,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::policy::Cause;
+use crate::proto::CallKind;
 use crate::registry::{Executable, Function, Task};
-use crate::{ExecError, Executor};
+use crate::{ExecError, Executor, Report};
 
 /// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`).
 pub const ENV_ROUND: &str = "KOLO_ELASTIC_ROUND";
@@ -119,6 +120,20 @@ pub enum ElasticEvent {
     Starting { hosts: Vec<String> },
     /// Not enough slots; the job waits up to `left` for them.
     Waiting { needed: u32, available: u32, left: Duration },
+    /// A process reported a value (`WorkerContext::report`), as it sent it
+    /// (`rank`: its rank in the current round, if it has one).
+    Reported { rank: Option<u32>, data: Vec<u8> },
+}
+
+impl ElasticEvent {
+    /// A reported value, as `WorkerContext::report` sent it; None for
+    /// other events.
+    pub fn reported<T: DeserializeOwned>(&self) -> Option<Result<T, postcard::Error>> {
+        match self {
+            ElasticEvent::Reported { data, .. } => Some(postcard::from_bytes(data)),
+            _ => None,
+        }
+    }
 }
 
 impl std::fmt::Display for ElasticEvent {
@@ -145,6 +160,8 @@ impl std::fmt::Display for ElasticEvent {
             ElasticEvent::Waiting { needed, available, left } => {
                 write!(f, "waiting for {needed} slots, {available} available; up to {:.0} s more", left.as_secs_f64())
             }
+            ElasticEvent::Reported { rank: Some(rank), data } => write!(f, "rank {rank} reported {} bytes", data.len()),
+            ElasticEvent::Reported { rank: None, data } => write!(f, "a process reported {} bytes", data.len()),
         }
     }
 }
@@ -167,10 +184,13 @@ type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// executor, its processes' ends reported.
 pub trait ElasticWork: Send + Sync + 'static {
     type Output: Send + 'static;
+    /// Starts the work; what its processes report (`WorkerContext::report`)
+    /// goes to `reports`.
     fn start<'a>(
         &'a self,
         executor: &'a mut Executor,
         env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
     ) -> BoxFuture<'a, Result<Ends<Self::Output>, ExecError>>;
 }
 
@@ -185,6 +205,7 @@ impl ElasticWork for CommandWork {
         &'a self,
         executor: &'a mut Executor,
         env: &'a [(String, String)],
+        _reports: &'a mpsc::Sender<Report>,
     ) -> BoxFuture<'a, Result<Ends<()>, ExecError>> {
         Box::pin(async move {
             executor.start_command(&self.argv, env).await?;
@@ -226,10 +247,11 @@ where
         &'a self,
         executor: &'a mut Executor,
         env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
     ) -> BoxFuture<'a, Result<Ends<T::Output>, ExecError>> {
         Box::pin(async move {
             executor.start::<E>(&self.args, env).await?;
-            let handles = executor.run_remote::<E, T>(&self.task).await?;
+            let handles = executor.call_all(CallKind::Task, T::NAME, &self.task, None, Some(reports)).await?;
             Ok(ends_of(handles))
         })
     }
@@ -250,10 +272,11 @@ where
         &'a self,
         executor: &'a mut Executor,
         env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
     ) -> BoxFuture<'a, Result<Ends<F::Output>, ExecError>> {
         Box::pin(async move {
             executor.start_workers(env).await?;
-            let handles = executor.run_remote_function(&self.function).await?;
+            let handles = executor.call_all(CallKind::Function, F::NAME, &self.function, None, Some(reports)).await?;
             Ok(ends_of(handles))
         })
     }
@@ -360,6 +383,8 @@ pub struct ElasticJob<W: ElasticWork> {
     /// came together, whose end ends the job.
     finishing: Option<Vec<usize>>,
     ends: mpsc::UnboundedSender<(usize, u32, ProcessEnd<W::Output>)>,
+    /// What processes report, with their cohort.
+    reports: Option<mpsc::Sender<(usize, Report)>>,
     spawning: Spawning<W::Output>,
     membership: Membership,
     blacklisted: HashSet<String>,
@@ -383,6 +408,8 @@ impl<W: ElasticWork> ElasticJob<W> {
     ) -> Result<ElasticOutcome<W::Output>, ExecError> {
         tokio::pin!(interrupt);
         let (ends_tx, mut ends) = mpsc::unbounded_channel();
+        // bounded: a listener slower than the reports holds the processes back
+        let (reports_tx, mut reports) = mpsc::channel(crate::driver::calls::REPORTS_QUEUED);
         // in place nothing else bounds failures: Horovod's rule
         let mut config = config;
         config.blacklist_failed_hosts = true;
@@ -400,6 +427,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             rounds: Vec::new(),
             finishing: None,
             ends: ends_tx,
+            reports: Some(reports_tx),
             spawning: None,
             blacklisted: HashSet::new(),
             started: Instant::now(),
@@ -413,6 +441,11 @@ impl<W: ElasticWork> ElasticJob<W> {
         while ended.is_none() {
             ended = tokio::select! {
                 Some((cohort, rank, end)) = ends.recv() => job.on_end(cohort, rank, end).await,
+                Some((cohort, report)) = reports.recv() => {
+                    let rank = job.round_rank(cohort, report.rank);
+                    job.tell(ElasticEvent::Reported { rank, data: report.data });
+                    None
+                }
                 spawned = spawn_done(&mut job.spawning) => job.on_spawned(spawned).await,
                 _ = ticks.tick() => {
                     let decision = job.discovery.poll(&mut job.membership, job.started.elapsed()).await;
@@ -422,6 +455,17 @@ impl<W: ElasticWork> ElasticJob<W> {
             };
         }
         job.shutdown().await;
+        // what processes reported before they ended is not lost: with the
+        // cohorts gone, their senders go and the channel closes (bounded,
+        // should a sender linger)
+        job.reports = None;
+        let drain = async {
+            while let Some((cohort, report)) = reports.recv().await {
+                let rank = job.round_rank(cohort, report.rank);
+                job.tell(ElasticEvent::Reported { rank, data: report.data });
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
         let outcome = match ended.expect("the loop ends with an outcome") {
             Ended::Done => {
                 let finals = job.finishing.clone().unwrap_or_default();
@@ -436,6 +480,13 @@ impl<W: ElasticWork> ElasticJob<W> {
             }
         };
         Ok(outcome)
+    }
+
+    /// The rank in the last round of a cohort's process.
+    fn round_rank(&self, cohort: usize, rank: u32) -> Option<u32> {
+        let p = self.procs.iter().position(|p| p.cohort == cohort && p.rank == rank)?;
+        let at = self.rounds.last()?.iter().position(|&m| m == p)?;
+        u32::try_from(at).ok()
     }
 
     fn tell(&mut self, event: ElasticEvent) {
@@ -574,10 +625,22 @@ impl<W: ElasticWork> ElasticJob<W> {
             self.tell(ElasticEvent::Starting { hosts: names.clone() });
         }
         let (factory, work) = (self.factory.clone(), self.work.clone());
+        let job_reports = self.reports.clone();
+        // cohorts start one at a time and take the next index if they come up
+        let index = self.cohorts.len();
+        let (reports, mut cohort_reports) = mpsc::channel(crate::driver::calls::REPORTS_QUEUED);
+        tokio::spawn(async move {
+            let Some(job_reports) = job_reports else { return };
+            while let Some(report) = cohort_reports.recv().await {
+                if job_reports.send((index, report)).await.is_err() {
+                    return;
+                }
+            }
+        });
         let cohort = Cohort { hosts: specs, np, secret: self.secret.clone(), first_process: self.procs.len() };
         let handle = tokio::spawn(async move {
             let mut executor = factory(cohort).await?;
-            let ends = match work.start(&mut executor, &extra).await {
+            let ends = match work.start(&mut executor, &extra, &reports).await {
                 Ok(ends) => ends,
                 Err(e) => {
                     executor.shutdown().await;

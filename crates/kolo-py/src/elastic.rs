@@ -184,6 +184,10 @@ pub fn event_dict<'py>(py: Python<'py>, event: &kolo_exec::elastic::ElasticEvent
             d.set_item("available", available)?;
             d.set_item("seconds_left", left.as_secs_f64())?;
         }
+        E::Reported { rank, .. } => {
+            d.set_item("event", "reported")?;
+            d.set_item("rank", rank)?;
+        }
     }
     Ok(d)
 }

@@ -340,10 +340,11 @@ impl Driver {
     /// executor): workers are started per cohort on the hosts (or those a
     /// discovery script prints) with state `args` and `env`; the answers
     /// of the last round's members, in rank order. `on_event(dict)` hears
-    /// each membership change; if it raises, it is not called again and
-    /// its exception is raised at the end.
+    /// each membership change and `on_report(rank, bytes)` each value
+    /// reported (`rank` in the current round, or None); if one raises,
+    /// neither is called again and its exception is raised at the end.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (args, env, payload, min_workers, max_workers, reset_limit=None, cooldown_range=None, elastic_timeout_s=600.0, discovery_script=None, discovery_interval_s=1.0, slots_per_host=1, on_event=None))]
+    #[pyo3(signature = (args, env, payload, min_workers, max_workers, reset_limit=None, cooldown_range=None, elastic_timeout_s=600.0, discovery_script=None, discovery_interval_s=1.0, slots_per_host=1, on_event=None, on_report=None))]
     fn run_elastic(
         &self,
         py: Python<'_>,
@@ -359,8 +360,9 @@ impl Driver {
         discovery_interval_s: f64,
         slots_per_host: u32,
         on_event: Option<Py<PyAny>>,
+        on_report: Option<Py<PyAny>>,
     ) -> PyResult<Vec<Py<PyBytes>>> {
-        use kolo_exec::elastic::{Discovery, ElasticJob, TaskWork};
+        use kolo_exec::elastic::{Discovery, ElasticEvent, ElasticJob, TaskWork};
         use std::time::Duration;
         if matches!(self.spec.choice, EngineChoice::Slurm | EngineChoice::Ray) {
             return Err(error(
@@ -419,17 +421,25 @@ impl Driver {
         let failed: std::sync::Arc<std::sync::Mutex<Option<PyErr>>> = Default::default();
         let last_failure: std::sync::Arc<std::sync::Mutex<Option<String>>> = Default::default();
         let (heard, failure) = (failed.clone(), last_failure.clone());
-        let listener = move |event: kolo_exec::elastic::ElasticEvent| {
-            if let kolo_exec::elastic::ElasticEvent::Failed { .. } = &event {
+        let listener = move |event: ElasticEvent| {
+            if let ElasticEvent::Failed { .. } = &event {
                 *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(event.to_string());
             }
-            let Some(callback) = &on_event else { return };
             let mut failed = heard.lock().unwrap_or_else(|p| p.into_inner());
-            if failed.is_none() {
-                Python::with_gil(|py| {
-                    *failed = elastic::event_dict(py, &event).and_then(|d| callback.call1(py, (d,))).err();
-                });
+            if failed.is_some() {
+                return;
             }
+            Python::with_gil(|py| {
+                *failed = match (&event, &on_report, &on_event) {
+                    (ElasticEvent::Reported { rank, data }, Some(callback), _) => {
+                        callback.call1(py, (*rank, PyBytes::new(py, data))).err()
+                    }
+                    (ElasticEvent::Reported { .. }, None, _) | (_, _, None) => None,
+                    (_, _, Some(callback)) => {
+                        elastic::event_dict(py, &event).and_then(|d| callback.call1(py, (d,))).err()
+                    }
+                };
+            });
         };
         let work = TaskWork::<PyWorker, PyElasticCall> { args, task: PyElasticCall { payload } };
         let answers = py.allow_threads(|| {

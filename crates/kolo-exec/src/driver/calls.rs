@@ -31,7 +31,7 @@ impl Report {
 
 /// Reports queued per call before the workers that make them wait: with
 /// values of up to `MAX_REPORT` this bounds what a call's reports hold.
-const REPORTS_QUEUED: usize = 8;
+pub(crate) const REPORTS_QUEUED: usize = 8;
 
 impl Executor {
     /// Runs `task` on every worker's executable; results in rank order.
@@ -101,7 +101,7 @@ impl Executor {
         self.call_all(CallKind::Function, F::NAME, function, None, None).await
     }
 
-    async fn call_all<A: serde::Serialize, O: DeserializeOwned>(
+    pub(crate) async fn call_all<A: serde::Serialize, O: DeserializeOwned>(
         &self,
         kind: CallKind,
         name: &str,

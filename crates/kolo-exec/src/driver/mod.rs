@@ -9,7 +9,7 @@
 //! - `calls`: execute / run / run_remote and their handles
 //! - `command`: supervising an OS command job (teardown policy in `policy`)
 
-mod calls;
+pub(crate) mod calls;
 mod command;
 mod link;
 mod progress;
