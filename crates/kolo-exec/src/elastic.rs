@@ -413,6 +413,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         // in place nothing else bounds failures: Horovod's rule
         let mut config = config;
         config.blacklist_failed_hosts = true;
+        config.fixed_hosts = discovery.script.is_none();
         let mut job = ElasticJob {
             work: Arc::new(work),
             factory,
@@ -501,9 +502,11 @@ impl<W: ElasticWork> ElasticJob<W> {
                 self.reform(&world).await;
                 None
             }
-            Decision::Wait { available, needed, deadline } => {
-                let left = deadline.saturating_sub(self.started.elapsed());
-                self.tell(ElasticEvent::Waiting { needed, available, left });
+            Decision::Wait { available, needed, deadline, announce } => {
+                if announce {
+                    let left = deadline.saturating_sub(self.started.elapsed());
+                    self.tell(ElasticEvent::Waiting { needed, available, left });
+                }
                 None
             }
             Decision::Stop(reason) => Some(Ended::Stopped(reason.explain(&self.membership.config().names))),

@@ -66,6 +66,8 @@ pub struct OptionNames {
     pub reset_limit: &'static str,
     pub max_restarts: &'static str,
     pub elastic_timeout: &'static str,
+    pub cooldown: &'static str,
+    pub discovery: &'static str,
 }
 
 impl OptionNames {
@@ -74,6 +76,8 @@ impl OptionNames {
         reset_limit: "--reset-limit",
         max_restarts: "--max-restarts",
         elastic_timeout: "--elastic-timeout",
+        cooldown: "--cooldown-range",
+        discovery: "--host-discovery-script",
     };
     /// `kolo.Executor`'s arguments (horovod.ray's elastic executor's).
     pub const PYTHON: OptionNames = OptionNames {
@@ -81,6 +85,8 @@ impl OptionNames {
         reset_limit: "reset_limit",
         max_restarts: "max_restarts",
         elastic_timeout: "elastic_timeout",
+        cooldown: "cooldown_range",
+        discovery: "host_discovery_script",
     };
 }
 
@@ -101,6 +107,9 @@ pub struct ElasticConfig {
     /// (in place, where nothing else bounds failures); otherwise only a
     /// host failing two rounds in a row, and only with a cooldown.
     pub blacklist_failed_hosts: bool,
+    /// Discovery is a fixed list, so it never adds a host: a wait that no
+    /// cooldown can end is pointless and stops the job at once.
+    pub fixed_hosts: bool,
     /// How stop messages name the limits.
     pub names: OptionNames,
 }
@@ -123,6 +132,7 @@ impl ElasticConfig {
             cooldown: None,
             elastic_timeout: Duration::from_secs(600),
             blacklist_failed_hosts: false,
+            fixed_hosts: false,
             names: OptionNames::CLI,
         })
     }
@@ -200,9 +210,23 @@ impl World {
 /// Why an elastic job stops.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StopReason {
-    ResetLimit { limit: u32 },
-    RestartLimit { limit: u32 },
-    Timeout { needed: u32, available: u32, waited: Duration },
+    ResetLimit {
+        limit: u32,
+    },
+    RestartLimit {
+        limit: u32,
+    },
+    Timeout {
+        needed: u32,
+        available: u32,
+        waited: Duration,
+    },
+    /// Too few slots, and no way for more to come (`fixed_hosts`, and
+    /// every blacklisted host out for good).
+    NoSlotsLeft {
+        needed: u32,
+        available: u32,
+    },
 }
 
 impl StopReason {
@@ -223,6 +247,10 @@ impl StopReason {
                 names.min_np,
                 names.min_np,
                 names.elastic_timeout
+            ),
+            StopReason::NoSlotsLeft { needed, available } => format!(
+                "{available} slots are left on hosts not blacklisted, fewer than the {needed} of {}, and no more can come: the host list is fixed and blacklisted hosts stay out; give {} to let them back or {} to add hosts, or lower {}",
+                names.min_np, names.cooldown, names.discovery, names.min_np
             ),
         }
     }
@@ -249,6 +277,9 @@ pub enum Decision {
         available: u32,
         needed: u32,
         deadline: Duration,
+        /// Worth telling the user: the first wait, a change, or a while
+        /// since the last notice (a wait is decided at every poll).
+        announce: bool,
     },
     Stop(StopReason),
 }
@@ -272,8 +303,13 @@ pub struct Membership {
     resets: u32,
     restarts: u32,
     short_since: Option<Duration>,
+    /// The last wait announced: needed, available, when.
+    wait_announced: Option<(u32, u32, Duration)>,
     stopped: Option<StopReason>,
 }
+
+/// A wait that goes on unchanged is announced again after this.
+const WAIT_NOTICE_EVERY: Duration = Duration::from_secs(30);
 
 impl Membership {
     pub fn new(config: ElasticConfig) -> Self {
@@ -291,6 +327,7 @@ impl Membership {
             resets: 0,
             restarts: 0,
             short_since: None,
+            wait_announced: None,
             stopped: None,
         }
     }
@@ -407,18 +444,24 @@ impl Membership {
             if self.running {
                 return Decision::Continue;
             }
+            let needed = self.config.min_np;
+            if self.config.fixed_hosts && self.out_until.values().all(Option::is_none) {
+                return self.stop(StopReason::NoSlotsLeft { needed, available });
+            }
             let since = *self.short_since.get_or_insert(now);
             let waited = now.saturating_sub(since);
             if waited >= self.config.elastic_timeout {
-                return self.stop(StopReason::Timeout { needed: self.config.min_np, available, waited });
+                return self.stop(StopReason::Timeout { needed, available, waited });
             }
-            return Decision::Wait {
-                available,
-                needed: self.config.min_np,
-                deadline: since + self.config.elastic_timeout,
-            };
+            let announce = !matches!(self.wait_announced,
+                Some((n, a, at)) if n == needed && a == available && now < at + WAIT_NOTICE_EVERY);
+            if announce {
+                self.wait_announced = Some((needed, available, now));
+            }
+            return Decision::Wait { available, needed, deadline: since + self.config.elastic_timeout, announce };
         }
         self.short_since = None;
+        self.wait_announced = None;
         let same = self.world.as_ref().is_some_and(|w| w.hosts == next);
         if self.running && same && !self.failure_pending {
             return Decision::Continue;
@@ -538,7 +581,7 @@ mod tests {
         c.elastic_timeout = secs(30);
         let mut m = Membership::new(c);
         let d = m.on(Event::Discovered(&hosts(&[("a", 2)])), secs(5));
-        assert_eq!(d, Decision::Wait { available: 2, needed: 4, deadline: secs(35) });
+        assert_eq!(d, Decision::Wait { available: 2, needed: 4, deadline: secs(35), announce: true });
         assert!(matches!(m.on(Event::Tick, secs(34)), Decision::Wait { .. }));
         // enough in time: the world forms
         let mut early = m.clone();
@@ -688,6 +731,52 @@ mod tests {
     }
 
     #[test]
+    fn a_fixed_host_list_stops_at_once_when_no_slot_can_come() {
+        let mut c = config(4, 4);
+        c.fixed_hosts = true;
+        let no_slots = |available| Decision::Stop(StopReason::NoSlotsLeft { needed: 4, available });
+        // too few from the start
+        assert_eq!(Membership::new(c.clone()).on(Event::Discovered(&hosts(&[("a", 2)])), secs(0)), no_slots(2));
+        // a host lost for good
+        let mut m = Membership::new(c.clone());
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        let Decision::Stop(reason) = m.on(Event::HostLost("b"), secs(1)) else { panic!("no stop") };
+        assert_eq!(Decision::Stop(reason.clone()), no_slots(2));
+        let cli = reason.to_string();
+        assert!(cli.contains("give --cooldown-range") && cli.contains("--host-discovery-script"), "{cli}");
+        let python = reason.explain(&OptionNames::PYTHON);
+        assert!(python.contains("give cooldown_range") && python.contains("or lower min_workers"), "{python}");
+        // a host out for a while, or discovery that may add hosts: a wait
+        let mut cooling = c.clone();
+        cooling.cooldown = Some(Cooldown::new(secs(5), secs(5)).unwrap());
+        let mut discovering = c.clone();
+        discovering.fixed_hosts = false;
+        for c in [cooling, discovering] {
+            let mut m = Membership::new(c);
+            m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+            assert!(matches!(m.on(Event::HostLost("b"), secs(1)), Decision::Wait { available: 2, .. }));
+        }
+    }
+
+    #[test]
+    fn a_long_wait_is_announced_when_it_changes_and_now_and_then() {
+        let mut m = Membership::new(config(4, 8));
+        let announced = |d: Decision| match d {
+            Decision::Wait { announce, .. } => announce,
+            other => panic!("expected a wait, got {other:?}"),
+        };
+        assert!(announced(m.on(Event::Discovered(&hosts(&[("a", 2)])), secs(0))));
+        assert!(!announced(m.on(Event::Tick, secs(1))));
+        assert!(!announced(m.on(Event::Tick, secs(29))));
+        assert!(announced(m.on(Event::Tick, secs(30))));
+        assert!(announced(m.on(Event::Discovered(&hosts(&[("a", 3)])), secs(31))));
+        assert!(!announced(m.on(Event::Tick, secs(32))));
+        // a world in between: the next wait is news again
+        m.on(Event::Discovered(&hosts(&[("a", 4)])), secs(33));
+        assert!(announced(m.on(Event::HostLost("a"), secs(34))));
+    }
+
+    #[test]
     fn a_host_that_shrinks_or_vanishes_from_discovery_reforms_the_world() {
         let mut m = Membership::new(config(1, 8));
         m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
@@ -714,13 +803,16 @@ mod tests {
             reset_limit in prop::option::of(0u32..6),
             max_restarts in prop::option::of(0u32..4),
             in_place in any::<bool>(),
+            cooldown in any::<bool>(),
+            fixed in any::<bool>(),
             events in prop::collection::vec(event_strategy(), 1..40),
         ) {
             let mut c = ElasticConfig::new(min, min + extra).unwrap();
             c.blacklist_failed_hosts = in_place;
             c.reset_limit = reset_limit;
             c.max_restarts = max_restarts;
-            c.cooldown = Some(Cooldown::new(secs(3), secs(20)).unwrap());
+            c.cooldown = cooldown.then(|| Cooldown::new(secs(3), secs(20)).unwrap());
+            c.fixed_hosts = fixed;
             c.elastic_timeout = secs(15);
             let name = |i: u8| format!("h{i}");
             let mut m = Membership::new(c.clone());
@@ -780,7 +872,12 @@ mod tests {
                         last = Some(w);
                         running = true;
                     }
-                    Decision::Stop(_) => {
+                    Decision::Stop(reason) => {
+                        if let StopReason::NoSlotsLeft { needed, available } = reason {
+                            // only when nothing could ever end the wait
+                            prop_assert!(fixed && available < needed);
+                            prop_assert!(m.blacklisted().iter().all(|(_, until)| until.is_none()));
+                        }
                         stopped = true;
                         running = false;
                     }

@@ -44,7 +44,9 @@ pub async fn run_elastic(
 ) -> Result<ElasticOutcome> {
     tokio::pin!(interrupt);
     let started = Instant::now();
-    let mut membership = Membership::new(elastic.config.clone());
+    let mut config = elastic.config.clone();
+    config.fixed_hosts = elastic.discovery.script.is_none();
+    let mut membership = Membership::new(config);
     let first = elastic.discovery.hosts().await?;
     let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
     let mut last: Option<JobOutcome> = None;
@@ -55,11 +57,13 @@ pub async fn run_elastic(
                 let code = last.as_ref().map_or(1, |o| o.exit_code.max(1));
                 return Ok(ElasticOutcome { last, stopped: Some(reason.to_string()), exit_code: code });
             }
-            Decision::Wait { available, needed, deadline } => {
-                tell(&format!(
-                    "kolo: waiting for {needed} slots, {available} available; up to {:.0} s more",
-                    deadline.saturating_sub(started.elapsed()).as_secs_f64()
-                ));
+            Decision::Wait { available, needed, deadline, announce } => {
+                if announce {
+                    tell(&format!(
+                        "kolo: waiting for {needed} slots, {available} available; up to {:.0} s more",
+                        deadline.saturating_sub(started.elapsed()).as_secs_f64()
+                    ));
+                }
                 tokio::select! {
                     _ = tokio::time::sleep(elastic.discovery.interval) => {}
                     signal = &mut interrupt => return Ok(interrupted(last, signal)),
