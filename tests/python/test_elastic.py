@@ -81,9 +81,11 @@ def test_a_function_that_raises_everywhere_stops_the_job_with_its_traceback():
         ex.run(raises)
     ex.shutdown()
     message = str(raised.value)
-    assert "the elastic job stopped" in message and "timed out" in message, message
+    # both hosts out for good and a fixed host list: no wait for the timeout
+    assert "the elastic job stopped" in message and "no more can come" in message, message
     # the limits are named as this user gave them
-    assert "lower min_workers, or raise elastic_timeout" in message and "--" not in message, message
+    assert "give cooldown_range" in message and "or lower min_workers" in message, message
+    assert "--" not in message, message
     assert "ValueError: a bug in the training loop" in message, message
     assert not workers_left()
 
@@ -94,7 +96,7 @@ def test_a_function_that_raises_everywhere_stops_the_job_with_its_traceback():
         (dict(min_workers=3, max_workers=2), r"min_workers \(3\) must not be more than max_workers \(2\)"),
         (dict(min_workers=0), "min_workers must be a positive integer"),
         (dict(max_workers=2, num_workers=2), "give min_workers too"),
-        (dict(min_workers=1, engine="slurm"), "local or ssh engine"),
+        (dict(min_workers=1, engine="ray"), "local, ssh or slurm engine"),
         (dict(min_workers=1, cooldown_range=(5, 1)), "cooldown_range"),
     ],
 )
@@ -115,3 +117,21 @@ def test_on_event_is_refused_where_there_is_no_membership():
     ex = kolo.Executor(kolo.Executor.create_settings(), num_workers=1, engine="local")
     with pytest.raises(ValueError, match="only elastic executors"):
         ex.run(lambda: 1, on_event=print)
+
+
+def test_the_elastic_example_finishes_on_the_hosts_left():
+    import sys
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_executor.py")
+    args = ["--engine", "local", "--hosts", "a:1,b:1,c:1", "--fail-on", "c:50", "--steps", "120"]
+    out = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "host c is blacklisted for the rest of the job" in lines, out.stdout
+    assert "round 1: 2 processes on a:1,b:1" in lines, out.stdout
+    assert "step 40: loss" in out.stdout and lines[-3].startswith("step 120: loss"), out.stdout
+    finals = [line for line in lines if line.startswith("rank ") and ": step " in line]
+    assert [f.split(":")[0] for f in finals] == ["rank 0 on a", "rank 1 on b"], out.stdout
+    # the noise's variance (0.01) is as low as the loss goes
+    assert all(0.005 < float(f.rsplit(" ", 1)[1]) < 0.02 for f in finals), out.stdout
+    assert not workers_left()

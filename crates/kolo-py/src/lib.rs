@@ -364,10 +364,19 @@ impl Driver {
     ) -> PyResult<Vec<Py<PyBytes>>> {
         use kolo_exec::elastic::{Discovery, ElasticEvent, ElasticJob, TaskWork};
         use std::time::Duration;
-        if matches!(self.spec.choice, EngineChoice::Slurm | EngineChoice::Ray) {
-            return Err(error(
-                "elastic executors place workers with the local or ssh engine; Slurm and Ray are not elastic yet",
-            ));
+        let in_allocation = kolo_exec::SlurmEngine::in_allocation();
+        match self.spec.choice {
+            EngineChoice::Ray => {
+                return Err(error(
+                    "elastic executors place workers with the local, ssh or Slurm engine; Ray is not elastic yet",
+                ))
+            }
+            EngineChoice::Slurm if !in_allocation => {
+                return Err(error(
+                    "an elastic executor under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow one it asked for",
+                ))
+            }
+            _ => {}
         }
         let seconds = |what: &str, s: f64| {
             (s.is_finite() && s > 0.0)
@@ -384,9 +393,17 @@ impl Driver {
                     .map_err(error)?,
             );
         }
-        let fixed = match self.spec.hosts.is_empty() {
-            true => vec![kolo_topology::HostSpec::new("localhost", max_workers)],
-            false => self.spec.hosts.clone(),
+        // with no host list: inside an allocation its nodes (each cohort a
+        // step on them), else this machine
+        let choice = match self.spec.choice {
+            EngineChoice::Auto if self.spec.hosts.is_empty() && in_allocation => EngineChoice::Slurm,
+            EngineChoice::Auto if self.spec.hosts.is_empty() => EngineChoice::Local,
+            other => other,
+        };
+        let fixed = match (self.spec.hosts.is_empty(), choice) {
+            (false, _) => self.spec.hosts.clone(),
+            (true, EngineChoice::Slurm) => kolo_exec::SlurmEngine::allocation_hosts().map_err(error)?,
+            (true, _) => vec![kolo_topology::HostSpec::new("localhost", max_workers)],
         };
         let discovery = Discovery {
             script: discovery_script.map(Into::into),
@@ -404,10 +421,6 @@ impl Driver {
                     .gpus_per_worker(spec.gpus_per_worker);
                 let mut settings = spec.settings.clone().with_secret(secret);
                 settings.output.first_label = first_process;
-                let choice = match spec.choice {
-                    EngineChoice::Auto if spec.hosts.is_empty() => EngineChoice::Local,
-                    other => other,
-                };
                 // engines look host names up: off the runtime
                 let engine = tokio::task::spawn_blocking(move || {
                     choice.engine(hosts, &request, spec.options).map(|e| (e, request))

@@ -34,17 +34,6 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
     Ok(outcome.exit_code)
 }
 
-/// The nodes and tasks of the Slurm allocation this runs in, as hosts
-/// (none outside one).
-fn allocation_hosts() -> Result<Vec<HostSpec>> {
-    if !kolo_exec::SlurmEngine::in_allocation() {
-        return Ok(Vec::new());
-    }
-    let mut slurm = kolo_exec::SlurmEngine::from_allocation()?;
-    let hosts = kolo_exec::Engine::hosts(&mut slurm, Duration::ZERO)?;
-    Ok(hosts.into_iter().map(|h| HostSpec::new(h.hostname, h.cpus)).collect())
-}
-
 /// The elastic options, if any was given (restart mode).
 fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<ElasticSpec>> {
     let elastic = args.in_place
@@ -248,7 +237,7 @@ fn hosts(args: &RunArgs) -> Result<Vec<HostSpec>> {
         (None, None) => {
             // inside an allocation: its nodes are the hosts there are
             let allocation = match args.engine {
-                EngineArg::Auto | EngineArg::Slurm => allocation_hosts()?,
+                EngineArg::Auto | EngineArg::Slurm => kolo_exec::SlurmEngine::allocation_hosts()?,
                 _ => Vec::new(),
             };
             if allocation.is_empty() {

@@ -78,6 +78,16 @@ impl SlurmEngine {
         Ok(Self::new(Some(job_id), nodes.into_iter().zip(tasks).collect(), None))
     }
 
+    /// The nodes of the allocation this process runs in, each with its
+    /// tasks as slots: the hosts there are (none outside an allocation).
+    pub fn allocation_hosts() -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
+        if !Self::in_allocation() {
+            return Ok(Vec::new());
+        }
+        let engine = Self::from_allocation()?;
+        Ok(engine.nodes.iter().map(|(name, tasks)| kolo_topology::HostSpec::new(name.clone(), *tasks)).collect())
+    }
+
     /// The allocation this process runs in, restricted to `hosts` (all of
     /// it when empty), each with its slots as tasks: an elastic job's
     /// round or cohort on the nodes it keeps.
