@@ -571,6 +571,29 @@ fn python_executor_ddp_under_slurm() {
     check_executor_ddp(&out, &nodes);
 }
 
+/// kolo.Executor's elastic mode inside `salloc -N3`: the worker on h2
+/// fails, the others go on in place on h1 and h3 and finish, and the
+/// allocation is given back.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_elastic_executor_inside_a_slurm_allocation() {
+    let Some(python) = python_with("numpy, kolo") else { return };
+    let script = repo_file("examples/elastic_executor.py");
+    let args = ["--fail-on", "h2:50", "--steps", "150"];
+    let out = in_h1(&[&["salloc", "-N3", "--ntasks-per-node=1", &python, &script][..], &args[..]].concat());
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("round 0: 3 processes on h1:1,h2:1,h3:1"), "{text}");
+    assert!(text.contains("host h2 is blacklisted for the rest of the job"), "{text}");
+    assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");
+    assert!(text.contains("step 140: loss") && text.contains("on 2 workers"), "{text}");
+    let finals: Vec<&str> = text.lines().filter(|l| l.starts_with("rank ") && l.contains(": step 150,")).collect();
+    assert_eq!(finals.len(), 2, "{text}");
+    assert!(finals[0].starts_with("rank 0 on h1") && finals[1].starts_with("rank 1 on h3"), "{text}");
+    wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}
+
 /// Restart mode over ssh: h3 cut off mid-job (`ip link set eth0 down`) is
 /// lost, left out, and the job finishes on h1 and h2; once h3 is back, its
 /// agent and command are gone too (they lost their driver).
