@@ -201,6 +201,8 @@ def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
 
 def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
+    # directories other jobs left are not this job's to remove
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
     driver = subprocess.Popen(
         [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
          "-np", "2", "--", "sleep", "600"],
@@ -214,8 +216,8 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
         time.sleep(0.1)
     commands = sleepers()
     assert len(commands) == 2
-    rank_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
-    assert rank_dirs, "the commands' private directories"
+    rank_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*"))) - before
+    assert len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 30
