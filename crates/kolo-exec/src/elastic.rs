@@ -55,11 +55,18 @@ const SHARED_VARS: &[&str] = &[
 /// The longest a discovery script may run.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Hosts from a source other than a script or a list (a Ray cluster's
+/// nodes: `RayNodes`). Blocking: called off the runtime.
+pub trait HostSource: Send + Sync + std::fmt::Debug {
+    fn hosts(&self) -> Result<Vec<HostSpec>, ExecError>;
+}
+
 /// Where the hosts come from and how often to ask.
 #[derive(Clone, Debug)]
 pub struct Discovery {
-    /// A script printing `host[:slots]` lines; none: `fixed`.
+    /// A script printing `host[:slots]` lines; none: `source`, else `fixed`.
     pub script: Option<PathBuf>,
+    pub source: Option<Arc<dyn HostSource>>,
     pub fixed: Vec<HostSpec>,
     pub interval: Duration,
     /// Slots of a host the script prints without `:slots`.
@@ -69,11 +76,22 @@ pub struct Discovery {
 impl Discovery {
     /// A fixed host list, looked at every second.
     pub fn fixed(hosts: Vec<HostSpec>) -> Discovery {
-        Discovery { script: None, fixed: hosts, interval: Duration::from_secs(1), slots_per_host: 1 }
+        Discovery { script: None, source: None, fixed: hosts, interval: Duration::from_secs(1), slots_per_host: 1 }
     }
 
-    /// Runs the discovery script once: its hosts, or why not.
+    /// Whether the hosts never change (a fixed list).
+    pub fn is_fixed(&self) -> bool {
+        self.script.is_none() && self.source.is_none()
+    }
+
+    /// Asks the script or source once: its hosts, or why not.
     pub async fn hosts(&self) -> Result<Vec<HostSpec>, ExecError> {
+        if let (None, Some(source)) = (&self.script, &self.source) {
+            let source = source.clone();
+            return tokio::task::spawn_blocking(move || source.hosts())
+                .await
+                .map_err(|e| ExecError::BadSettings(format!("host discovery: {e}")))?;
+        }
         let Some(script) = &self.script else { return Ok(self.fixed.clone()) };
         let bad = |what: String| ExecError::BadSettings(format!("host discovery script {}: {what}", script.display()));
         let run = tokio::process::Command::new(script).kill_on_drop(true).output();
@@ -413,7 +431,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         // in place nothing else bounds failures: Horovod's rule
         let mut config = config;
         config.blacklist_failed_hosts = true;
-        config.fixed_hosts = discovery.script.is_none();
+        config.fixed_hosts = discovery.is_fixed();
         let mut job = ElasticJob {
             work: Arc::new(work),
             factory,

@@ -60,7 +60,7 @@ mod worker;
 
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo};
 pub use engine::{
-    is_this_machine, Engine, EngineChoice, EngineOptions, LocalEngine, RayEngine, RayOptions, SlurmEngine,
+    is_this_machine, Engine, EngineChoice, EngineOptions, LocalEngine, RayEngine, RayNodes, RayOptions, SlurmEngine,
     SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};

@@ -61,9 +61,14 @@ impl Default for RayOptions {
 pub struct RayEngine {
     options: RayOptions,
     request: WorkerRequest,
+    /// The nodes (Ray node ids) and workers on each an elastic job's
+    /// cohort asked for (`on_nodes`); none: a placement group places them.
+    pinned: Option<Vec<kolo_topology::HostSpec>>,
     bridge: Option<Bridge>,
     /// The node of each bundle of the placement group, in bundle order.
     bundle_nodes: Vec<String>,
+    /// Workers each bundle takes, in bundle order.
+    bundle_slots: Vec<u32>,
     gcs_host: Option<String>,
     spawned: Vec<u32>,
     reported: HashSet<u32>,
@@ -185,8 +190,10 @@ impl RayEngine {
         RayEngine {
             options,
             request,
+            pinned: None,
             bridge: None,
             bundle_nodes: Vec::new(),
+            bundle_slots: Vec::new(),
             gcs_host: None,
             spawned: Vec::new(),
             reported: HashSet::new(),
@@ -194,16 +201,21 @@ impl RayEngine {
         }
     }
 
-    /// Workers per bundle: horovod.ray's bundle per host, or per worker.
-    fn workers_per_bundle(&self) -> u32 {
-        match self.request.placement {
-            Placement::Pack { .. } => 1,
-            Placement::Colocated { workers_per_host, .. } => workers_per_host,
-        }
+    /// Workers on the given Ray nodes (`HostSpec` names are node ids, slots
+    /// the workers there), each node's held by kolo's launcher on it, not
+    /// by a placement group: an elastic job's cohort, on the nodes its
+    /// membership chose.
+    pub fn on_nodes(options: RayOptions, request: WorkerRequest, nodes: Vec<kolo_topology::HostSpec>) -> Self {
+        let mut engine = RayEngine::new(options, request);
+        engine.pinned = Some(nodes);
+        engine
     }
 
-    /// The placement group's bundles and Ray's strategy for them.
-    fn bundles_asked(&self) -> (Vec<Value>, &'static str) {
+    /// The bundles to ask for, Ray's strategy for them, and the workers
+    /// each takes: horovod.ray's bundle per host or per worker; on pinned
+    /// nodes, one per node (per worker with GPUs, whose ids only the actor
+    /// holding them learns).
+    fn bundles_asked(&self) -> (Vec<Value>, &'static str, Vec<u32>) {
         let WorkerResources { cpus, gpus } = self.request.resources;
         let bundle = |workers: u32| {
             let mut b = serde_json::Map::new();
@@ -214,12 +226,37 @@ impl RayEngine {
             }
             Value::Object(b)
         };
-        match self.request.placement {
-            Placement::Pack { num_workers } => (vec![bundle(1); num_workers as usize], "PACK"),
-            Placement::Colocated { num_hosts, workers_per_host } => {
-                (vec![bundle(workers_per_host); num_hosts as usize], "STRICT_SPREAD")
+        if let Some(nodes) = &self.pinned {
+            let (mut bundles, mut slots) = (Vec::new(), Vec::new());
+            for node in nodes {
+                let (count, each) = if gpus > 0 { (node.slots, 1) } else { (1, node.slots) };
+                bundles.extend(std::iter::repeat_n(bundle(each), count as usize));
+                slots.extend(std::iter::repeat_n(each, count as usize));
             }
+            return (bundles, "NODES", slots);
         }
+        match self.request.placement {
+            Placement::Pack { num_workers } => {
+                (vec![bundle(1); num_workers as usize], "PACK", vec![1; num_workers as usize])
+            }
+            Placement::Colocated { num_hosts, workers_per_host } => (
+                vec![bundle(workers_per_host); num_hosts as usize],
+                "STRICT_SPREAD",
+                vec![workers_per_host; num_hosts as usize],
+            ),
+        }
+    }
+
+    /// The node of each bundle on pinned nodes, in bundle order.
+    fn pinned_bundle_nodes(&self) -> Option<Vec<String>> {
+        let nodes = self.pinned.as_ref()?;
+        let per_worker = self.request.resources.gpus > 0;
+        Some(
+            nodes
+                .iter()
+                .flat_map(|n| std::iter::repeat_n(n.name.clone(), if per_worker { n.slots as usize } else { 1 }))
+                .collect(),
+        )
     }
 }
 
@@ -231,8 +268,7 @@ impl Engine for RayEngine {
     /// Places the job on the cluster: the nodes its bundles landed on, in
     /// bundle order, with their CPUs and the GPU ids Ray gave them.
     fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
-        let (bundles, strategy) = self.bundles_asked();
-        let slots = self.workers_per_bundle();
+        let (bundles, strategy, bundle_slots) = self.bundles_asked();
         let mut bridge = Bridge::start(&self.options.python)?;
         bridge.send(&json!({
             "op": "place",
@@ -240,8 +276,10 @@ impl Engine for RayEngine {
             "bundles": bundles,
             "strategy": strategy,
             "placement_group": self.options.placement_group,
+            "nodes": self.pinned_bundle_nodes(),
             "timeout_s": placement_timeout.as_secs_f64(),
         }))?;
+        self.bundle_slots = bundle_slots;
         self.bridge = Some(bridge);
         let bridge = self.bridge.as_mut().expect("just set");
         let answer = bridge.answer("placement", placement_timeout + BRIDGE_START)?;
@@ -252,7 +290,7 @@ impl Engine for RayEngine {
             .ok_or_else(|| ray_err("the bridge's placement answer has no bundles"))?;
         let cpus_per_worker = self.request.resources.cpus;
         let mut hosts: Vec<HostResources> = Vec::new();
-        for p in placed {
+        for (p, &slots) in placed.iter().zip(&self.bundle_slots) {
             let field = |name: &str| p.get(name).and_then(Value::as_str).map(String::from);
             let node_id = field("node_id").ok_or_else(|| ray_err("a bundle without a node id"))?;
             let gpu_ids: Vec<u32> = p
@@ -286,7 +324,7 @@ impl Engine for RayEngine {
     }
 
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
-        let mut free = vec![self.workers_per_bundle(); self.bundle_nodes.len()];
+        let mut free = self.bundle_slots.clone();
         let bridge = self.bridge.as_mut().ok_or_else(|| ray_err("spawn before placement"))?;
         let _ = janitor.watch_group(bridge.child.id());
         let mut launches = Vec::with_capacity(workers.len());
@@ -364,6 +402,90 @@ impl Drop for RayEngine {
             std::thread::sleep(Duration::from_millis(20));
         }
         if let Some(bridge) = self.bridge.as_mut() {
+            let _ = bridge.child.kill();
+            let _ = bridge.child.wait();
+        }
+    }
+}
+
+/// The Ray cluster's alive nodes as an elastic job's hosts, each with as
+/// many slots as workers of `resources` fit in its CPUs (and GPUs), as
+/// horovod.ray's elastic discovery counts them. Named by node id: nodes
+/// may share a host name and an address. One bridge answers every poll.
+pub struct RayNodes {
+    options: RayOptions,
+    resources: WorkerResources,
+    bridge: Mutex<Option<Bridge>>,
+}
+
+impl std::fmt::Debug for RayNodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RayNodes").field("address", &self.options.address).finish()
+    }
+}
+
+impl RayNodes {
+    pub fn new(options: RayOptions, resources: WorkerResources) -> Self {
+        RayNodes { options, resources, bridge: Mutex::new(None) }
+    }
+
+    /// Slots of a node with these resources (Ray counts CPUs as floats).
+    fn slots(&self, cpus: f64, gpus: f64) -> u32 {
+        let WorkerResources { cpus: per_cpu, gpus: per_gpu } = self.resources;
+        let by_cpu = (cpus / f64::from(per_cpu.max(1))).floor();
+        let slots = if per_gpu > 0 { by_cpu.min((gpus / f64::from(per_gpu)).floor()) } else { by_cpu };
+        slots.clamp(0.0, f64::from(kolo_topology::MAX_PROCESSES)) as u32
+    }
+
+    fn ask(bridge: &mut Bridge, address: &Option<String>) -> Result<Value, ExecError> {
+        bridge.send(&json!({"op": "nodes", "address": address}))?;
+        bridge.answer("listing the Ray cluster's nodes", BRIDGE_START)
+    }
+}
+
+impl crate::elastic::HostSource for RayNodes {
+    fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
+        let mut held = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        if held.as_mut().is_none_or(Bridge::exited) {
+            *held = Some(Bridge::start(&self.options.python)?);
+        }
+        let bridge = held.as_mut().expect("just started");
+        let answer = match Self::ask(bridge, &self.options.address) {
+            Ok(answer) => answer,
+            Err(e) => {
+                // a late answer would be taken for the next one: start afresh
+                if let Some(mut gone) = held.take() {
+                    let _ = gone.child.kill();
+                    let _ = gone.child.wait();
+                }
+                return Err(e);
+            }
+        };
+        let nodes =
+            answer.get("nodes").and_then(Value::as_array).ok_or_else(|| ray_err("the bridge listed no nodes"))?;
+        let mut hosts = Vec::new();
+        for node in nodes {
+            let Some(id) = node.get("node_id").and_then(Value::as_str) else { continue };
+            let number = |name: &str| node.get(name).and_then(Value::as_f64).unwrap_or(0.0);
+            let slots = self.slots(number("cpus"), number("gpus"));
+            if slots > 0 {
+                hosts.push(kolo_topology::HostSpec::new(id.to_string(), slots));
+            }
+        }
+        Ok(hosts)
+    }
+}
+
+impl Drop for RayNodes {
+    fn drop(&mut self) {
+        let held = self.bridge.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(mut bridge) = held.take() {
+            let _ = bridge.send(&json!({"op": "kill"}));
+            bridge.stdin = None;
+            let deadline = Instant::now() + BRIDGE_CLOSE;
+            while !bridge.exited() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let _ = bridge.child.kill();
             let _ = bridge.child.wait();
         }

@@ -8,9 +8,15 @@ job's data path: the agents dial the driver as they do on every engine.
 
 Requests (stdin), one JSON object a line:
   {"op": "place", "address", "bundles": [{"CPU", "GPU"}], "strategy",
-   "placement_group": hex or null, "timeout_s"}
+   "placement_group": hex or null, "nodes": [node id per bundle] or null,
+   "timeout_s"}
       -> {"placed": [{"bundle", "node_id", "hostname", "node_ip", "gpu_ids"}],
           "driver_ip"} or {"error"}
+      With "nodes" (an elastic job's cohort on the nodes membership chose),
+      no placement group: each launcher actor holds its bundle's resources
+      on its node itself.
+  {"op": "nodes", "address"}              -> {"nodes": [{"node_id", "hostname",
+                                              "cpus", "gpus"}]} (alive ones)
   {"op": "spawn", "secret", "workers": [{"index", "bundle", "program",
    "args", "env"}]}                       -> {"spawned": true} or {"error"}
   {"op": "kill"}                          -> {"killed": true}, then exit
@@ -133,25 +139,51 @@ class Bridge:
         self.watching = {}
         self.closing = threading.Event()
 
-    def place(self, request):
-        t0 = time.monotonic()
+    def connect(self, request):
+        """Ray, connected to the cluster; None and an error if it cannot be."""
+        if self.ray is not None:
+            return self.ray, None
         try:
             import ray
         except ImportError as e:
-            return {"error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
-                             "bridge with a Python that has it (kolo run --ray-python PATH)"}
-        from ray.util.placement_group import PlacementGroup, placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self.ray = ray
+            return None, {"error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
+                                   "bridge with a Python that has it (kolo run --ray-python PATH)"}
         ray.init(
             address=request.get("address") or "auto",
             namespace="kolo",
             log_to_driver=False,
             logging_level=logging.ERROR,
         )
+        self.ray = ray
+        return ray, None
+
+    def nodes(self, request):
+        ray, error = self.connect(request)
+        if error:
+            return error
+        return {"nodes": [
+            {
+                "node_id": n["NodeID"],
+                "hostname": n.get("NodeManagerHostname", n["NodeID"]),
+                "cpus": n.get("Resources", {}).get("CPU", 0),
+                "gpus": n.get("Resources", {}).get("GPU", 0),
+            }
+            for n in ray.nodes() if n.get("Alive")
+        ]}
+
+    def place(self, request):
+        t0 = time.monotonic()
+        ray, error = self.connect(request)
+        if error:
+            return error
+        from ray.util.placement_group import PlacementGroup, placement_group
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
         bundles = request["bundles"]
         timeout = float(request["timeout_s"])
+        pinned = request.get("nodes")
+        if pinned:
+            return self._place_on(ray, NodeAffinitySchedulingStrategy, bundles, pinned, timeout)
         if request.get("placement_group"):
             from ray._raylet import PlacementGroupID
 
@@ -209,6 +241,36 @@ class Bridge:
             # a node's launcher holds its own bundle's GPUs only: with GPUs
             # there is one per bundle
             placed.append(dict(where, bundle=i, node_id=node_of[i]))
+        gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+        return {"placed": placed, "gcs_host": gcs_host}
+
+    def _place_on(self, ray, affinity, bundles, nodes, timeout):
+        """A launcher actor per bundle on its node (one per node without
+        GPUs), holding the bundle's resources there while it lives."""
+        launcher = ray.remote(Launcher)
+        with_gpus = any(b.get("GPU", 0) for b in bundles)
+        first_on_node = {}
+        for i, (b, node) in enumerate(zip(bundles, nodes)):
+            if not with_gpus and node in first_on_node:
+                self.launcher_of.append(self.launcher_of[first_on_node[node]])
+                continue
+            first_on_node.setdefault(node, i)
+            # one actor holds its node's bundles together
+            cpus = sum(x.get("CPU", 0) for x, n in zip(bundles, nodes) if n == node) if not with_gpus else b.get("CPU", 0)
+            actor = launcher.options(
+                num_cpus=cpus,
+                num_gpus=b.get("GPU", 0),
+                max_concurrency=1000,
+                scheduling_strategy=affinity(node_id=node, soft=False),
+            ).remote()
+            self.actors.append(actor)
+            self.launcher_of.append(actor)
+        try:
+            places = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors], timeout=timeout)))
+        except ray.exceptions.GetTimeoutError:
+            return {"error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
+                             f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"}
+        placed = [dict(places[actor], bundle=i, node_id=nodes[i]) for i, actor in enumerate(self.launcher_of)]
         gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         return {"placed": placed, "gcs_host": gcs_host}
 
@@ -307,7 +369,12 @@ def main():
             if op == "kill":
                 break
             try:
-                answer = bridge.place(request) if op == "place" else bridge.spawn(request)
+                if op == "place":
+                    answer = bridge.place(request)
+                elif op == "nodes":
+                    answer = bridge.nodes(request)
+                else:
+                    answer = bridge.spawn(request)
             except Exception as e:  # noqa: BLE001 - every failure goes back as an answer
                 answer = {"error": f"{type(e).__name__}: {e}"}
             say(answer)
