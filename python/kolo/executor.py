@@ -156,8 +156,6 @@ class Executor:
                 raise ValueError(f"min_workers ({min_workers}) must not be more than max_workers ({max_workers})")
             if num_hosts is not None:
                 raise ValueError("an elastic executor places workers by host slots: give hosts, not num_hosts")
-            if engine == "ray":
-                raise ValueError("elastic executors place workers with the local, ssh or slurm engine, not ray")
             if cooldown_range is not None:
                 lo, hi = cooldown_range
                 if not (0 < lo <= hi):

@@ -96,7 +96,6 @@ def test_a_function_that_raises_everywhere_stops_the_job_with_its_traceback():
         (dict(min_workers=3, max_workers=2), r"min_workers \(3\) must not be more than max_workers \(2\)"),
         (dict(min_workers=0), "min_workers must be a positive integer"),
         (dict(max_workers=2, num_workers=2), "give min_workers too"),
-        (dict(min_workers=1, engine="ray"), "local, ssh or slurm engine"),
         (dict(min_workers=1, cooldown_range=(5, 1)), "cooldown_range"),
     ],
 )

@@ -199,6 +199,115 @@ def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
     assert refused.returncode != 0 and "give no host list" in refused.stderr, refused.stderr
 
 
+def elastic_train(steps, die_at):
+    import numpy as np
+
+    import kolo
+
+    state = kolo.elastic.ObjectState(step=0)
+
+    @kolo.elastic.run
+    def loop(state, comm):
+        # after the fault, until the world is whole again (a node's new
+        # workers join at a commit), within a bound
+        # (at least a step in each round joined, so that its size is reported)
+        deadline = time.monotonic() + 120
+        while True:
+            if kolo.elastic.current_round() == 0 and os.environ["HOROVOD_RANK"] == "2" and state.step == die_at:
+                os._exit(9)
+            comm.allreduce(np.ones(2), op="sum")
+            state.step += 1
+            state.commit()
+            kolo.report((state.step, comm.size))
+            if state.step >= steps and (comm.size == 3 or time.monotonic() > deadline):
+                break
+            time.sleep(0.01)
+        return state.step, comm.rank, comm.size, os.environ["KOLO_NODE_ID"]
+
+    return loop(state)
+
+
+def test_an_elastic_executor_on_ray_goes_on_without_a_failed_node(cluster, settings, nothing_left):
+    cpus = ray.cluster_resources()["CPU"]
+    events, reports = [], []
+    # 2 CPUs a worker: the head takes one, each other node two
+    ex = RayExecutor(settings, min_workers=2, max_workers=3, engine="ray", cpus_per_worker=2)
+    with ex:
+        ex.start()
+        results = ex.run(elastic_train, args=[60, 20], callbacks=[reports.append], on_event=events.append)
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "round" and events[0]["size"] == 3, events
+    failed = [e for e in events if e["event"] == "failed"]
+    blacklisted = [e["host"] for e in events if e["event"] == "blacklisted"]
+    assert failed and blacklisted == [failed[0]["host"]], events
+    # the failed node is left out; the job fills up to 3 again elsewhere
+    rounds = [e for e in events if e["event"] == "round"]
+    assert rounds[-1]["size"] == 3 and failed[0]["host"] not in [h for h, _ in rounds[-1]["hosts"]], events
+    steps = results[0][0]
+    assert steps >= 60 and sorted(r[1] for r in results) == [0, 1, 2], results
+    assert all(r[0] == steps and r[2] == 3 for r in results), results
+    assert failed[0]["host"] not in {r[3] for r in results}, results
+    assert reports[-1] == (steps, 3), (reports[-6:], events)
+    # kolo's launchers gave back what they held
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == cpus
+
+
+def grow_to_three():
+    import numpy as np
+
+    import kolo
+
+    state = kolo.elastic.ObjectState(step=0)
+
+    @kolo.elastic.run
+    def loop(state, comm):
+        deadline = time.monotonic() + 120
+        while comm.size < 3 and time.monotonic() < deadline:
+            comm.allreduce(np.ones(2), op="sum")
+            state.step += 1
+            state.commit()  # where a node's new workers join
+            time.sleep(0.01)
+        return comm.rank, comm.size
+
+    return loop(state)
+
+
+def test_a_node_that_joins_the_cluster_grows_an_elastic_executor(cluster, settings, nothing_left):
+    import threading
+
+    # 4 CPUs a worker: one on each GPU node, none on the head, until a node
+    # comes; Ray adds nodes from the main thread only, so run() goes aside
+    events, outcome = [], {}
+
+    def run():
+        try:
+            outcome["results"] = ex.run(grow_to_three, on_event=events.append)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            outcome["error"] = e
+
+    ex = RayExecutor(settings, min_workers=1, max_workers=3, engine="ray", cpus_per_worker=4)
+    with ex:
+        ex.start()
+        runner = threading.Thread(target=run)
+        runner.start()
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "round" for e in events) and runner.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        node = cluster.add_node(num_cpus=4)
+        try:
+            runner.join(timeout=180)
+        finally:
+            cluster.remove_node(node)
+    assert "error" not in outcome, outcome
+    rounds = [e for e in events if e["event"] == "round"]
+    assert rounds[0]["size"] == 2 and rounds[-1]["size"] == 3, events
+    assert [e["event"] for e in events].count("starting") == 1, events
+    assert sorted(outcome["results"]) == [(0, 3), (1, 3), (2, 3)], (outcome, events)
+
+
 def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     # directories other jobs left are not this job's to remove

@@ -366,11 +366,6 @@ impl Driver {
         use std::time::Duration;
         let in_allocation = kolo_exec::SlurmEngine::in_allocation();
         match self.spec.choice {
-            EngineChoice::Ray => {
-                return Err(error(
-                    "elastic executors place workers with the local, ssh or Slurm engine; Ray is not elastic yet",
-                ))
-            }
             EngineChoice::Slurm if !in_allocation => {
                 return Err(error(
                     "an elastic executor under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow one it asked for",
@@ -403,10 +398,19 @@ impl Driver {
         let fixed = match (self.spec.hosts.is_empty(), choice) {
             (false, _) => self.spec.hosts.clone(),
             (true, EngineChoice::Slurm) => kolo_exec::SlurmEngine::allocation_hosts().map_err(error)?,
+            (true, EngineChoice::Ray) => Vec::new(),
             (true, _) => vec![kolo_topology::HostSpec::new("localhost", max_workers)],
         };
+        // on Ray, the cluster's alive nodes, asked at every poll
+        let source: Option<std::sync::Arc<dyn kolo_exec::elastic::HostSource>> =
+            (choice == EngineChoice::Ray && discovery_script.is_none()).then(|| {
+                let resources =
+                    kolo_topology::WorkerResources { cpus: self.spec.cpus_per_worker, gpus: self.spec.gpus_per_worker };
+                std::sync::Arc::new(kolo_exec::RayNodes::new(self.spec.options.ray.clone(), resources)) as _
+            });
         let discovery = Discovery {
             script: discovery_script.map(Into::into),
+            source,
             fixed,
             interval: seconds("discovery_interval", discovery_interval_s)?,
             slots_per_host: slots_per_host.max(1),
@@ -422,8 +426,13 @@ impl Driver {
                 let mut settings = spec.settings.clone().with_secret(secret);
                 settings.output.first_label = first_process;
                 // engines look host names up: off the runtime
-                let engine = tokio::task::spawn_blocking(move || {
-                    choice.engine(hosts, &request, spec.options).map(|e| (e, request))
+                let engine = tokio::task::spawn_blocking(move || match choice {
+                    // Ray nodes by id, as its discovery named them
+                    EngineChoice::Ray => {
+                        let engine = kolo_exec::RayEngine::on_nodes(spec.options.ray, request, hosts);
+                        Ok((Box::new(engine) as Box<dyn kolo_exec::Engine>, request))
+                    }
+                    _ => choice.engine(hosts, &request, spec.options).map(|e| (e, request)),
                 })
                 .await
                 .map_err(|e| kolo_exec::ExecError::BadSettings(e.to_string()))?;

@@ -45,7 +45,7 @@ pub async fn run_elastic(
     tokio::pin!(interrupt);
     let started = Instant::now();
     let mut config = elastic.config.clone();
-    config.fixed_hosts = elastic.discovery.script.is_none();
+    config.fixed_hosts = elastic.discovery.is_fixed();
     let mut membership = Membership::new(config);
     let first = elastic.discovery.hosts().await?;
     let mut decision = membership.on(Event::Discovered(&first), started.elapsed());

@@ -46,7 +46,7 @@ fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<El
         return Ok(None);
     }
     if args.engine == EngineArg::Ray {
-        bail!("elastic jobs place workers with the local, ssh or Slurm engine (inside an allocation); Ray is not elastic yet");
+        bail!("kolo run's elastic jobs place workers with the local, ssh or Slurm engine (inside an allocation); on Ray, use kolo.Executor(min_workers=...) from Python");
     }
     if args.engine == EngineArg::Slurm && !kolo_exec::SlurmEngine::in_allocation() {
         bail!("an elastic job under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow one it asked for");
@@ -84,6 +84,7 @@ fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<El
     Ok(Some(ElasticSpec {
         config,
         discovery: Discovery {
+            source: None,
             script: args.host_discovery_script.clone(),
             fixed: hosts.to_vec(),
             interval: Duration::from_secs_f64(args.discovery_interval),
