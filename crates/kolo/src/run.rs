@@ -359,11 +359,15 @@ pub fn stop_signal() -> impl std::future::Future<Output = Signal> {
             tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
             return std::future::pending().await;
         };
-        tokio::select! {
+        let signal = tokio::select! {
             _ = int.recv() => Signal::SIGINT,
             _ = term.recv() => Signal::SIGTERM,
             _ = hup.recv() => Signal::SIGHUP,
-        }
+        };
+        // here, not where the job stops: an elastic job also stops a
+        // world to re-form it, which no signal asked for
+        tracing::warn!("received {}; stopping the job", signal.as_str());
+        signal
     }
 }
 

@@ -50,7 +50,6 @@ impl Executor {
                 },
                 signal = &mut interrupt, if !interrupted => {
                     interrupted = true;
-                    tracing::warn!("received {}; stopping the job", signal.as_str());
                     JobEvent::Interrupted(signal as i32)
                 }
                 _ = sleep_until_opt(deadline) => JobEvent::Tick,
