@@ -405,7 +405,6 @@ pub struct ElasticJob<W: ElasticWork> {
     reports: Option<mpsc::Sender<(usize, Report)>>,
     spawning: Spawning<W::Output>,
     membership: Membership,
-    blacklisted: HashSet<String>,
     started: Instant,
     on_event: Box<dyn FnMut(ElasticEvent) + Send>,
 }
@@ -448,7 +447,6 @@ impl<W: ElasticWork> ElasticJob<W> {
             ends: ends_tx,
             reports: Some(reports_tx),
             spawning: None,
-            blacklisted: HashSet::new(),
             started: Instant::now(),
             on_event: Box::new(on_event),
         };
@@ -533,16 +531,9 @@ impl<W: ElasticWork> ElasticJob<W> {
 
     /// Says which hosts were newly left out, and for how long.
     fn announce_blacklist(&mut self) {
-        let now = self.started.elapsed();
-        let out: Vec<(String, Option<Duration>)> =
-            self.membership.blacklisted().into_iter().map(|(h, until)| (h.to_string(), until)).collect();
-        for (host, until) in &out {
-            if !self.blacklisted.contains(host) {
-                let duration = until.map(|u| u.saturating_sub(now));
-                self.tell(ElasticEvent::Blacklisted { host: host.clone(), duration });
-            }
+        for (host, duration) in self.membership.take_blacklisted_news(self.started.elapsed()) {
+            self.tell(ElasticEvent::Blacklisted { host, duration });
         }
-        self.blacklisted = out.into_iter().map(|(h, _)| h).collect();
     }
 
     /// Makes the next round from `world`: hosts whose processes all run

@@ -305,6 +305,8 @@ pub struct Membership {
     short_since: Option<Duration>,
     /// The last wait announced: needed, available, when.
     wait_announced: Option<(u32, u32, Duration)>,
+    /// Blacklisted hosts already told (`take_blacklisted_news`).
+    blacklist_told: BTreeSet<String>,
     stopped: Option<StopReason>,
 }
 
@@ -328,6 +330,7 @@ impl Membership {
             restarts: 0,
             short_since: None,
             wait_announced: None,
+            blacklist_told: BTreeSet::new(),
             stopped: None,
         }
     }
@@ -344,6 +347,19 @@ impl Membership {
     /// The hosts out now, with when they may come back (`None`: never).
     pub fn blacklisted(&self) -> Vec<(&str, Option<Duration>)> {
         self.out_until.iter().map(|(h, until)| (h.as_str(), *until)).collect()
+    }
+
+    /// Hosts blacklisted since the last call, each with how long it stays
+    /// out from `now` (`None`: for good), for the user to be told once.
+    pub fn take_blacklisted_news(&mut self, now: Duration) -> Vec<(String, Option<Duration>)> {
+        self.blacklist_told.retain(|h| self.out_until.contains_key(h));
+        let mut news = Vec::new();
+        for (host, until) in &self.out_until {
+            if self.blacklist_told.insert(host.clone()) {
+                news.push((host.clone(), until.map(|u| u.saturating_sub(now))));
+            }
+        }
+        news
     }
 
     /// Takes in what happened at `now` (time since the job started) and
@@ -756,6 +772,23 @@ mod tests {
             m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
             assert!(matches!(m.on(Event::HostLost("b"), secs(1)), Decision::Wait { available: 2, .. }));
         }
+    }
+
+    #[test]
+    fn each_blacklisting_is_news_once() {
+        let mut c = config(1, 4);
+        c.cooldown = Some(Cooldown::new(secs(5), secs(5)).unwrap());
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(0));
+        assert!(m.take_blacklisted_news(secs(0)).is_empty());
+        m.on(Event::HostLost("b"), secs(1));
+        assert_eq!(m.take_blacklisted_news(secs(2)), [("b".to_string(), Some(secs(4)))]);
+        assert!(m.take_blacklisted_news(secs(3)).is_empty());
+        // back after its cooldown, then out again: news again
+        m.on(Event::Tick, secs(6));
+        assert!(m.take_blacklisted_news(secs(6)).is_empty());
+        m.on(Event::HostLost("b"), secs(7));
+        assert_eq!(m.take_blacklisted_news(secs(7)), [("b".to_string(), Some(secs(5)))]);
     }
 
     #[test]

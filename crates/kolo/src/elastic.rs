@@ -51,6 +51,9 @@ pub async fn run_elastic(
     let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
     let mut last: Option<JobOutcome> = None;
     loop {
+        for (host, duration) in membership.take_blacklisted_news(started.elapsed()) {
+            tell(&format!("kolo: {}", kolo_exec::elastic::ElasticEvent::Blacklisted { host, duration }));
+        }
         let world = match decision {
             Decision::Reform(world) => world,
             Decision::Stop(reason) => {

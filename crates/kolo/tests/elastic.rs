@@ -182,3 +182,38 @@ fn bad_elastic_options_are_refused_naming_them() {
         assert!(stderr(&out).contains(says), "{args:?}: {}", stderr(&out));
     }
 }
+
+#[test]
+fn a_host_failing_two_rounds_in_a_row_is_blacklisted_and_comes_back_after_its_cooldown() {
+    // b's rank fails in the first two worlds; alone, a waits for b to come
+    // back (the world re-forms when it does); together, both finish
+    let script = "if [ $HOROVOD_HOSTNAME = b ] && [ $KOLO_RESTART_COUNT -lt 2 ]; then exit 3; fi; \
+                  if [ $HOROVOD_SIZE = 1 ]; then exec sleep 60; fi; \
+                  echo done $HOROVOD_HOSTNAME after $KOLO_RESTART_COUNT restarts";
+    let out = run(&[
+        "run",
+        "--engine",
+        "local",
+        "-H",
+        "a:1,b:1",
+        "--min-np",
+        "1",
+        "--max-restarts",
+        "5",
+        "--cooldown-range",
+        "1:1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    let (text, err) = (stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{text}{err}");
+    // once is a failing script, twice in a row is the host
+    assert_eq!(err.matches("on host b exited with code 3; restarting the job").count(), 2, "{err}");
+    assert_eq!(err.matches("host b is blacklisted for 1.0 s").count(), 1, "{err}");
+    assert!(err.contains("the hosts changed; re-forming the job"), "{err}");
+    // kolo stopped that world itself: no signal to speak of
+    assert!(!err.contains("received SIGTERM"), "{err}");
+    assert!(text.contains("done a after 2 restarts") && text.contains("done b after 2 restarts"), "{text}{err}");
+}
