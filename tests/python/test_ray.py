@@ -308,6 +308,24 @@ def test_a_node_that_joins_the_cluster_grows_an_elastic_executor(cluster, settin
     assert sorted(outcome["results"]) == [(0, 3), (1, 3), (2, 3)], (outcome, events)
 
 
+def test_kolo_run_restarts_and_runs_in_place_on_ray(cluster, nothing_left):
+    kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
+    base = [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable]
+    # restart mode: the world starts again on the nodes discovery lists
+    script = "[ $KOLO_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; echo ok $RANK after $KOLO_RESTART_COUNT"
+    out = subprocess.run(base + ["-np", "2", "--max-restarts", "1", "--", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exited with code 3; restarting the job" in out.stderr, out.stderr
+    assert "ok 0 after 1" in out.stdout and "ok 1 after 1" in out.stdout, out.stdout
+    # in place: one round on the cluster's nodes
+    out = subprocess.run(base + ["--in-place", "-np", "2", "--", "sh", "-c", "echo rank $RANK in round $KOLO_ELASTIC_ROUND"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kolo: round 0: 2 processes on" in out.stderr, out.stderr
+    assert "rank 0 in round 0" in out.stdout and "rank 1 in round 0" in out.stdout, out.stdout
+
+
 def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     # directories other jobs left are not this job's to remove

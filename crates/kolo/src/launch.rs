@@ -44,6 +44,10 @@ pub struct LaunchSpec {
     pub worker_program: Option<std::path::PathBuf>,
     /// Its arguments (`python -m kolo._worker`).
     pub worker_args: Vec<String>,
+    /// With Ray: `hosts` are node ids an elastic job's membership chose,
+    /// and the workers go there (`RayEngine::on_nodes`), not where a
+    /// placement group puts them.
+    pub on_ray_nodes: bool,
 }
 
 /// The Executor for a launch: its engine chosen (host names are looked up
@@ -75,7 +79,10 @@ pub async fn executor_with_secret(spec: &LaunchSpec, secret: Option<&str>) -> an
     }
     .gpus_per_worker(spec.gpus_per_worker);
     let options = EngineOptions { ssh: spec.ssh.clone(), slurm: spec.slurm.clone(), ray: spec.ray.clone() };
-    let engine = choice.engine(hosts, &request, options)?;
+    let engine: Box<dyn kolo_exec::Engine> = match choice {
+        EngineChoice::Ray if spec.on_ray_nodes => Box::new(kolo_exec::RayEngine::on_nodes(options.ray, request, hosts)),
+        _ => choice.engine(hosts, &request, options)?,
+    };
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;
     settings.placement_timeout = spec.placement_timeout;

@@ -1,5 +1,6 @@
 //! `kolo run` and `kolo rendezvous`.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -20,7 +21,7 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
         spec.worker_program = worker.program;
         spec.worker_args = worker.args;
     }
-    if let Some(elastic) = elastic_spec(&args, spec.np, &spec.hosts)? {
+    if let Some(elastic) = elastic_spec(&args, &spec)? {
         if args.dry_run {
             bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
         }
@@ -35,7 +36,8 @@ pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
 }
 
 /// The elastic options, if any was given (restart mode).
-fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<ElasticSpec>> {
+fn elastic_spec(args: &RunArgs, spec: &LaunchSpec) -> Result<Option<ElasticSpec>> {
+    let (np, hosts) = (spec.np, &spec.hosts);
     let elastic = args.in_place
         || args.min_np.is_some()
         || args.max_np.is_some()
@@ -45,8 +47,9 @@ fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<El
     if !elastic {
         return Ok(None);
     }
-    if args.engine == EngineArg::Ray {
-        bail!("kolo run's elastic jobs place workers with the local, ssh or Slurm engine (inside an allocation); on Ray, use kolo.Executor(min_workers=...) from Python");
+    let ray = args.engine == EngineArg::Ray;
+    if ray && args.workers_per_host.is_some() {
+        bail!("--workers-per-host is for fixed Ray jobs: an elastic job on Ray fills each node it is given");
     }
     if args.engine == EngineArg::Slurm && !kolo_exec::SlurmEngine::in_allocation() {
         bail!("an elastic job under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow one it asked for");
@@ -84,7 +87,12 @@ fn elastic_spec(args: &RunArgs, np: u64, hosts: &[HostSpec]) -> Result<Option<El
     Ok(Some(ElasticSpec {
         config,
         discovery: Discovery {
-            source: None,
+            // on Ray, the cluster's alive nodes, asked at every poll
+            source: (ray && args.host_discovery_script.is_none()).then(|| {
+                let resources = kolo_topology::WorkerResources { cpus: 1, gpus: spec.gpus_per_worker };
+                Arc::new(kolo_exec::RayNodes::new(spec.ray.clone(), resources))
+                    as Arc<dyn kolo_exec::elastic::HostSource>
+            }),
             script: args.host_discovery_script.clone(),
             fixed: hosts.to_vec(),
             interval: Duration::from_secs_f64(args.discovery_interval),
@@ -212,6 +220,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         },
         worker_program: args.worker_program.clone(),
         worker_args: Vec::new(),
+        on_ray_nodes: false,
         workers_per_host: args.workers_per_host,
         ray: kolo_exec::RayOptions {
             address: args.ray_address.clone(),

@@ -171,7 +171,10 @@ fn bad_elastic_options_are_refused_naming_them() {
         (&["-np", "2", "--max-restarts", "1", "--discovery-interval", "0"][..], "--discovery-interval"),
         (&["-np", "2", "--max-restarts", "1", "--dry-run"][..], "--dry-run shows a fixed job"),
         (&["-np", "2", "--host-discovery-script", "/nonexistent/discover"][..], "cannot run host discovery script"),
-        (&["-np", "2", "--in-place", "--engine", "ray"][..], "on Ray, use kolo.Executor(min_workers=...)"),
+        (
+            &["-np", "2", "--in-place", "--engine", "ray", "--workers-per-host", "1"][..],
+            "--workers-per-host is for fixed Ray jobs",
+        ),
         (&["-np", "2", "--max-restarts", "1", "--engine", "slurm"][..], "runs inside an allocation"),
     ] {
         let mut all = vec!["run"];
