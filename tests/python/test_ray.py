@@ -326,6 +326,54 @@ def test_kolo_run_restarts_and_runs_in_place_on_ray(cluster, nothing_left):
     assert "rank 0 in round 0" in out.stdout and "rank 1 in round 0" in out.stdout, out.stdout
 
 
+ELASTIC_DRIVER = """
+import sys, time
+import ray, kolo
+
+def train():
+    import time
+    import numpy as np
+    import kolo
+
+    state = kolo.elastic.ObjectState(step=0)
+
+    @kolo.elastic.run
+    def loop(state, comm):
+        while True:
+            comm.allreduce(np.ones(2))
+            state.step += 1
+            state.commit()
+            time.sleep(0.01)
+
+    return loop(state)
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+ex = kolo.Executor(kolo.Executor.create_settings(timeout_s=60), min_workers=2, max_workers=3, engine="ray",
+                   cpus_per_worker=2)
+ex.start()
+ex.run(train, on_event=lambda e: print(e["message"], flush=True))
+"""
+
+
+def test_a_killed_elastic_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
+    cpus = ray.cluster_resources()["CPU"]
+    driver = subprocess.Popen([sys.executable, "-c", ELASTIC_DRIVER, cluster.address], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        first = driver.stdout.readline()
+        assert first.startswith("round 0: 3 processes"), first
+        assert agents(), "the job's agents"
+    finally:
+        driver.kill()
+        driver.wait()
+    # its bridges (discovery's and the cohort's) see their stdin close: the
+    # launchers and agents go, and Ray gets its CPUs back (nothing_left: no agent)
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < cpus and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == cpus
+
+
 def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     # directories other jobs left are not this job's to remove
