@@ -401,13 +401,12 @@ impl Driver {
             (true, EngineChoice::Ray) => Vec::new(),
             (true, _) => vec![kolo_topology::HostSpec::new("localhost", max_workers)],
         };
-        // on Ray, the cluster's alive nodes, asked at every poll
-        let source: Option<std::sync::Arc<dyn kolo_exec::elastic::HostSource>> =
-            (choice == EngineChoice::Ray && discovery_script.is_none()).then(|| {
-                let resources =
-                    kolo_topology::WorkerResources { cpus: self.spec.cpus_per_worker, gpus: self.spec.gpus_per_worker };
-                std::sync::Arc::new(kolo_exec::RayNodes::new(self.spec.options.ray.clone(), resources)) as _
-            });
+        let resources =
+            kolo_topology::WorkerResources { cpus: self.spec.cpus_per_worker, gpus: self.spec.gpus_per_worker };
+        let source = match discovery_script {
+            None => choice.host_source(&self.spec.options, resources),
+            Some(_) => None,
+        };
         let discovery = Discovery {
             script: discovery_script.map(Into::into),
             source,
@@ -426,13 +425,8 @@ impl Driver {
                 let mut settings = spec.settings.clone().with_secret(secret);
                 settings.output.first_label = first_process;
                 // engines look host names up: off the runtime
-                let engine = tokio::task::spawn_blocking(move || match choice {
-                    // Ray nodes by id, as its discovery named them
-                    EngineChoice::Ray => {
-                        let engine = kolo_exec::RayEngine::on_nodes(spec.options.ray, request, hosts);
-                        Ok((Box::new(engine) as Box<dyn kolo_exec::Engine>, request))
-                    }
-                    _ => choice.engine(hosts, &request, spec.options).map(|e| (e, request)),
+                let engine = tokio::task::spawn_blocking(move || {
+                    choice.elastic_engine(hosts, &request, spec.options).map(|e| (e, request))
                 })
                 .await
                 .map_err(|e| kolo_exec::ExecError::BadSettings(e.to_string()))?;

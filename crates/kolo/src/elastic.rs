@@ -125,7 +125,7 @@ async fn run_round(
 ) -> Result<(JobOutcome, Vec<String>, Option<Decision>)> {
     let mut round = spec.clone();
     round.hosts = world.host_specs();
-    round.on_ray_nodes = true;
+    round.elastic_world = true;
     round.np = world.size().into();
     let restarts = world.restarts.to_string();
     let max_restarts = elastic.config.max_restarts.unwrap_or(0).to_string();

@@ -25,7 +25,7 @@ pub async fn run_in_place(
     let factory: CohortFactory = Arc::new(move |cohort: Cohort| {
         let mut spec = template.clone();
         spec.hosts = cohort.hosts;
-        spec.on_ray_nodes = true;
+        spec.elastic_world = true;
         spec.np = cohort.np;
         spec.output.first_label = cohort.first_process;
         Box::pin(async move {

@@ -44,10 +44,16 @@ pub struct LaunchSpec {
     pub worker_program: Option<std::path::PathBuf>,
     /// Its arguments (`python -m kolo._worker`).
     pub worker_args: Vec<String>,
-    /// With Ray: `hosts` are node ids an elastic job's membership chose,
-    /// and the workers go there (`RayEngine::on_nodes`), not where a
-    /// placement group puts them.
-    pub on_ray_nodes: bool,
+    /// `hosts` are those an elastic job's membership chose for a world or
+    /// cohort (`EngineChoice::elastic_engine`: on Ray, node ids).
+    pub elastic_world: bool,
+}
+
+impl LaunchSpec {
+    /// How each engine reaches its machines, as this launch says.
+    pub fn engine_options(&self) -> EngineOptions {
+        EngineOptions { ssh: self.ssh.clone(), slurm: self.slurm.clone(), ray: self.ray.clone() }
+    }
 }
 
 /// The Executor for a launch: its engine chosen (host names are looked up
@@ -78,10 +84,10 @@ pub async fn executor_with_secret(spec: &LaunchSpec, secret: Option<&str>) -> an
         None => WorkerRequest::pack(np),
     }
     .gpus_per_worker(spec.gpus_per_worker);
-    let options = EngineOptions { ssh: spec.ssh.clone(), slurm: spec.slurm.clone(), ray: spec.ray.clone() };
-    let engine: Box<dyn kolo_exec::Engine> = match choice {
-        EngineChoice::Ray if spec.on_ray_nodes => Box::new(kolo_exec::RayEngine::on_nodes(options.ray, request, hosts)),
-        _ => choice.engine(hosts, &request, options)?,
+    let options = spec.engine_options();
+    let engine = match spec.elastic_world {
+        true => choice.elastic_engine(hosts, &request, options)?,
+        false => choice.engine(hosts, &request, options)?,
     };
     let mut settings = Settings::default();
     settings.start_timeout = spec.start_timeout;

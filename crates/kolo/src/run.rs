@@ -1,6 +1,5 @@
 //! `kolo run` and `kolo rendezvous`.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -88,11 +87,13 @@ fn elastic_spec(args: &RunArgs, spec: &LaunchSpec) -> Result<Option<ElasticSpec>
         config,
         discovery: Discovery {
             // on Ray, the cluster's alive nodes, asked at every poll
-            source: (ray && args.host_discovery_script.is_none()).then(|| {
-                let resources = kolo_topology::WorkerResources { cpus: 1, gpus: spec.gpus_per_worker };
-                Arc::new(kolo_exec::RayNodes::new(spec.ray.clone(), resources))
-                    as Arc<dyn kolo_exec::elastic::HostSource>
-            }),
+            source: match args.host_discovery_script {
+                None => spec.engine.host_source(
+                    &spec.engine_options(),
+                    kolo_topology::WorkerResources { cpus: 1, gpus: spec.gpus_per_worker },
+                ),
+                Some(_) => None,
+            },
             script: args.host_discovery_script.clone(),
             fixed: hosts.to_vec(),
             interval: Duration::from_secs_f64(args.discovery_interval),
@@ -220,7 +221,7 @@ fn launch_spec(args: &RunArgs) -> Result<LaunchSpec> {
         },
         worker_program: args.worker_program.clone(),
         worker_args: Vec::new(),
-        on_ray_nodes: false,
+        elastic_world: false,
         workers_per_host: args.workers_per_host,
         ray: kolo_exec::RayOptions {
             address: args.ray_address.clone(),

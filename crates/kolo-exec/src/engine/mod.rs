@@ -125,6 +125,35 @@ impl EngineChoice {
             _ => Box::new(LocalEngine::with_hosts(hosts)),
         })
     }
+
+    /// The engine for one world (or cohort) of an elastic job, on the
+    /// hosts its membership chose: as `engine`, but on Ray the hosts are
+    /// node ids and the workers go there (`RayEngine::on_nodes`).
+    pub fn elastic_engine(
+        self,
+        hosts: Vec<HostSpec>,
+        request: &WorkerRequest,
+        options: EngineOptions,
+    ) -> Result<Box<dyn Engine>, ExecError> {
+        match self {
+            EngineChoice::Ray => Ok(Box::new(RayEngine::on_nodes(options.ray, *request, hosts))),
+            other => other.engine(hosts, request, options),
+        }
+    }
+
+    /// Where an elastic job on this engine finds its hosts when no
+    /// discovery script is given: on Ray, the cluster's alive nodes with
+    /// the slots workers of `resources` take; elsewhere none (the host list).
+    pub fn host_source(
+        self,
+        options: &EngineOptions,
+        resources: kolo_topology::WorkerResources,
+    ) -> Option<std::sync::Arc<dyn crate::elastic::HostSource>> {
+        match self {
+            EngineChoice::Ray => Some(std::sync::Arc::new(RayNodes::new(options.ray.clone(), resources))),
+            _ => None,
+        }
+    }
 }
 
 /// Whether `host` names this machine: `localhost`, its host name, or one
