@@ -63,6 +63,13 @@ impl SlurmEngine {
 
     /// The allocation this process runs in.
     pub fn from_allocation() -> Result<Self, ExecError> {
+        let (job_id, nodes) = Self::allocation()?;
+        Ok(Self::new(Some(job_id), nodes, None))
+    }
+
+    /// The id and the nodes (each with its tasks) of the allocation this
+    /// process runs in, from Slurm's variables.
+    fn allocation() -> Result<(String, Vec<(String, u32)>), ExecError> {
         let var = |n: &str| {
             std::env::var(n).map_err(|_| slurm_err("not inside a Slurm allocation", format!("{n} is not set")))
         };
@@ -75,7 +82,7 @@ impl SlurmEngine {
         if tasks.len() != nodes.len() {
             return Err(slurm_err("SLURM_TASKS_PER_NODE", format!("{} counts for {} nodes", tasks.len(), nodes.len())));
         }
-        Ok(Self::new(Some(job_id), nodes.into_iter().zip(tasks).collect(), None))
+        Ok((job_id, nodes.into_iter().zip(tasks).collect()))
     }
 
     /// The nodes of the allocation this process runs in, each with its
@@ -84,8 +91,8 @@ impl SlurmEngine {
         if !Self::in_allocation() {
             return Ok(Vec::new());
         }
-        let engine = Self::from_allocation()?;
-        Ok(engine.nodes.iter().map(|(name, tasks)| kolo_topology::HostSpec::new(name.clone(), *tasks)).collect())
+        let (_, nodes) = Self::allocation()?;
+        Ok(nodes.into_iter().map(|(name, tasks)| kolo_topology::HostSpec::new(name, tasks)).collect())
     }
 
     /// The allocation this process runs in, restricted to `hosts` (all of
