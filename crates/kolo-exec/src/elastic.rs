@@ -459,8 +459,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             ended = tokio::select! {
                 Some((cohort, rank, end)) = ends.recv() => job.on_end(cohort, rank, end).await,
                 Some((cohort, report)) = reports.recv() => {
-                    let rank = job.round_rank(cohort, report.rank);
-                    job.tell(ElasticEvent::Reported { rank, data: report.data });
+                    job.tell_report(cohort, report);
                     None
                 }
                 spawned = spawn_done(&mut job.spawning) => job.on_spawned(spawned).await,
@@ -478,8 +477,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         job.reports = None;
         let drain = async {
             while let Some((cohort, report)) = reports.recv().await {
-                let rank = job.round_rank(cohort, report.rank);
-                job.tell(ElasticEvent::Reported { rank, data: report.data });
+                job.tell_report(cohort, report);
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(2), drain).await;
@@ -499,11 +497,12 @@ impl<W: ElasticWork> ElasticJob<W> {
         Ok(outcome)
     }
 
-    /// The rank in the last round of a cohort's process.
-    fn round_rank(&self, cohort: usize, rank: u32) -> Option<u32> {
-        let p = self.procs.iter().position(|p| p.cohort == cohort && p.rank == rank)?;
-        let at = self.rounds.last()?.iter().position(|&m| m == p)?;
-        u32::try_from(at).ok()
+    /// Tells what a cohort's process reported, with its rank in the last
+    /// round (if it has one).
+    fn tell_report(&mut self, cohort: usize, report: Report) {
+        let p = self.procs.iter().position(|p| p.cohort == cohort && p.rank == report.rank);
+        let rank = p.and_then(|p| self.members().iter().position(|&m| m == p)).and_then(|r| u32::try_from(r).ok());
+        self.tell(ElasticEvent::Reported { rank, data: report.data });
     }
 
     fn tell(&mut self, event: ElasticEvent) {
