@@ -241,24 +241,21 @@ class Bridge:
             # a node's launcher holds its own bundle's GPUs only: with GPUs
             # there is one per bundle
             placed.append(dict(where, bundle=i, node_id=node_of[i]))
-        gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+        return self._placed(placed)
+
+    def _placed(self, placed):
+        """The answer to "place": where each bundle is, and where Ray's GCS runs."""
+        gcs_host = self.ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
         return {"placed": placed, "gcs_host": gcs_host}
 
     def _place_on(self, ray, affinity, bundles, nodes, timeout):
-        """A launcher actor per bundle on its node (one per node without
-        GPUs), holding the bundle's resources there while it lives."""
+        """A launcher actor per bundle on its node, holding the bundle's
+        resources there while it lives (kolo asks for a bundle per node, or
+        per worker with GPUs)."""
         launcher = ray.remote(Launcher)
-        with_gpus = any(b.get("GPU", 0) for b in bundles)
-        first_on_node = {}
-        for i, (b, node) in enumerate(zip(bundles, nodes)):
-            if not with_gpus and node in first_on_node:
-                self.launcher_of.append(self.launcher_of[first_on_node[node]])
-                continue
-            first_on_node.setdefault(node, i)
-            # one actor holds its node's bundles together
-            cpus = sum(x.get("CPU", 0) for x, n in zip(bundles, nodes) if n == node) if not with_gpus else b.get("CPU", 0)
+        for b, node in zip(bundles, nodes):
             actor = launcher.options(
-                num_cpus=cpus,
+                num_cpus=b.get("CPU", 0),
                 num_gpus=b.get("GPU", 0),
                 max_concurrency=1000,
                 scheduling_strategy=affinity(node_id=node, soft=False),
@@ -266,13 +263,11 @@ class Bridge:
             self.actors.append(actor)
             self.launcher_of.append(actor)
         try:
-            places = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors], timeout=timeout)))
+            places = ray.get([a.where.remote() for a in self.actors], timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return {"error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
                              f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"}
-        placed = [dict(places[actor], bundle=i, node_id=nodes[i]) for i, actor in enumerate(self.launcher_of)]
-        gcs_host = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
-        return {"placed": placed, "gcs_host": gcs_host}
+        return self._placed([dict(where, bundle=i, node_id=node) for i, (where, node) in enumerate(zip(places, nodes))])
 
     def _infeasible(self, bundles, strategy, timeout):
         ray = self.ray
