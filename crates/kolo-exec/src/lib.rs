@@ -49,6 +49,7 @@ mod driver;
 pub mod elastic;
 mod engine;
 mod guard;
+mod hurry;
 mod nics;
 mod output;
 pub mod policy;
@@ -56,6 +57,7 @@ mod process;
 mod proto;
 mod registry;
 mod settings;
+mod sockets;
 mod worker;
 
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo};
@@ -64,6 +66,7 @@ pub use engine::{
     SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};
+pub use hurry::{hurried, hurry};
 pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;

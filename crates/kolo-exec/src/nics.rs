@@ -64,26 +64,80 @@ fn probe_context(index: u32) -> Vec<u8> {
     context
 }
 
-/// Listens for probes for a minute, one handshake at a time.
+/// Set to stop the probe listener this process runs (an agent runs at
+/// most one, for the job's start).
+static STOP_LISTENING: std::sync::Mutex<Option<Arc<std::sync::atomic::AtomicBool>>> = std::sync::Mutex::new(None);
+
+/// How long a probe listener waits at most for the driver's word that the
+/// probes are over (a driver that died meanwhile).
+const LISTEN_AT_MOST: Duration = Duration::from_secs(60);
+
+/// Listens for probes on this host's listed addresses only, one port for
+/// all of them, one handshake at a time, until [`stop_listening`] (or a
+/// minute at most).
 pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfaces)> {
-    let listener = TcpListener::bind("0.0.0.0:0")?;
-    let port = listener.local_addr()?.port();
-    listener.set_nonblocking(true)?;
+    let listed = interfaces();
+    let addrs: Vec<IpAddr> = listed.iter().flat_map(|(_, a)| a.iter()).filter_map(|a| a.parse().ok()).collect();
+    let listeners = bind_all(&addrs)?;
+    let port = match listeners.first() {
+        Some(l) => l.local_addr()?.port(),
+        // nothing to probe on this host: the probes of it fail and say so
+        None => 0,
+    };
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(earlier) = STOP_LISTENING.lock().unwrap_or_else(|p| p.into_inner()).replace(stop.clone()) {
+        earlier.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     std::thread::spawn(move || {
-        let until = std::time::Instant::now() + Duration::from_secs(60);
+        use std::os::fd::AsFd;
+        let until = std::time::Instant::now() + LISTEN_AT_MOST;
         let context = probe_context(index);
-        while std::time::Instant::now() < until {
-            match listener.accept() {
-                Ok((mut s, _)) => {
+        while std::time::Instant::now() < until && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let mut fds: Vec<nix::poll::PollFd> =
+                listeners.iter().map(|l| nix::poll::PollFd::new(l.as_fd(), nix::poll::PollFlags::POLLIN)).collect();
+            // woken every 50 ms to see the stop flag
+            if nix::poll::poll(&mut fds, 50u16).unwrap_or(0) == 0 {
+                continue;
+            }
+            for listener in &listeners {
+                if let Ok((mut s, _)) = listener.accept() {
                     let _ = s.set_nonblocking(false);
                     // a peer that fails the handshake is simply dropped
                     let _ = kolo_auth::listen_handshake(&mut s, &secret, &context, Duration::from_secs(5));
                 }
-                Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
         }
     });
-    Ok((port, interfaces()))
+    Ok((port, listed))
+}
+
+/// Closes the probe listener of this process, if one runs.
+pub fn stop_listening() {
+    if let Some(stop) = STOP_LISTENING.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Non-blocking listeners on every address, on one port (tried a few
+/// times: another program may hold the first one's port elsewhere).
+fn bind_all(addrs: &[IpAddr]) -> std::io::Result<Vec<TcpListener>> {
+    let mut last = None;
+    for _ in 0..8 {
+        let mut listeners: Vec<TcpListener> = Vec::new();
+        let mut port = 0;
+        let bound = addrs.iter().try_for_each(|ip| {
+            let listener = TcpListener::bind(SocketAddr::new(*ip, port))?;
+            listener.set_nonblocking(true)?;
+            port = listener.local_addr()?.port();
+            listeners.push(listener);
+            Ok::<(), std::io::Error>(())
+        });
+        match bound {
+            Ok(()) => return Ok(listeners),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("tried at least once"))
 }
 
 fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &Secret, timeout: Duration) -> Option<String> {

@@ -55,6 +55,9 @@ pub enum JobEvent {
     Ended { rank: u32, cause: Cause },
     /// kolo was asked to stop (the signal's number).
     Interrupted(i32),
+    /// kolo was asked to stop again while stopping (a second Ctrl-C):
+    /// what still runs is killed now, as mpirun does.
+    Hurried(i32),
     /// Time passed (a deadline this machine asked for came).
     Tick,
 }
@@ -111,6 +114,15 @@ impl Teardown {
                 if self.interrupted_by.is_none() {
                     self.interrupted_by = Some(signal);
                     self.begin(now, &mut actions);
+                }
+            }
+            JobEvent::Hurried(signal) => {
+                if self.interrupted_by.is_none() && self.failure.is_none() {
+                    self.interrupted_by = Some(signal);
+                }
+                if !self.killed && !self.done() {
+                    self.killed = true;
+                    actions.push(JobAction::Kill);
                 }
             }
             JobEvent::Tick => {}
@@ -230,6 +242,32 @@ mod tests {
         assert!(t.done());
         assert_eq!(t.failure(), None);
         assert_eq!(t.exit_code(), 130);
+    }
+
+    #[test]
+    fn a_second_interruption_kills_at_once_and_only_once() {
+        let t0 = Instant::now();
+        let mut t = Teardown::new(2, Duration::from_secs(10));
+        assert_eq!(t.on_event(JobEvent::Interrupted(2), t0), [JobAction::Terminate]);
+        let soon = t0 + Duration::from_millis(500);
+        assert_eq!(t.on_event(JobEvent::Hurried(2), soon), [JobAction::Kill]);
+        assert_eq!(t.deadline(), None);
+        assert!(t.on_event(JobEvent::Hurried(2), soon).is_empty());
+        assert!(t.on_event(JobEvent::Tick, t0 + Duration::from_secs(10)).is_empty());
+        t.on_event(ended(0, Cause::Exited { code: None, signal: Some(9) }), soon);
+        t.on_event(ended(1, Cause::Exited { code: None, signal: Some(9) }), soon);
+        assert!(t.done());
+        assert_eq!(t.exit_code(), 130);
+        // while a failure tears the job down, the failure stays what is reported
+        let mut t = Teardown::new(2, Duration::from_secs(10));
+        let bad = Cause::Exited { code: Some(3), signal: None };
+        t.on_event(ended(0, bad.clone()), t0);
+        assert_eq!(t.on_event(JobEvent::Hurried(15), soon), [JobAction::Kill]);
+        assert_eq!(t.failure(), Some(&(0, bad)));
+        // after the last rank ended there is nothing to kill
+        let mut t = Teardown::new(1, Duration::from_secs(10));
+        t.on_event(ended(0, OK), t0);
+        assert!(t.on_event(JobEvent::Hurried(2), soon).is_empty());
     }
 
     #[test]

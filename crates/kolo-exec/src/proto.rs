@@ -18,7 +18,7 @@ use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Frames larger than this are refused (a task's arguments or result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
@@ -163,6 +163,16 @@ pub enum ToWorker {
     Stop,
     /// Open a listener for interface probes and list this host's interfaces.
     ProbeListen,
+    /// The probes are over: close that listener.
+    ProbeDone,
+    /// Whose is the TCP connection from `client` (on the agent's host) to
+    /// the driver's `server`? Asked for each connection to the job's
+    /// stores from that host; answered at once, even during a call.
+    WhoOwns {
+        id: u64,
+        client: std::net::SocketAddr,
+        server: std::net::SocketAddr,
+    },
     /// Find `count` ports free on this host (rank 0's: the frameworks'
     /// coordinators listen there) and list its interfaces.
     ReservePorts {
@@ -179,6 +189,11 @@ pub enum ToWorker {
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub enum ToDriver {
     Heartbeat,
+    /// The answer to `WhoOwns`: the connection is the job user's, or why not.
+    SocketOwner {
+        id: u64,
+        answer: Result<(), String>,
+    },
     Output {
         stderr: bool,
         data: Vec<u8>,

@@ -294,6 +294,25 @@ async fn reports_reach_the_caller_in_order_before_the_results() -> Result<(), Fa
     Ok(())
 }
 
+async fn shutdown_ends_calls_that_run_or_wait_without_waiting_for_them() -> Result<(), Failed> {
+    let mut settings = quick_settings();
+    // far longer than the test may take: a worker that waits for its call
+    // to end, or the driver for the grace, fails it
+    settings.kill_grace = Duration::from_secs(600);
+    let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), hosts(&[("node", 2, 0)]))?;
+    ex.start::<Counter>(&0, &[]).await?;
+    let pids: Vec<u32> = ex.workers().iter().map(|w| w.pid).collect();
+    let _running = ex.run_remote(&SlowAdd { millis: 600_000 }).await?;
+    let _waiting = ex.run_remote(&SlowAdd { millis: 600_000 }).await?;
+    tokio::time::timeout(Duration::from_secs(60), ex.shutdown())
+        .await
+        .map_err(|_| "shutdown waited for the running call")?;
+    for pid in pids {
+        check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
+    }
+    Ok(())
+}
+
 async fn a_report_after_its_call_returned_is_refused() -> Result<(), Failed> {
     let late = std::env::temp_dir().join(format!("kolo-late-{}", std::process::id()));
     let mut ex = Executor::with_engine(quick_settings(), WorkerRequest::pack(1), hosts(&[("node", 1, 0)]))?;
@@ -710,6 +729,7 @@ fn main() {
         reports_reach_the_caller_in_order_before_the_results,
         a_report_after_its_call_returned_is_refused,
         remote_handles_can_be_awaited_polled_and_cancelled,
+        shutdown_ends_calls_that_run_or_wait_without_waiting_for_them,
         a_failing_task_names_its_rank_and_the_executor_goes_on,
         a_create_failure_is_an_error_naming_the_rank,
         a_worker_killed_mid_task_is_reported,

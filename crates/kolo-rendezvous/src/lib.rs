@@ -27,6 +27,8 @@ mod client;
 mod config;
 pub mod elastic;
 #[cfg(feature = "server")]
+mod gate;
+#[cfg(feature = "server")]
 mod server;
 #[cfg(feature = "server")]
 mod torch_store;
@@ -35,6 +37,8 @@ pub use blocking::BlockingClient;
 #[cfg(feature = "async-client")]
 pub use client::Client;
 pub use config::ClientConfig;
+#[cfg(feature = "server")]
+pub use gate::{GateAnswer, PeerGate};
 #[cfg(feature = "server")]
 pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
 #[cfg(feature = "server")]

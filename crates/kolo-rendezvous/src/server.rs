@@ -62,6 +62,10 @@ pub struct ServerConfig {
     /// and is closed at once, so the clients already served keep working.
     /// Default 16384.
     pub max_connections: usize,
+    /// Asked about each connection before it is served (the protocol has
+    /// no secret that Gloo's client could present); `None` serves anyone
+    /// who can reach `bind`.
+    pub gate: Option<crate::PeerGate>,
 }
 
 impl ServerConfig {
@@ -78,6 +82,7 @@ impl ServerConfig {
             header_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(30),
             max_connections: 16384,
+            gate: None,
         }
     }
 }
@@ -451,6 +456,11 @@ fn refuse(stream: TcpStream, max: usize) {
 }
 
 async fn serve_connection(stream: TcpStream, shared: Arc<Shared>) {
+    if let (Some(gate), Ok(peer), Ok(local)) = (&shared.config.gate, stream.peer_addr(), stream.local_addr()) {
+        if !gate.admits("rendezvous server", peer, local).await {
+            return;
+        }
+    }
     let _ = stream.set_nodelay(true);
     let timeout = shared.config.header_timeout;
     let service = service_fn(move |req| {

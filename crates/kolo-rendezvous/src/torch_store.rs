@@ -5,7 +5,8 @@
 //! (`TORCHELASTIC_USE_AGENT_STORE=True`).
 //!
 //! The protocol has no authentication of its own. The server takes
-//! connections only from the peers it is told about (the job's hosts), and
+//! connections only from the peers it is told about (the job's hosts) and
+//! that its gate admits (the job's user on them, see [`crate::PeerGate`]), and
 //! bounds everything a client can make it hold: key and value sizes, the
 //! number of keys, the store's bytes (requests reserve their bytes before
 //! they are read), the connections, and the time a request may take once
@@ -77,6 +78,9 @@ pub struct TorchStoreConfig {
     pub request_timeout: Duration,
     /// Peers allowed to connect; `None` lets anyone who can reach `bind`.
     pub allowed_peers: Option<HashSet<IpAddr>>,
+    /// Asked about each allowed peer's connection before a byte of it is
+    /// read; `None` admits them all.
+    pub gate: Option<crate::PeerGate>,
 }
 
 impl TorchStoreConfig {
@@ -91,6 +95,7 @@ impl TorchStoreConfig {
             max_connections: 16384,
             request_timeout: Duration::from_secs(30),
             allowed_peers: None,
+            gate: None,
         }
     }
 }
@@ -239,6 +244,11 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
 }
 
 async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>) {
+    if let (Some(gate), Ok(local)) = (&shared.config.gate, stream.local_addr()) {
+        if !gate.admits("torch store", peer, local).await {
+            return;
+        }
+    }
     let (read, mut write) = stream.into_split();
     let mut conn = Connection { read: BufReader::with_capacity(4 << 10, read), shared: &shared, reserved: 0 };
     let result = conn.run(&mut write).await;

@@ -377,6 +377,16 @@ pub fn stop_signal() -> impl std::future::Future<Output = Signal> {
         // here, not where the job stops: an elastic job also stops a
         // world to re-form it, which no signal asked for
         tracing::warn!("received {}; stopping the job", signal.as_str());
+        // a second one means now: no more waiting for the kill grace
+        tokio::spawn(async move {
+            let again = tokio::select! {
+                _ = int.recv() => Signal::SIGINT,
+                _ = term.recv() => Signal::SIGTERM,
+                _ = hup.recv() => Signal::SIGHUP,
+            };
+            tell(&format!("kolo: {} again; killing every rank now", again.as_str()));
+            kolo_exec::hurry(again as i32);
+        });
         signal
     }
 }

@@ -43,6 +43,16 @@ pub fn alive(pid: i32) -> bool {
     }
 }
 
+/// SIGKILLs a process when dropped, so that a failing assertion does not
+/// leave it (its janitor then ends the job's other processes).
+pub struct KillOnDrop(pub u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.0 as i32), nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
 pub struct TempDir(pub PathBuf);
 
 impl TempDir {

@@ -195,6 +195,49 @@ fn sigterm_and_sigint_to_kolo_tear_the_job_down() {
 }
 
 #[test]
+fn a_second_sigint_kills_ranks_that_ignore_sigterm_without_waiting_out_the_grace() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    use std::io::BufRead;
+    let dir = TempDir::new("twice");
+    let script = format!("trap '' TERM; echo $$ > {}/$RANK.pid; while :; do sleep 0.05; done", dir.path().display());
+    // a grace far longer than the test may take: only the second SIGINT can end it
+    let mut child = kolo()
+        .args(["run", "-np", "2", "--kill-grace", "600", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _reap = KillOnDrop(child.id());
+    wait_for("both ranks to start", Duration::from_secs(20), || pids_in(dir.path()).len() == 2);
+    let kolo_pid = Pid::from_raw(child.id() as i32);
+    kill(kolo_pid, Signal::SIGINT).unwrap();
+    let mut stderr_lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in stderr_lines.by_ref() {
+        let line = line.unwrap();
+        seen.push(line.clone());
+        if line.contains("stopping the job") {
+            break;
+        }
+    }
+    assert!(seen.iter().any(|l| l.contains("stopping the job")), "{seen:?}");
+    kill(kolo_pid, Signal::SIGINT).unwrap();
+    let mut status = None;
+    wait_for("kolo to end after the second SIGINT", Duration::from_secs(60), || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    let rest: Vec<String> = stderr_lines.map_while(Result::ok).collect();
+    let status = status.unwrap();
+    assert_eq!(status.code(), Some(130), "{seen:?} {rest:?}");
+    assert!(rest.iter().any(|l| l.contains("SIGINT again; killing every rank now")), "{rest:?}");
+    for pid in pids_in(dir.path()) {
+        assert!(!alive(pid), "{pid} outlived the second SIGINT");
+    }
+}
+
+#[test]
 fn a_command_that_cannot_start_is_a_clear_error() {
     let out = run(&["run", "-np", "2", "--", "/nonexistent/program", "arg"]);
     assert_eq!(out.status.code(), Some(127));

@@ -41,6 +41,7 @@ impl Executor {
         tokio::pin!(interrupt);
         let mut teardown = Teardown::new(running.links.len(), grace);
         let mut interrupted = false;
+        let mut hurried = false;
         while !teardown.done() {
             let deadline = teardown.deadline().map(tokio::time::Instant::from_std);
             let event = tokio::select! {
@@ -51,6 +52,10 @@ impl Executor {
                 signal = &mut interrupt, if !interrupted => {
                     interrupted = true;
                     JobEvent::Interrupted(signal as i32)
+                }
+                signal = crate::hurry::hurried(), if !hurried => {
+                    hurried = true;
+                    JobEvent::Hurried(signal)
                 }
                 _ = sleep_until_opt(deadline) => JobEvent::Tick,
             };

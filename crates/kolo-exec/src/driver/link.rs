@@ -57,6 +57,12 @@ pub(crate) struct Link {
     held_back: AtomicBool,
     /// The exception the command reported before it exited, if any.
     pub command_error: Mutex<Option<RankError>>,
+    /// The address the worker's control connection came from: its host,
+    /// as the job's stores see connections from there.
+    pub host_addr: Option<std::net::IpAddr>,
+    /// `WhoOwns` questions waiting for their answer, by id.
+    owner_questions: Mutex<HashMap<u64, oneshot::Sender<Result<(), String>>>>,
+    next_question: AtomicU64,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -68,7 +74,7 @@ pub struct RankError {
 }
 
 impl Link {
-    pub fn new(info: WorkerInfo, writer: OwnedWriteHalf) -> Link {
+    pub fn new(info: WorkerInfo, writer: OwnedWriteHalf, host_addr: Option<std::net::IpAddr>) -> Link {
         Link {
             info,
             writer: tokio::sync::Mutex::new(writer),
@@ -80,7 +86,24 @@ impl Link {
             epoch: std::time::Instant::now(),
             held_back: AtomicBool::new(false),
             command_error: Mutex::new(None),
+            host_addr: host_addr.map(|a| a.to_canonical()),
+            owner_questions: Mutex::new(HashMap::new()),
+            next_question: AtomicU64::new(1),
         }
+    }
+
+    /// Asks the worker's agent whether the connection from `client` (on
+    /// its host) to `server` is its user's.
+    pub async fn ask_owner(&self, client: std::net::SocketAddr, server: std::net::SocketAddr) -> Result<(), String> {
+        let id = self.next_question.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        let sent = self.send(&ToWorker::WhoOwns { id, client, server }).await;
+        if let Err(e) = sent {
+            self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            return Err(format!("cannot ask {} about it: {e}", self.describe()));
+        }
+        rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
     }
 
     pub fn describe(&self) -> String {
@@ -135,6 +158,7 @@ impl Link {
             let _ = tx.send(Err(message));
         }
         self.reports.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).clear();
         true
     }
 }
@@ -187,6 +211,11 @@ pub(crate) async fn read_worker(
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
+            }
+            ToDriver::SocketOwner { id, answer } => {
+                if let Some(tx) = link.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+                    let _ = tx.send(answer);
+                }
             }
             ToDriver::Created { result } => {
                 if let Some(tx) = link.created.lock().unwrap_or_else(|p| p.into_inner()).take() {

@@ -12,6 +12,7 @@
 pub(crate) mod calls;
 mod command;
 mod link;
+mod peers;
 mod progress;
 mod start;
 
@@ -275,7 +276,12 @@ impl Executor {
         // the readers of lost workers have ended already
         let drain = async { while running.readers.join_next().await.is_some() {} };
         let limit = self.settings.kill_grace + Duration::from_secs(2);
-        if tokio::time::timeout(limit, drain).await.is_err() {
+        let drained = tokio::select! {
+            drained = tokio::time::timeout(limit, drain) => drained.is_ok(),
+            // asked twice to stop: what is left is killed now
+            _ = crate::hurry::hurried() => false,
+        };
+        if !drained {
             running.readers.abort_all();
         }
         self.stop_engine().await;

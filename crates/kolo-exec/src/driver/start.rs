@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::link::{read_worker, send_heartbeats, watch_heartbeats, Link};
 use super::progress::Progress;
-use super::{Executor, Running, WorkerInfo};
+use super::{peers, Executor, Running, WorkerInfo};
 use crate::engine::WorkerLaunch;
 use crate::guard::{Guard, GuardOptions};
 use crate::output::OutputWriter;
@@ -121,6 +121,7 @@ impl Executor {
         let mut server_config = ServerConfig::new(SocketAddr::new(driver_ip, 0));
         server_config.secret = Some(settings.secret().to_string());
         server_config.require_secret = settings.rendezvous_require_secret;
+        server_config.gate = Some(peers::gate(settings.secret()));
         let server = RendezvousServer::start(server_config, &plan.slots()).await?;
 
         // 5. interfaces, then each rank's env from the plan
@@ -138,6 +139,7 @@ impl Executor {
         let mut store_config = TorchStoreConfig::new(SocketAddr::new(driver_ip, 0));
         let peers = hellos.iter().filter_map(|h| h.stream.peer_addr().ok()).map(|a| a.ip().to_canonical());
         store_config.allowed_peers = Some(peers.collect());
+        store_config.gate = Some(peers::gate(settings.secret()));
         let torch_store = TorchStoreServer::start(store_config).await?;
         // JAX's coordinator lives in rank 0, wherever it runs: its address
         // on the shared interface and a port free there
@@ -172,24 +174,17 @@ impl Executor {
                 ranks: planned.ranks.clone(),
                 env: plan.env(rank, &job, extra_env, |name| std::env::var(name).ok()),
             };
+            let host_addr = hello.stream.peer_addr().ok().map(|a| a.ip());
             let (reader, writer) = hello.stream.into_split();
-            let link = Arc::new(Link::new(info, writer));
+            let link = Arc::new(Link::new(info, writer, host_addr));
             let reading =
                 readers.spawn(read_worker(link.clone(), reader, output.queue(), event_tx.clone(), stopping.clone()));
             background.spawn(send_heartbeats(link.clone(), settings.heartbeat_interval));
             watched.push((link.clone(), reading));
             links.push(link);
         }
-        if links.iter().any(|l| l.info.env.get(kolo_topology::OMP_NUM_THREADS).map(String::as_str) == Some("1"))
-            && std::env::var_os(kolo_topology::OMP_NUM_THREADS).is_none()
-            && !extra_env.iter().any(|(k, _)| k == kolo_topology::OMP_NUM_THREADS)
-        {
-            // as torchrun does: say so once, since it changes performance
-            tracing::warn!(
-                "OMP_NUM_THREADS=1 for ranks that share a host, so they do not oversubscribe its cores; \
-                 set OMP_NUM_THREADS (or -x OMP_NUM_THREADS=N) to choose another"
-            );
-        }
+        // before any rank learns where the stores are
+        peers::register(settings.secret(), &links);
         let liveness = Liveness { timeout: settings.heartbeat_timeout };
         background.spawn(watch_heartbeats(watched, liveness, event_tx, stopping.clone()));
         // 6. env pushed to every worker (the job secret goes to kolo's own clients)
@@ -514,6 +509,11 @@ async fn detect_nics(
         })
         .await?;
         pairs.push(crate::nics::PairReport { from: host(r), to: host(reps[(k + 1) % reps.len()]), results });
+    }
+    // the listeners are for these probes only
+    let done = frame(&ToWorker::ProbeDone)?;
+    for &r in &reps {
+        hellos[r].stream.write_all(&done).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
     }
     let common = crate::nics::common(&pairs).map_err(ExecError::Nics)?;
     Ok((common, pairs))

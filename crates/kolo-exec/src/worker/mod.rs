@@ -186,6 +186,12 @@ impl Agent {
                 let _ = own.pumps.recv_timeout(Duration::from_millis(500));
             }
         }
+        if self.current_call.load(Ordering::Relaxed) != 0 {
+            // another thread is inside the user's code (a Python call):
+            // no exit handlers of its runtime may run under its feet
+            // SAFETY: _exit only ends the process
+            unsafe { libc::_exit(code) };
+        }
         std::process::exit(code)
     }
 }
@@ -291,12 +297,11 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
     }
     let interval = Duration::from_millis(welcome.heartbeat_interval_ms.max(1));
     let timeout = Duration::from_millis(welcome.heartbeat_timeout_ms.max(1));
-    let busy = Arc::new(AtomicU64::new(0));
     {
-        let (agent, busy) = (agent.clone(), busy.clone());
-        std::thread::spawn(move || heartbeat(&agent, interval, timeout, &busy));
+        let agent = agent.clone();
+        std::thread::spawn(move || heartbeat(&agent, interval, timeout));
     }
-    read_loop(&agent, &registry, stream, &busy)
+    serve(&agent, &registry, stream)
 }
 
 fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> Result<Welcome, String> {
@@ -383,7 +388,7 @@ fn pump(agent: &Agent, mut from: impl Read, stderr: bool) {
     }
 }
 
-fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &AtomicU64) {
+fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration) {
     loop {
         std::thread::sleep(interval);
         if let Err(e) = agent.send(&ToDriver::Heartbeat) {
@@ -392,7 +397,7 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration, busy: &Atomic
         }
         let silent =
             agent.started.elapsed().saturating_sub(Duration::from_millis(agent.last_heard_ms.load(Ordering::Relaxed)));
-        if silent > timeout && busy.load(Ordering::Relaxed) == 0 {
+        if silent > timeout {
             agent.say(&format!("no word from the driver for {:.1} s; stopping", silent.as_secs_f64()));
             agent.exit(1, Duration::ZERO);
         }
@@ -406,24 +411,73 @@ struct State {
     executable: Option<Box<dyn Any + Send>>,
 }
 
-/// Reads the driver's messages and acts on them in order. Calls run right
-/// here: a call is one wake-up of one thread. Before each call, whatever
-/// else has arrived is read first, so a `Cancel` sent while earlier calls
-/// ran still skips its call.
-fn read_loop(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream, busy: &AtomicU64) -> Result<i32, String> {
-    let mut reader = FrameReader::new(stream);
-    let mut queue: std::collections::VecDeque<ToWorker> = std::collections::VecDeque::new();
-    let mut cancelled: HashSet<u64> = HashSet::new();
+/// Calls queued or running, and the ones cancelled before they ran: the
+/// reader thread and the thread that runs calls share them.
+#[derive(Default)]
+struct Calls {
+    pending: AtomicU64,
+    cancelled: Mutex<HashSet<u64>>,
+}
+
+/// Acts on the driver's messages in order, on this thread (calls run here:
+/// Python's signal handlers need its main thread). A thread of its own
+/// reads them meanwhile, so that what must not wait for a running call
+/// does not: the driver's heartbeats, `Cancel`, and `Stop`, which ends a
+/// call that runs or waits (the driver is shutting the job down, as
+/// horovod.ray's shutdown kills its actors mid-call).
+fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i32, String> {
+    let (queue, messages) = mpsc::channel::<ToWorker>();
+    let calls = Arc::new(Calls::default());
+    {
+        let (agent, calls) = (agent.clone(), calls.clone());
+        std::thread::spawn(move || read_frames(&agent, stream, &calls, &queue));
+    }
     let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
+    for message in messages {
+        let call = match &message {
+            ToWorker::Call { id, .. } => Some(*id),
+            _ => None,
+        };
+        let skip = call.is_some_and(|id| calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(&id));
+        if !skip {
+            handle(agent, registry, &mut state, message);
+        }
+        if call.is_some() {
+            calls.pending.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    // the reader ends only by exiting the process
+    Ok(1)
+}
+
+/// Reads frames as they come; see [`serve`].
+fn read_frames(agent: &Arc<Agent>, stream: TcpStream, calls: &Calls, queue: &mpsc::Sender<ToWorker>) {
+    let mut reader = FrameReader::new(stream);
     loop {
         let read = (|| -> io::Result<()> {
-            reader.fill(queue.is_empty())?;
+            reader.fill(true)?;
             while let Some(message) = reader.frame()? {
                 match message {
+                    ToWorker::Heartbeat => {}
                     ToWorker::Cancel { id } => {
-                        cancelled.insert(id);
+                        calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
                     }
-                    other => queue.push_back(other),
+                    ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => {
+                        agent.exit(0, agent.kill_grace);
+                    }
+                    ToWorker::ProbeDone => crate::nics::stop_listening(),
+                    ToWorker::WhoOwns { id, client, server } => {
+                        let answer = socket_owner(client, server);
+                        agent.send(&ToDriver::SocketOwner { id, answer })?;
+                    }
+                    other => {
+                        if matches!(other, ToWorker::Call { .. }) {
+                            calls.pending.fetch_add(1, Ordering::SeqCst);
+                        }
+                        if queue.send(other).is_err() {
+                            return Err(io::Error::other("the agent stopped serving"));
+                        }
+                    }
                 }
             }
             Ok(())
@@ -433,21 +487,12 @@ fn read_loop(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream, busy: &
             agent.exit(1, Duration::ZERO);
         }
         agent.heard();
-        let Some(message) = queue.pop_front() else { continue };
-        if let ToWorker::Call { id, .. } = &message {
-            if cancelled.remove(id) {
-                continue;
-            }
-        }
-        busy.fetch_add(1, Ordering::Relaxed);
-        handle(agent, registry, &mut state, message);
-        busy.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
 fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: ToWorker) {
     let reply = match message {
-        ToWorker::Heartbeat | ToWorker::Cancel { .. } => return,
+        ToWorker::Heartbeat | ToWorker::Cancel { .. } | ToWorker::ProbeDone | ToWorker::WhoOwns { .. } => return,
         ToWorker::SetEnv(vars) => {
             // user code in this process reads its rank from the environment;
             // SetEnv comes once, right after the handshake, while this
@@ -505,6 +550,17 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
     if let Err(e) = agent.send(&reply) {
         agent.say(&format!("lost the driver ({e}); stopping"));
         agent.exit(1, Duration::ZERO);
+    }
+}
+
+/// Whether the connection from `client` on this host to the driver's
+/// `server` is this agent's user's: the job's stores admit it only then.
+fn socket_owner(client: std::net::SocketAddr, server: std::net::SocketAddr) -> Result<(), String> {
+    match crate::sockets::owner_uid(client, server) {
+        Ok(Some(uid)) if uid == crate::sockets::this_uid() => Ok(()),
+        Ok(Some(uid)) => Err(format!("it belongs to user {uid} of host {}, not the job's", real_hostname())),
+        Ok(None) => Err(format!("host {} has no such connection", real_hostname())),
+        Err(e) => Err(format!("cannot read the socket tables of host {}: {e}", real_hostname())),
     }
 }
 

@@ -1,0 +1,81 @@
+//! Who may use a job's stores. Their protocols carry no secret (Gloo's
+//! HTTP client, torch's TCPStore client), so the driver answers for them:
+//! a connection from this machine must be a socket of the driver's user
+//! (the kernel's socket tables say whose it is); one from another host
+//! must come from a host of the job, and that host's agent, which runs as
+//! the job's user there, must find it is its user's. Anything else is
+//! closed before a byte of it is read.
+//!
+//! A job may span several executors (an elastic job's cohorts meet on the
+//! first one's store): they share the job's secret, and with it the list
+//! of agents the gate asks.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, Weak};
+
+use kolo_rendezvous::PeerGate;
+
+use super::link::Link;
+
+/// Every live job's agents in this process, by job secret.
+static JOBS: Mutex<Vec<(String, Vec<Weak<Link>>)>> = Mutex::new(Vec::new());
+
+/// Adds a job's agents; dead entries (executors gone) are dropped meanwhile.
+pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
+    let mut jobs = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    for (_, agents) in jobs.iter_mut() {
+        agents.retain(|a| a.strong_count() > 0);
+    }
+    jobs.retain(|(_, agents)| !agents.is_empty());
+    let added = links.iter().map(Arc::downgrade);
+    match jobs.iter_mut().find(|(s, _)| s == secret) {
+        Some((_, agents)) => agents.extend(added),
+        None => jobs.push((secret.to_string(), added.collect())),
+    }
+}
+
+/// The live agents of the job whose control connections came from `host`.
+fn agents_on(secret: &str, host: IpAddr) -> Vec<Arc<Link>> {
+    let jobs = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let Some((_, agents)) = jobs.iter().find(|(s, _)| s == secret) else { return Vec::new() };
+    agents.iter().filter_map(Weak::upgrade).filter(|l| l.host_addr == Some(host) && l.lost_reason().is_none()).collect()
+}
+
+/// This machine's own addresses (loopback included).
+fn this_machine(ip: IpAddr) -> bool {
+    ip.is_loopback()
+        || nix::ifaddrs::getifaddrs().is_ok_and(|mut all| {
+            all.any(|a| {
+                let Some(address) = a.address else { return false };
+                let v4 = address.as_sockaddr_in().map(|s| IpAddr::V4(s.ip()));
+                let v6 = address.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip()));
+                v4.or(v6) == Some(ip)
+            })
+        })
+}
+
+/// The gate of the stores of the job with this secret.
+pub(super) fn gate(secret: &str) -> PeerGate {
+    let secret = secret.to_string();
+    PeerGate::new(move |peer, server| {
+        let secret = secret.clone();
+        Box::pin(async move {
+            let host = peer.ip().to_canonical();
+            if this_machine(host) {
+                let client = SocketAddr::new(host, peer.port());
+                let owner = tokio::task::spawn_blocking(move || crate::sockets::owner_uid(client, server))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                return match owner {
+                    Ok(Some(uid)) if uid == crate::sockets::this_uid() => Ok(()),
+                    Ok(Some(uid)) => Err(format!("it belongs to user {uid}, not the job's")),
+                    Ok(None) => Err("this machine lists no such connection".into()),
+                    Err(e) => Err(format!("cannot read this machine's socket tables: {e}")),
+                };
+            }
+            let agents = agents_on(&secret, host);
+            let Some(agent) = agents.first() else { return Err("not a host of the job".into()) };
+            agent.ask_owner(SocketAddr::new(host, peer.port()), server).await
+        })
+    })
+}

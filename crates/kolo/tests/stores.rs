@@ -1,0 +1,85 @@
+//! The job's stores (torch's TCPStore and the Horovod-compatible HTTP
+//! store) speak protocols without a secret; kolo serves them only to the
+//! job's user on the job's hosts. Tried here as another user of this
+//! machine (`nobody`, through setpriv: needs root), with the clients the
+//! ranks use, against a running job that must not notice.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+/// `store_client.py KIND ADDR PORT`, as user `nobody` or as this user.
+fn try_store(python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) -> String {
+    let script = repo_file("crates/kolo/tests/python/store_client.py");
+    let mut cmd = if as_nobody {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", python]);
+        c
+    } else {
+        Command::new(python)
+    };
+    // nobody has no home; nothing of this user's may leak in
+    let out = cmd.args([&script, kind, addr, port]).env("HOME", "/").current_dir("/").output().unwrap();
+    format!("{}{}", stdout(&out), stderr(&out)).trim().to_string()
+}
+
+fn can_switch_users() -> bool {
+    let root = nix::unistd::geteuid().is_root();
+    let setpriv = Command::new("setpriv").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !(root && setpriv) {
+        eprintln!("skipped: trying the stores as another user needs root and setpriv");
+    }
+    root && setpriv
+}
+
+#[test]
+fn another_user_of_the_machine_can_neither_read_nor_write_the_jobs_stores() {
+    if !can_switch_users() {
+        return;
+    }
+    let torch = python_with("torch");
+    let python = torch.clone().unwrap_or_else(|| "python3".into());
+    let dir = TempDir::new("stores");
+    let d = dir.path().display();
+    let script = format!(
+        "env > {d}/$RANK.env.tmp && mv {d}/$RANK.env.tmp {d}/$RANK.env; while [ ! -e {d}/done ]; do sleep 0.05; done"
+    );
+    let job = kolo()
+        .args(["run", "-np", "1", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _reap = KillOnDrop(job.id());
+    let env_file = dir.path().join("0.env");
+    wait_for("the rank to start", Duration::from_secs(30), || env_file.exists());
+    let env = std::fs::read_to_string(&env_file).unwrap();
+    let var = |name: &str| {
+        env.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("{name} in {env}"))
+            .to_string()
+    };
+    let http = (var("HOROVOD_GLOO_RENDEZVOUS_ADDR"), var("HOROVOD_GLOO_RENDEZVOUS_PORT"));
+    let master = (var("MASTER_ADDR"), var("MASTER_PORT"));
+
+    let said = try_store(&python, "http", &http.0, &http.1, true);
+    assert!(said.starts_with("refused"), "nobody used the HTTP store: {said}");
+    let said = try_store(&python, "http", &http.0, &http.1, false);
+    assert_eq!(said, "wrote", "the job's user was refused the HTTP store");
+    if let Some(torch) = &torch {
+        let said = try_store(torch, "torch", &master.0, &master.1, true);
+        assert!(said.starts_with("refused"), "nobody used torch's store: {said}");
+        let said = try_store(torch, "torch", &master.0, &master.1, false);
+        assert_eq!(said, "wrote", "the job's user was refused torch's store");
+    }
+
+    std::fs::write(dir.path().join("done"), "").unwrap();
+    let out = job.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    // each refusal was said, naming whose the connection was
+    assert!(stderr(&out).contains("belongs to user 65534"), "{}", stderr(&out));
+}
