@@ -63,16 +63,19 @@ def placement_groups_alive():
 
 
 @pytest.fixture
-def nothing_left(cluster):
-    """After the test: no agent on the machine, no placement group or
-    launcher actor of kolo's on the cluster."""
+def nothing_left(cluster, request):
+    """After the test: none of its agents on the machine, no placement
+    group or launcher actor of kolo's on the cluster."""
     groups_before = len(placement_groups_alive())
+    agents_before = set(agents())
     yield
     deadline = time.monotonic() + 30
-    while (agents() or len(placement_groups_alive()) > groups_before) and time.monotonic() < deadline:
+    while (set(agents()) - agents_before or len(placement_groups_alive()) > groups_before) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert agents() == []
-    assert len(placement_groups_alive()) == groups_before, placement_groups_alive()
+    assert set(agents()) - agents_before == set(), f"{request.node.nodeid} left these agents"
+    assert len(placement_groups_alive()) == groups_before, \
+        f"{request.node.nodeid} left placement groups: {placement_groups_alive()}"
 
 
 def where():
