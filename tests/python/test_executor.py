@@ -40,10 +40,16 @@ def test_pack_four_workers(settings):
     assert sizes == [{"WORLD_SIZE": "4", "HOROVOD_SIZE": "4"}] * 4
 
 
-def test_an_infeasible_request_names_what_was_asked_and_what_there_is(settings):
+def test_an_infeasible_request_names_what_was_asked_what_there_is_and_the_way_on(settings):
     ex = RayExecutor(settings, num_workers=5, hosts="localhost:4")
-    with pytest.raises(RuntimeError, match="5 workers.*available"):
+    with pytest.raises(kolo.PlacementError, match="5 workers.*available.*fewer workers"):
         ex.start()
+    # without a host list, this machine's CPUs are the limit: the message
+    # says how to run more workers than it has cores
+    ex = RayExecutor(settings, num_workers=os.cpu_count() + 1)
+    with pytest.raises(ValueError, match='cpus_per_worker.*hosts="localhost:4"') as raised:
+        ex.start()
+    assert isinstance(raised.value, kolo.PlacementError)
 
 
 @pytest.mark.parametrize(
@@ -239,20 +245,27 @@ def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
     driver = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    first = driver.stdout.readline()
-    assert first.startswith("workers"), first + driver.stderr.read()
-    pids = [int(p) for p in first.split()[1:]]
-    # Ctrl-C while the long call runs in both workers
-    deadline = time.monotonic() + 30
-    while not all(os.path.exists(marker + str(rank)) for rank in range(2)):
-        assert time.monotonic() < deadline, "the workers never started the call"
-        time.sleep(0.01)
-    driver.send_signal(signal.SIGINT)
-    out, err = driver.communicate(timeout=30)
-    assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
-    for pid in pids:
-        alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        assert not alive, f"worker {pid} outlived the interrupted driver"
+    try:
+        first = driver.stdout.readline()
+        assert first.startswith("workers"), first + driver.stderr.read()
+        pids = [int(p) for p in first.split()[1:]]
+        # Ctrl-C while the long call runs in both workers
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(marker + str(rank)) for rank in range(2)):
+            assert time.monotonic() < deadline, "the workers never started the call"
+            time.sleep(0.01)
+        driver.send_signal(signal.SIGINT)
+        out, err = driver.communicate(timeout=30)
+        assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
+        for pid in pids:
+            alive = os.path.exists(f"/proc/{pid}") and \
+                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+            assert not alive, f"worker {pid} outlived the interrupted driver"
+    finally:
+        # whatever failed, this test's driver goes (its workers follow it,
+        # and conftest ends any that do not)
+        driver.kill()
+        driver.communicate()
 
 
 def test_ssh_str_goes_to_the_identity_file_privately_and_never_over_an_existing_one(tmp_path):

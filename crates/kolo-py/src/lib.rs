@@ -4,7 +4,7 @@
 //! kolo-exec's Executor. Python objects cross as pickled bytes; the worker
 //! side calls into `kolo._remote` with the GIL held only for the call.
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde::{Deserialize, Serialize};
@@ -133,6 +133,38 @@ fn error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
 
+pyo3::create_exception!(
+    _kolo,
+    PlacementError,
+    pyo3::exceptions::PyValueError,
+    "The workers asked for do not fit on the hosts (a ValueError)."
+);
+
+/// How a Python user gets past a placement that does not fit.
+const PLACEMENT_HINT: &str = "ask for fewer workers (num_workers) or fewer CPUs or GPUs each (cpus_per_worker, \
+    gpus_per_worker), or give the hosts' slots yourself, e.g. hosts=\"localhost:4\" to run 4 workers on this \
+    machine whatever its cores";
+
+/// kolo's errors as the exceptions Python users catch: a placement that
+/// does not fit is a `PlacementError` (a `ValueError`), other bad input a
+/// `ValueError`, workers that did not come in time a `TimeoutError`.
+fn exec_error(e: kolo_exec::ExecError) -> PyErr {
+    use kolo_exec::ExecError as E;
+    use kolo_topology::TopologyError as T;
+    match &e {
+        E::Topology(T::Infeasible { .. } | T::NotEnoughSlots { .. }) => {
+            PlacementError::new_err(format!("{e}; {PLACEMENT_HINT}"))
+        }
+        E::Topology(_) | E::BadSettings(_) | E::NoCommand => PyValueError::new_err(e.to_string()),
+        E::StartTimeout { .. } => PyTimeoutError::new_err(e.to_string()),
+        _ => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+fn value_error(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
 /// kolo-exec's Executor on its own runtime, for `kolo.Executor`.
 #[pyclass]
 struct Driver {
@@ -162,7 +194,7 @@ fn interruptible<T>(
         tokio::pin!(work);
         loop {
             tokio::select! {
-                done = &mut work => return done.map_err(error),
+                done = &mut work => return done.map_err(exec_error),
                 _ = tokio::time::sleep(std::time::Duration::from_millis(100)) => {
                     Python::with_gil(|py| py.check_signals())?;
                 }
@@ -223,17 +255,17 @@ impl Driver {
         let request = match (num_workers, num_hosts) {
             (Some(n), None) => WorkerRequest::pack(n),
             (None, Some(h)) => WorkerRequest::colocated(h, workers_per_host),
-            _ => return Err(error("give num_workers or num_hosts, not both")),
+            _ => return Err(value_error("give num_workers or num_hosts, not both")),
         }
         .cpus_per_worker(cpus_per_worker)
         .gpus_per_worker(gpus_per_worker);
         let mut settings = Settings::default();
         if !(start_timeout_s.is_finite() && start_timeout_s > 0.0) {
-            return Err(error(format!("timeout_s must be a positive number of seconds, got {start_timeout_s}")));
+            return Err(value_error(format!("timeout_s must be a positive number of seconds, got {start_timeout_s}")));
         }
         settings.start_timeout = std::time::Duration::from_secs_f64(start_timeout_s);
         if !(placement_timeout_s.is_finite() && placement_timeout_s > 0.0) {
-            return Err(error(format!("placement_group_timeout_s must be positive, got {placement_timeout_s}")));
+            return Err(value_error(format!("placement_group_timeout_s must be positive, got {placement_timeout_s}")));
         }
         settings.placement_timeout = std::time::Duration::from_secs_f64(placement_timeout_s);
         settings.nics = nics;
@@ -248,7 +280,7 @@ impl Driver {
         settings.worker_program = Some(worker_program.into());
         settings.worker_args = worker_args;
         let host_list = match &hosts {
-            Some(list) => kolo_topology::parse_host_list(list).map_err(error)?,
+            Some(list) => kolo_topology::parse_host_list(list).map_err(value_error)?,
             None => Vec::new(),
         };
         let choice = match engine.as_deref() {
@@ -257,7 +289,7 @@ impl Driver {
             Some("ssh") => EngineChoice::Ssh,
             Some("slurm") => EngineChoice::Slurm,
             Some("ray") => EngineChoice::Ray,
-            Some(other) => return Err(error(format!("unknown engine '{other}': use local, ssh, slurm or ray"))),
+            Some(other) => return Err(value_error(format!("unknown engine '{other}': use local, ssh, slurm or ray"))),
         };
         let this_machine = match choice {
             EngineChoice::Local => true,
@@ -282,7 +314,7 @@ impl Driver {
                 .engine(host_list, &request, options)
                 .and_then(|engine| Executor::with_engine(settings, request, engine))
         }
-        .map_err(error)?;
+        .map_err(exec_error)?;
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());
         // one thread of its own: heartbeats and output go on while Python
@@ -376,16 +408,16 @@ impl Driver {
         let seconds = |what: &str, s: f64| {
             (s.is_finite() && s > 0.0)
                 .then(|| Duration::from_secs_f64(s))
-                .ok_or_else(|| error(format!("{what} must be a positive number of seconds, got {s}")))
+                .ok_or_else(|| value_error(format!("{what} must be a positive number of seconds, got {s}")))
         };
-        let mut config = kolo_topology::ElasticConfig::new(min_workers, max_workers).map_err(error)?;
+        let mut config = kolo_topology::ElasticConfig::new(min_workers, max_workers).map_err(value_error)?;
         config.reset_limit = reset_limit;
         config.names = kolo_topology::OptionNames::PYTHON;
         config.elastic_timeout = seconds("elastic_timeout", elastic_timeout_s)?;
         if let Some((lo, hi)) = cooldown_range {
             config.cooldown = Some(
                 kolo_topology::Cooldown::new(seconds("cooldown_range", lo)?, seconds("cooldown_range", hi)?)
-                    .map_err(error)?,
+                    .map_err(value_error)?,
             );
         }
         // with no host list: inside an allocation its nodes (each cohort a
@@ -499,6 +531,7 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(report, m)?)?;
     m.add_class::<Driver>()?;
+    m.add("PlacementError", m.py().get_type::<PlacementError>())?;
     elastic::register(m)?;
     Ok(())
 }

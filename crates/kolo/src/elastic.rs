@@ -143,6 +143,7 @@ async fn run_round(
         executor.shutdown().await;
         return Err(e.into());
     }
+    crate::launch::note_omp_default(&round, &executor);
     let nodes: Vec<String> = executor.plan().await?.workers.iter().map(|w| w.host.node_id.clone()).collect();
     let mut changed: Option<Decision> = None;
     let stop = async {

@@ -123,6 +123,7 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
         executor.shutdown().await;
         return Err(e.into());
     }
+    note_omp_default(&spec, &executor);
     let outcome = executor.wait_command(interrupt).await;
     executor.shutdown().await;
     Ok(outcome?)
@@ -130,4 +131,73 @@ pub async fn run_job(spec: LaunchSpec, interrupt: impl Future<Output = Signal>) 
 
 fn interrupted(signal: Signal) -> JobOutcome {
     JobOutcome { exit_code: 128 + signal as i32, failure: None, interrupted_by: Some(signal) }
+}
+
+/// Says once, as torchrun does, that ranks sharing a host got
+/// `OMP_NUM_THREADS=1`, where that changes how fast the command runs: it
+/// is Python or links an OpenMP runtime, and the user did not choose.
+pub fn note_omp_default(spec: &LaunchSpec, executor: &Executor) {
+    use kolo_topology::OMP_NUM_THREADS;
+    static SAID: std::sync::Once = std::sync::Once::new();
+    let defaulted = executor.workers().iter().any(|w| w.env.get(OMP_NUM_THREADS).is_some_and(|v| v == "1"));
+    let chosen =
+        std::env::var_os(OMP_NUM_THREADS).is_some() || spec.extra_env.iter().any(|(k, _)| k == OMP_NUM_THREADS);
+    if defaulted && !chosen && spec.command.first().is_some_and(|program| threads_with_openmp(program)) {
+        SAID.call_once(|| {
+            crate::out::tell(
+                "kolo: ranks that share a host get OMP_NUM_THREADS=1, so that they do not oversubscribe its \
+                 cores; set OMP_NUM_THREADS (or -x OMP_NUM_THREADS=N) to choose another",
+            )
+        });
+    }
+}
+
+/// Whether `program` is a Python (named so, or a script whose `#!` line
+/// names one) or a binary that links an OpenMP runtime.
+fn threads_with_openmp(program: &std::ffi::OsStr) -> bool {
+    use std::io::Read;
+    let path = std::path::Path::new(program);
+    let is_python = |name: &str| name.starts_with("python");
+    if path.file_name().and_then(|n| n.to_str()).is_some_and(is_python) {
+        return true;
+    }
+    let found = match path.components().count() {
+        1 => std::env::var_os("PATH")
+            .and_then(|dirs| std::env::split_paths(&dirs).map(|d| d.join(path)).find(|p| p.is_file())),
+        _ => Some(path.to_path_buf()),
+    };
+    let Some(file) = found.and_then(|p| std::fs::File::open(p).ok()) else { return false };
+    // the dynamic section's library names sit in the first megabytes
+    let mut head = Vec::new();
+    if file.take(4 << 20).read_to_end(&mut head).is_err() {
+        return false;
+    }
+    if let Some(line) = head.strip_prefix(b"#!").and_then(|rest| rest.split(|&b| b == b'\n').next()) {
+        return String::from_utf8_lossy(line).split(['/', ' ']).any(is_python);
+    }
+    [&b"libgomp.so"[..], b"libomp.so", b"libiomp5.so"].iter().any(|lib| head.windows(lib.len()).any(|w| w == *lib))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::threads_with_openmp;
+
+    #[test]
+    fn pythons_and_openmp_programs_are_told_from_others() {
+        let dir = std::env::temp_dir().join(format!("kolo-omp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = |name: &str, text: &[u8]| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path.into_os_string()
+        };
+        assert!(threads_with_openmp("python3".as_ref()));
+        assert!(threads_with_openmp("/opt/venv/bin/python3.11".as_ref()));
+        assert!(threads_with_openmp(&script("train", b"#!/usr/bin/env python3\nimport torch\n")));
+        assert!(threads_with_openmp(&script("solver", b"\x7fELF....libgomp.so.1\0libc.so.6\0")));
+        assert!(!threads_with_openmp(&script("job.sh", b"#!/bin/sh\necho python\n")));
+        assert!(!threads_with_openmp("true".as_ref()));
+        assert!(!threads_with_openmp("/nonexistent/program".as_ref()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
