@@ -23,7 +23,11 @@ fn try_store(python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) 
     };
     // nobody has no home; nothing of this user's may leak in
     let out = cmd.args([&script, kind, addr, port]).env("HOME", "/").current_dir("/").output().unwrap();
-    format!("{}{}", stdout(&out), stderr(&out)).trim().to_string()
+    // the answer is stdout's; torch warns on stderr
+    match stdout(&out).trim() {
+        "" => format!("no answer: {}", stderr(&out)),
+        answer => answer.to_string(),
+    }
 }
 
 fn can_switch_users() -> bool {
