@@ -15,6 +15,9 @@ use serde::{Deserialize, Serialize};
 
 // ---- what the workers run -------------------------------------------------
 
+/// A start value whose constructor takes ten minutes.
+const SLOW_START: i64 = i64::MAX;
+
 struct Counter {
     value: i64,
 }
@@ -25,6 +28,12 @@ impl Executable for Counter {
     fn create(start: i64, ctx: &WorkerContext) -> Result<Self, UserError> {
         if start < 0 {
             return Err(format!("rank {} cannot start below zero", ctx.rank()).into());
+        }
+        if start == SLOW_START {
+            if let Ok(marker) = std::env::var("KOLO_TEST_CREATE_MARKER") {
+                let _ = std::fs::write(format!("{marker}.{}", ctx.rank()), std::process::id().to_string());
+            }
+            std::thread::sleep(Duration::from_secs(600));
         }
         Ok(Counter { value: start })
     }
@@ -299,6 +308,7 @@ async fn shutdown_ends_calls_that_run_or_wait_without_waiting_for_them() -> Resu
     // far longer than the test may take: a worker that waits for its call
     // to end, or the driver for the grace, fails it
     settings.kill_grace = Duration::from_secs(600);
+    settings.heartbeat_timeout = Duration::from_secs(600);
     let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), hosts(&[("node", 2, 0)]))?;
     ex.start::<Counter>(&0, &[]).await?;
     let pids: Vec<u32> = ex.workers().iter().map(|w| w.pid).collect();
@@ -309,6 +319,33 @@ async fn shutdown_ends_calls_that_run_or_wait_without_waiting_for_them() -> Resu
         .map_err(|_| "shutdown waited for the running call")?;
     for pid in pids {
         check(!alive(pid), format!("worker {pid} outlived shutdown"))?;
+    }
+    // a constructor is the user's code too: a start given up (Ctrl-C)
+    // does not wait for it
+    let marker = std::env::temp_dir().join(format!("kolo-slow-create-{}", std::process::id()));
+    let marked = |rank: u32| std::path::PathBuf::from(format!("{}.{rank}", marker.display()));
+    let mut settings = quick_settings();
+    settings.kill_grace = Duration::from_secs(600);
+    // nor may a silent driver end the workers first
+    settings.heartbeat_timeout = Duration::from_secs(600);
+    let mut ex = Executor::with_engine(settings, WorkerRequest::pack(2), hosts(&[("node", 2, 0)]))?;
+    let env = [("KOLO_TEST_CREATE_MARKER".to_string(), marker.display().to_string())];
+    tokio::select! {
+        started = ex.start::<Counter>(&SLOW_START, &env) => {
+            return Err(format!("the slow start ended: {:?}", started.err()).into())
+        }
+        waited = wait_until("both constructors to run", Duration::from_secs(30), || (0..2).all(|r| marked(r).exists())) => waited?,
+    }
+    let pids: Vec<u32> =
+        (0..2).map(|r| std::fs::read_to_string(marked(r)).unwrap_or_default().parse().unwrap_or(0)).collect();
+    for rank in 0..2 {
+        let _ = std::fs::remove_file(marked(rank));
+    }
+    tokio::time::timeout(Duration::from_secs(60), ex.shutdown())
+        .await
+        .map_err(|_| "shutdown waited for the running constructors")?;
+    for pid in pids {
+        check(pid != 0 && !alive(pid), format!("worker {pid} outlived shutdown"))?;
     }
     Ok(())
 }

@@ -87,6 +87,8 @@ struct Agent {
     last_heard_ms: AtomicU64,
     /// The id of the call running now (0: none), for its reports.
     current_call: AtomicU64,
+    /// Set when the agent exits while the user's code runs on another thread.
+    abandoning: std::sync::atomic::AtomicBool,
     kill_grace: Duration,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
@@ -186,7 +188,7 @@ impl Agent {
                 let _ = own.pumps.recv_timeout(Duration::from_millis(500));
             }
         }
-        if self.current_call.load(Ordering::Relaxed) != 0 {
+        if self.abandoning.load(Ordering::Relaxed) || self.current_call.load(Ordering::Relaxed) != 0 {
             // another thread is inside the user's code (a Python call):
             // no exit handlers of its runtime may run under its feet
             // SAFETY: _exit only ends the process
@@ -269,6 +271,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
         current_call: AtomicU64::new(0),
+        abandoning: std::sync::atomic::AtomicBool::new(false),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
         heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
         heartbeat_timeout: Duration::from_millis(welcome.heartbeat_timeout_ms.max(1)),
@@ -411,8 +414,9 @@ struct State {
     executable: Option<Box<dyn Any + Send>>,
 }
 
-/// Calls queued or running, and the ones cancelled before they ran: the
-/// reader thread and the thread that runs calls share them.
+/// Calls (and constructors) queued or running, and the calls cancelled
+/// before they ran: the reader thread and the thread that runs calls share
+/// them.
 #[derive(Default)]
 struct Calls {
     pending: AtomicU64,
@@ -434,20 +438,26 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
     }
     let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
     for message in messages {
-        let call = match &message {
-            ToWorker::Call { id, .. } => Some(*id),
-            _ => None,
+        let runs_user_code = runs_user_code(&message);
+        let skip = match &message {
+            ToWorker::Call { id, .. } => calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(id),
+            _ => false,
         };
-        let skip = call.is_some_and(|id| calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(&id));
         if !skip {
             handle(agent, registry, &mut state, message);
         }
-        if call.is_some() {
+        if runs_user_code {
             calls.pending.fetch_sub(1, Ordering::SeqCst);
         }
     }
     // the reader ends only by exiting the process
     Ok(1)
+}
+
+/// Calls and the executable's constructor run the user's code, which may
+/// take as long as it likes: a `Stop` does not wait for them.
+fn runs_user_code(message: &ToWorker) -> bool {
+    matches!(message, ToWorker::Call { .. } | ToWorker::Create { .. })
 }
 
 /// Reads frames as they come; see [`serve`].
@@ -463,6 +473,7 @@ fn read_frames(agent: &Arc<Agent>, stream: TcpStream, calls: &Calls, queue: &mps
                         calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
                     }
                     ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => {
+                        agent.abandoning.store(true, Ordering::Relaxed);
                         agent.exit(0, agent.kill_grace);
                     }
                     ToWorker::ProbeDone => crate::nics::stop_listening(),
@@ -471,7 +482,7 @@ fn read_frames(agent: &Arc<Agent>, stream: TcpStream, calls: &Calls, queue: &mps
                         agent.send(&ToDriver::SocketOwner { id, answer })?;
                     }
                     other => {
-                        if matches!(other, ToWorker::Call { .. }) {
+                        if runs_user_code(&other) {
                             calls.pending.fetch_add(1, Ordering::SeqCst);
                         }
                         if queue.send(other).is_err() {
