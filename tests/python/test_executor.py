@@ -222,7 +222,25 @@ def test_pytorch_ddp_through_executor_run():
     assert len(results) == 4 and len(set(results)) == 1, results
 
 
-def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
+JOB_STUCK_IN = {
+    # a call that runs in both workers
+    "call": """
+        ex.start()
+        ex.run(lambda: (started(), time.sleep(600)))
+    """,
+    # the executable's constructor, in both workers
+    "constructor": """
+        class Slow:
+            def __init__(self):
+                started()
+                time.sleep(600)
+        ex.start(Slow)
+    """,
+}
+
+
+@pytest.mark.parametrize("stuck_in", sorted(JOB_STUCK_IN))
+def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
     import signal
     import time
 
@@ -230,12 +248,12 @@ def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, time
         from kolo import Executor
+        def started():
+            with open(os.environ["MARKER"] + os.environ["RANK"], "w") as f:
+                f.write(str(os.getpid()))
         ex = Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2")
-        ex.start()
-        print("workers", *ex.run(os.getpid), flush=True)
-        marker = os.environ["MARKER"]
         try:
-            ex.run(lambda: (open(marker + os.environ["RANK"], "w").close(), time.sleep(600)))
+    """) + textwrap.indent(textwrap.dedent(JOB_STUCK_IN[stuck_in]), "    ") + textwrap.dedent("""
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             raise
@@ -246,14 +264,13 @@ def test_ctrl_c_in_the_driver_tears_everything_down(tmp_path):
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
-        first = driver.stdout.readline()
-        assert first.startswith("workers"), first + driver.stderr.read()
-        pids = [int(p) for p in first.split()[1:]]
-        # Ctrl-C while the long call runs in both workers
+        # Ctrl-C while both workers are in the user's code
         deadline = time.monotonic() + 30
-        while not all(os.path.exists(marker + str(rank)) for rank in range(2)):
-            assert time.monotonic() < deadline, "the workers never started the call"
+        markers = [marker + str(rank) for rank in range(2)]
+        while not all(os.path.exists(m) and open(m).read() for m in markers):
+            assert time.monotonic() < deadline and driver.poll() is None, "the workers never got there"
             time.sleep(0.01)
+        pids = [int(open(m).read()) for m in markers]
         driver.send_signal(signal.SIGINT)
         out, err = driver.communicate(timeout=30)
         assert "interrupted" in out and "KeyboardInterrupt" in err, out + err

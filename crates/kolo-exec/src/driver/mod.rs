@@ -196,7 +196,8 @@ impl Executor {
     }
 
     /// Stops one rank's worker: its command (SIGTERM, then SIGKILL after
-    /// the grace), then the worker itself; a call it runs finishes first.
+    /// the grace), then the worker itself; a call it runs (or has queued)
+    /// is abandoned.
     pub async fn stop_rank(&self, rank: u32) {
         if let Some(link) = self.running.as_ref().and_then(|r| r.links.get(rank as usize)) {
             let _ = link.send(&ToWorker::Stop).await;
@@ -259,8 +260,10 @@ impl Executor {
         Ok(())
     }
 
-    /// Stops executables and workers and the rendezvous server; waits up to
-    /// the grace period (plus a little) before killing what is left, and
+    /// Stops executables and workers and the rendezvous server: calls
+    /// still running are abandoned (their handles fail), commands get the
+    /// grace period; waits up to the grace (plus a little) before killing
+    /// what is left, less after a second interrupt (`hurry`), and
     /// writes out the workers' last output.
     pub async fn shutdown(&mut self) {
         let Some(mut running) = self.running.take() else {
