@@ -47,6 +47,9 @@ def main():
         f"params {flat.sum().item():.6f}, store {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         flush=True,
     )
+    # no rank tears its process group down while another still talks to
+    # it (gloo aborted at exit here once, under load, without this)
+    dist.barrier()
     dist.destroy_process_group()
 
 
