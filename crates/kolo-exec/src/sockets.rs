@@ -29,6 +29,17 @@ pub fn this_uid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
+/// Admits the connection from `client` to `server` if this host's socket
+/// tables list it as this user's; otherwise says why not, naming `host`.
+pub fn owned_by_this_user(client: SocketAddr, server: SocketAddr, host: &str) -> Result<(), String> {
+    match owner_uid(client, server) {
+        Ok(Some(uid)) if uid == this_uid() => Ok(()),
+        Ok(Some(uid)) => Err(format!("it belongs to user {uid} of {host}, not the job's")),
+        Ok(None) => Err(format!("{host} lists no such connection")),
+        Err(e) => Err(format!("cannot read the socket tables of {host}: {e}")),
+    }
+}
+
 /// The uid of the row whose local address is `client` and remote address
 /// is `server` (IPv4-mapped IPv6 addresses match their IPv4 form).
 pub(crate) fn find_owner(table: &str, client: SocketAddr, server: SocketAddr) -> Option<u32> {

@@ -63,15 +63,8 @@ pub(super) fn gate(secret: &str) -> PeerGate {
             let host = peer.ip().to_canonical();
             if this_machine(host) {
                 let client = SocketAddr::new(host, peer.port());
-                let owner = tokio::task::spawn_blocking(move || crate::sockets::owner_uid(client, server))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                return match owner {
-                    Ok(Some(uid)) if uid == crate::sockets::this_uid() => Ok(()),
-                    Ok(Some(uid)) => Err(format!("it belongs to user {uid}, not the job's")),
-                    Ok(None) => Err("this machine lists no such connection".into()),
-                    Err(e) => Err(format!("cannot read this machine's socket tables: {e}")),
-                };
+                let check = move || crate::sockets::owned_by_this_user(client, server, "the driver's machine");
+                return tokio::task::spawn_blocking(check).await.map_err(|e| e.to_string())?;
             }
             let agents = agents_on(&secret, host);
             let Some(agent) = agents.first() else { return Err("not a host of the job".into()) };
