@@ -20,6 +20,7 @@ else:
 
 import ddp_step  # noqa: E402
 import kolo  # noqa: E402
+from conftest import live_agents  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
 
@@ -44,18 +45,8 @@ def settings():
 
 
 def agents():
-    """Live kolo worker agents (and their guards) on this machine; zombies
-    are dead."""
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"kolo._worker" in cmdline and state not in ("Z", "X"):
-            found.append(int(pid))
-    return found
+    """Live kolo worker agents on this machine (conftest's), sorted."""
+    return sorted(live_agents())
 
 
 def placement_groups_alive():

@@ -55,17 +55,23 @@ fn leftovers(host: &str) -> Vec<String> {
         .collect()
 }
 
+/// What `look` finds once it finds nothing, or after two seconds: what is
+/// on its way out gets a moment.
+fn settled(mut look: impl FnMut() -> Vec<String>) -> Vec<String> {
+    let mut found = look();
+    for _ in 0..200 {
+        if found.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+        found = look();
+    }
+    found
+}
+
 fn assert_nothing_left() {
     for host in ["h1", "h2", "h3"] {
-        let mut left = leftovers(host);
-        // processes on their way out get a moment
-        for _ in 0..200 {
-            if left.is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-            left = leftovers(host);
-        }
+        let left = settled(|| leftovers(host));
         assert!(left.is_empty(), "left running on {host}: {left:?}");
     }
 }
@@ -1016,15 +1022,8 @@ fn no_kolo_process_listens_on_every_address_once_the_job_runs() {
     let (job, _) = waiting_job(dir.path(), "h1:2,h2:2", "4");
     let _reap = KillOnDrop(job.id());
     for host in ["h1", "h2"] {
-        let mut open = kolo_wildcard_listeners(host);
         // the driver's ProbeDone reaches the agents within moments of the start
-        for _ in 0..200 {
-            if open.is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-            open = kolo_wildcard_listeners(host);
-        }
+        let open = settled(|| kolo_wildcard_listeners(host));
         assert!(open.is_empty(), "on {host}: {open:?}");
     }
     std::fs::write(dir.path().join("done"), "").unwrap();
