@@ -72,6 +72,7 @@ impl Executor {
                 }
             }
         }
+        tracing::debug!("every rank's command ended");
         let failure = match teardown.failure() {
             Some((rank, cause)) => {
                 // the report shows the rank's last lines: write what came first

@@ -231,6 +231,7 @@ impl Executor {
         for link in &self.running()?.links {
             link.send(&message).await?;
         }
+        tracing::debug!("every worker told to start the command");
         Ok(())
     }
 
@@ -270,6 +271,7 @@ impl Executor {
             self.stop_engine().await;
             return;
         };
+        tracing::debug!("shutting down");
         running.stopping.store(true, Ordering::Relaxed);
         running.background.abort_all();
         for link in &running.links {
@@ -287,7 +289,9 @@ impl Executor {
         if !drained {
             running.readers.abort_all();
         }
+        tracing::debug!(drained, "workers gone");
         self.stop_engine().await;
+        tracing::debug!("engine stopped");
         drop(running.links);
         running.server.stop().await;
         running.torch_store.stop().await;

@@ -72,6 +72,7 @@ impl Executor {
         // 1. the plan (asks the engine for hosts the first time)
         let plan = self.plan().await?.clone();
         let n = plan.len();
+        tracing::debug!(workers = n, "planned");
         check_descriptors(n)?;
         // 2. workers, told where to dial back
         let driver_ip = self.with_engine_blocking(|engine| Ok(engine.driver_addr())).await?;
@@ -115,6 +116,7 @@ impl Executor {
 
         // 3. every worker connects and proves the secret
         let mut hellos = self.accept_workers(&listener, &plan, &program).await?;
+        tracing::debug!("every worker registered");
         check_nics(&settings.nics, &plan, &hellos)?;
 
         // 4. rendezvous server sized by the plan
@@ -145,6 +147,7 @@ impl Executor {
         // on the shared interface and a port free there
         let deadline = Instant::now() + settings.start_timeout;
         let (jax_coordinator_addr, jax_coordinator_port) = rank0_port(&plan, &mut hellos, &nics, deadline).await?;
+        tracing::debug!("stores up, interfaces and rank 0's port known");
         let job = JobEnv {
             rendezvous_addr: server.addr().ip().to_string(),
             rendezvous_port: server.addr().port(),
@@ -197,6 +200,7 @@ impl Executor {
             vars.push((kolo_topology::ENV_SECRET.into(), settings.secret().to_string()));
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
+        tracing::debug!("every worker has its environment");
         Ok(Running { links, server, torch_store, output, events, readers, background, stopping })
     }
 
