@@ -89,6 +89,9 @@ struct Agent {
     current_call: AtomicU64,
     /// Set when the agent exits while the user's code runs on another thread.
     abandoning: std::sync::atomic::AtomicBool,
+    /// Set while the thread that reads the driver's messages acts on one
+    /// (an interface probe may take seconds): the driver is not silent then.
+    not_reading: std::sync::atomic::AtomicBool,
     kill_grace: Duration,
     heartbeat_interval: Duration,
     heartbeat_timeout: Duration,
@@ -272,6 +275,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         last_heard_ms: AtomicU64::new(0),
         current_call: AtomicU64::new(0),
         abandoning: std::sync::atomic::AtomicBool::new(false),
+        not_reading: std::sync::atomic::AtomicBool::new(false),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
         heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
         heartbeat_timeout: Duration::from_millis(welcome.heartbeat_timeout_ms.max(1)),
@@ -400,7 +404,7 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration) {
         }
         let silent =
             agent.started.elapsed().saturating_sub(Duration::from_millis(agent.last_heard_ms.load(Ordering::Relaxed)));
-        if silent > timeout {
+        if silent > timeout && !agent.not_reading.load(Ordering::Relaxed) {
             agent.say(&format!("no word from the driver for {:.1} s; stopping", silent.as_secs_f64()));
             agent.exit(1, Duration::ZERO);
         }
@@ -424,19 +428,56 @@ struct Calls {
 }
 
 /// Acts on the driver's messages in order, on this thread (calls run here:
-/// Python's signal handlers need its main thread). A thread of its own
-/// reads them meanwhile, so that what must not wait for a running call
-/// does not: the driver's heartbeats, `Cancel`, and `Stop`, which ends a
-/// call that runs or waits (the driver is shutting the job down, as
-/// horovod.ray's shutdown kills its actors mid-call).
+/// Python's signal handlers need its main thread). Until the user's code
+/// is first to run (an executable's constructor, a call), this thread also
+/// reads the messages: a command job never needs more. From then on a
+/// thread of its own reads them, so that what must not wait for the
+/// user's code does not: the driver's heartbeats, `Cancel`, `WhoOwns`, and
+/// `Stop`, which ends a call that runs or waits (the driver is shutting
+/// the job down, as horovod.ray's shutdown kills its actors mid-call).
 fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i32, String> {
-    let (queue, messages) = mpsc::channel::<ToWorker>();
+    let mut reader = FrameReader::new(stream);
     let calls = Arc::new(Calls::default());
+    let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
+    let first = loop {
+        let mut user_code = None;
+        let read = read_batch(agent, &mut reader, &calls, |message| {
+            if runs_user_code(&message) {
+                // the rest of what was read stays in `reader`, for its thread
+                user_code.get_or_insert(message);
+                return Ok(false);
+            }
+            agent.not_reading.store(true, Ordering::Relaxed);
+            handle(agent, registry, &mut state, message);
+            // what arrived meanwhile is read next: count the driver heard
+            agent.heard();
+            agent.not_reading.store(false, Ordering::Relaxed);
+            Ok(true)
+        });
+        if let Err(e) = read {
+            lost_driver(agent, &e);
+        }
+        if let Some(message) = user_code {
+            break message;
+        }
+    };
+    let (queue, messages) = mpsc::channel::<ToWorker>();
+    calls.pending.fetch_add(1, Ordering::SeqCst);
+    queue.send(first).map_err(|e| e.to_string())?;
     {
         let (agent, calls) = (agent.clone(), calls.clone());
-        std::thread::spawn(move || read_frames(&agent, stream, &calls, &queue));
+        std::thread::spawn(move || loop {
+            let read = read_batch(&agent, &mut reader, &calls, |message| {
+                if runs_user_code(&message) {
+                    calls.pending.fetch_add(1, Ordering::SeqCst);
+                }
+                queue.send(message).map(|()| true).map_err(|_| io::Error::other("the agent stopped serving"))
+            });
+            if let Err(e) = read {
+                lost_driver(&agent, &e);
+            }
+        });
     }
-    let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
     for message in messages {
         let runs_user_code = runs_user_code(&message);
         let skip = match &message {
@@ -454,52 +495,52 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
     Ok(1)
 }
 
+fn lost_driver(agent: &Agent, e: &io::Error) -> ! {
+    agent.say(&format!("lost the driver ({e}); stopping"));
+    agent.exit(1, Duration::ZERO)
+}
+
 /// Calls and the executable's constructor run the user's code, which may
 /// take as long as it likes: a `Stop` does not wait for them.
 fn runs_user_code(message: &ToWorker) -> bool {
     matches!(message, ToWorker::Call { .. } | ToWorker::Create { .. })
 }
 
-/// Reads frames as they come; see [`serve`].
-fn read_frames(agent: &Arc<Agent>, stream: TcpStream, calls: &Calls, queue: &mpsc::Sender<ToWorker>) {
-    let mut reader = FrameReader::new(stream);
-    loop {
-        let read = (|| -> io::Result<()> {
-            reader.fill(true)?;
-            while let Some(message) = reader.frame()? {
-                match message {
-                    ToWorker::Heartbeat => {}
-                    ToWorker::Cancel { id } => {
-                        calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
-                    }
-                    ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => {
-                        agent.abandoning.store(true, Ordering::Relaxed);
-                        agent.exit(0, agent.kill_grace);
-                    }
-                    ToWorker::ProbeDone => crate::nics::stop_listening(),
-                    ToWorker::WhoOwns { id, client, server } => {
-                        let host = format!("host {}", real_hostname());
-                        let answer = crate::sockets::owned_by_this_user(client, server, &host);
-                        agent.send(&ToDriver::SocketOwner { id, answer })?;
-                    }
-                    other => {
-                        if runs_user_code(&other) {
-                            calls.pending.fetch_add(1, Ordering::SeqCst);
-                        }
-                        if queue.send(other).is_err() {
-                            return Err(io::Error::other("the agent stopped serving"));
-                        }
-                    }
+/// Reads what has arrived (waiting for it), answers at once what must not
+/// wait for the user's code, and gives the rest to `then` in order, while
+/// it says to go on.
+fn read_batch(
+    agent: &Agent,
+    reader: &mut FrameReader,
+    calls: &Calls,
+    mut then: impl FnMut(ToWorker) -> io::Result<bool>,
+) -> io::Result<()> {
+    reader.fill(true)?;
+    agent.heard();
+    while let Some(message) = reader.frame()? {
+        match message {
+            ToWorker::Heartbeat => {}
+            ToWorker::Cancel { id } => {
+                calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+            }
+            ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => {
+                agent.abandoning.store(true, Ordering::Relaxed);
+                agent.exit(0, agent.kill_grace);
+            }
+            ToWorker::ProbeDone => crate::nics::stop_listening(),
+            ToWorker::WhoOwns { id, client, server } => {
+                let host = format!("host {}", real_hostname());
+                let answer = crate::sockets::owned_by_this_user(client, server, &host);
+                agent.send(&ToDriver::SocketOwner { id, answer })?;
+            }
+            other => {
+                if !then(other)? {
+                    return Ok(());
                 }
             }
-            Ok(())
-        })();
-        if let Err(e) = read {
-            agent.say(&format!("lost the driver ({e}); stopping"));
-            agent.exit(1, Duration::ZERO);
         }
-        agent.heard();
     }
+    Ok(())
 }
 
 fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: ToWorker) {
