@@ -139,6 +139,10 @@ fn interrupted(signal: Signal) -> JobOutcome {
 pub fn note_omp_default(spec: &LaunchSpec, executor: &Executor) {
     use kolo_topology::OMP_NUM_THREADS;
     static SAID: std::sync::Once = std::sync::Once::new();
+    if SAID.is_completed() {
+        // said already: no need to read the program again (restart mode)
+        return;
+    }
     let defaulted = executor.workers().iter().any(|w| w.env.get(OMP_NUM_THREADS).is_some_and(|v| v == "1"));
     let chosen =
         std::env::var_os(OMP_NUM_THREADS).is_some() || spec.extra_env.iter().any(|(k, _)| k == OMP_NUM_THREADS);

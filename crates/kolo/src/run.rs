@@ -365,29 +365,39 @@ pub fn stop_signal() -> impl std::future::Future<Output = Signal> {
     use tokio::signal::unix::{signal, SignalKind};
     let streams = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
     async move {
-        let (Ok(mut int), Ok(mut term), Ok(mut hup)) = streams else {
+        let (Ok(int), Ok(term), Ok(hup)) = streams else {
             tracing::warn!("cannot install signal handlers; kolo will not forward SIGINT/SIGTERM");
             return std::future::pending().await;
         };
-        let signal = tokio::select! {
-            _ = int.recv() => Signal::SIGINT,
-            _ = term.recv() => Signal::SIGTERM,
-            _ = hup.recv() => Signal::SIGHUP,
-        };
+        let mut streams = StopSignals { int, term, hup };
+        let signal = streams.next().await;
         // here, not where the job stops: an elastic job also stops a
         // world to re-form it, which no signal asked for
         tracing::warn!("received {}; stopping the job", signal.as_str());
         // a second one means now: no more waiting for the kill grace
         tokio::spawn(async move {
-            let again = tokio::select! {
-                _ = int.recv() => Signal::SIGINT,
-                _ = term.recv() => Signal::SIGTERM,
-                _ = hup.recv() => Signal::SIGHUP,
-            };
+            let again = streams.next().await;
             tell(&format!("kolo: {} again; killing every rank now", again.as_str()));
             kolo_exec::hurry(again as i32);
         });
         signal
+    }
+}
+
+/// The signals that ask kolo to stop.
+struct StopSignals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    async fn next(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.int.recv() => Signal::SIGINT,
+            _ = self.term.recv() => Signal::SIGTERM,
+            _ = self.hup.recv() => Signal::SIGHUP,
+        }
     }
 }
 

@@ -107,3 +107,23 @@ pub fn python_with(module: &str) -> Option<String> {
 pub fn repo_file(path: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path).to_string_lossy().into_owned()
 }
+
+/// Runs `crates/kolo/tests/python/store_client.py KIND ADDR PORT` with
+/// `python`, through `launcher` (none, or `hx HOST` for a test host), as
+/// user `nobody` (setpriv) or as this user; its one-line answer, `wrote`
+/// or `refused: WHY`.
+pub fn store_client(launcher: &[&str], python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) -> String {
+    let script = repo_file("crates/kolo/tests/python/store_client.py");
+    let mut argv: Vec<&str> = launcher.to_vec();
+    if as_nobody {
+        argv.extend(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
+    }
+    argv.extend([python, &script, kind, addr, port]);
+    // nobody has no home; nothing of this user's may leak in
+    let out = Command::new(argv[0]).args(&argv[1..]).env("HOME", "/").current_dir("/").output().unwrap();
+    // the answer is stdout's; torch warns on stderr
+    match stdout(&out).trim() {
+        "" => format!("no answer: {}", stderr(&out)),
+        answer => answer.to_string(),
+    }
+}

@@ -11,23 +11,8 @@ use std::time::Duration;
 
 use common::*;
 
-/// `store_client.py KIND ADDR PORT`, as user `nobody` or as this user.
 fn try_store(python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) -> String {
-    let script = repo_file("crates/kolo/tests/python/store_client.py");
-    let mut cmd = if as_nobody {
-        let mut c = Command::new("setpriv");
-        c.args(["--reuid=65534", "--regid=65534", "--clear-groups", "--", python]);
-        c
-    } else {
-        Command::new(python)
-    };
-    // nobody has no home; nothing of this user's may leak in
-    let out = cmd.args([&script, kind, addr, port]).env("HOME", "/").current_dir("/").output().unwrap();
-    // the answer is stdout's; torch warns on stderr
-    match stdout(&out).trim() {
-        "" => format!("no answer: {}", stderr(&out)),
-        answer => answer.to_string(),
-    }
+    store_client(&[], python, kind, addr, port, as_nobody)
 }
 
 fn can_switch_users() -> bool {

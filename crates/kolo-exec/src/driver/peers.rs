@@ -34,24 +34,11 @@ pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
     }
 }
 
-/// The live agents of the job whose control connections came from `host`.
-fn agents_on(secret: &str, host: IpAddr) -> Vec<Arc<Link>> {
+/// A live agent of the job whose control connection came from `host`.
+fn agent_on(secret: &str, host: IpAddr) -> Option<Arc<Link>> {
     let jobs = JOBS.lock().unwrap_or_else(|p| p.into_inner());
-    let Some((_, agents)) = jobs.iter().find(|(s, _)| s == secret) else { return Vec::new() };
-    agents.iter().filter_map(Weak::upgrade).filter(|l| l.host_addr == Some(host) && l.lost_reason().is_none()).collect()
-}
-
-/// This machine's own addresses (loopback included).
-fn this_machine(ip: IpAddr) -> bool {
-    ip.is_loopback()
-        || nix::ifaddrs::getifaddrs().is_ok_and(|mut all| {
-            all.any(|a| {
-                let Some(address) = a.address else { return false };
-                let v4 = address.as_sockaddr_in().map(|s| IpAddr::V4(s.ip()));
-                let v6 = address.as_sockaddr_in6().map(|s| IpAddr::V6(s.ip()));
-                v4.or(v6) == Some(ip)
-            })
-        })
+    let (_, agents) = jobs.iter().find(|(s, _)| s == secret)?;
+    agents.iter().filter_map(Weak::upgrade).find(|l| l.host_addr == Some(host) && l.lost_reason().is_none())
 }
 
 /// The gate of the stores of the job with this secret.
@@ -61,13 +48,12 @@ pub(super) fn gate(secret: &str) -> PeerGate {
         let secret = secret.clone();
         Box::pin(async move {
             let host = peer.ip().to_canonical();
-            if this_machine(host) {
+            if crate::engine::is_own_address(host) {
                 let client = SocketAddr::new(host, peer.port());
                 let check = move || crate::sockets::owned_by_this_user(client, server, "the driver's machine");
                 return tokio::task::spawn_blocking(check).await.map_err(|e| e.to_string())?;
             }
-            let agents = agents_on(&secret, host);
-            let Some(agent) = agents.first() else { return Err("not a host of the job".into()) };
+            let Some(agent) = agent_on(&secret, host) else { return Err("not a host of the job".into()) };
             agent.ask_owner(SocketAddr::new(host, peer.port()), server).await
         })
     })

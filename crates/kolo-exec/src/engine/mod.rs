@@ -168,7 +168,18 @@ pub fn is_this_machine(host: &str) -> bool {
         return true;
     }
     let Ok(addrs) = (host, 0).to_socket_addrs() else { return false };
-    let local: Vec<IpAddr> = nix::ifaddrs::getifaddrs()
+    let local = local_addresses();
+    addrs.into_iter().any(|a| a.ip().is_loopback() || local.contains(&a.ip()))
+}
+
+/// Whether `ip` is one of this machine's own addresses (loopback included).
+pub(crate) fn is_own_address(ip: IpAddr) -> bool {
+    ip.is_loopback() || local_addresses().contains(&ip)
+}
+
+/// The addresses of this machine's interfaces, IPv4 and IPv6.
+fn local_addresses() -> Vec<IpAddr> {
+    nix::ifaddrs::getifaddrs()
         .map(|all| {
             all.filter_map(|a| {
                 let a = a.address?;
@@ -178,6 +189,5 @@ pub fn is_this_machine(host: &str) -> bool {
             })
             .collect()
         })
-        .unwrap_or_default();
-    addrs.into_iter().any(|a| a.ip().is_loopback() || local.contains(&a.ip()))
+        .unwrap_or_default()
 }

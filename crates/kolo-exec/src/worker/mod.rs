@@ -87,8 +87,9 @@ struct Agent {
     last_heard_ms: AtomicU64,
     /// The id of the call running now (0: none), for its reports.
     current_call: AtomicU64,
-    /// Set when the agent exits while the user's code runs on another thread.
-    abandoning: std::sync::atomic::AtomicBool,
+    /// Constructors and calls queued or running, and calls cancelled
+    /// before they ran.
+    calls: Calls,
     /// Set while the thread that reads the driver's messages acts on one
     /// (an interface probe may take seconds): the driver is not silent then.
     not_reading: std::sync::atomic::AtomicBool,
@@ -191,9 +192,10 @@ impl Agent {
                 let _ = own.pumps.recv_timeout(Duration::from_millis(500));
             }
         }
-        if self.abandoning.load(Ordering::Relaxed) || self.current_call.load(Ordering::Relaxed) != 0 {
-            // another thread is inside the user's code (a Python call):
-            // no exit handlers of its runtime may run under its feet
+        if self.calls.pending.load(Ordering::SeqCst) > 0 {
+            // the user's code runs (or is about to) on another thread (a
+            // Python call): no exit handlers of its runtime may run under
+            // its feet
             // SAFETY: _exit only ends the process
             unsafe { libc::_exit(code) };
         }
@@ -274,7 +276,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         started: Instant::now(),
         last_heard_ms: AtomicU64::new(0),
         current_call: AtomicU64::new(0),
-        abandoning: std::sync::atomic::AtomicBool::new(false),
+        calls: Calls::default(),
         not_reading: std::sync::atomic::AtomicBool::new(false),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
         heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
@@ -419,8 +421,8 @@ struct State {
 }
 
 /// Calls (and constructors) queued or running, and the calls cancelled
-/// before they ran: the reader thread and the thread that runs calls share
-/// them.
+/// before they ran: the thread that reads the driver's messages and the
+/// thread that runs calls share them.
 #[derive(Default)]
 struct Calls {
     pending: AtomicU64,
@@ -437,11 +439,11 @@ struct Calls {
 /// the job down, as horovod.ray's shutdown kills its actors mid-call).
 fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i32, String> {
     let mut reader = FrameReader::new(stream);
-    let calls = Arc::new(Calls::default());
+    let calls = &agent.calls;
     let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
     let first = loop {
         let mut user_code = None;
-        let read = read_batch(agent, &mut reader, &calls, |message| {
+        let read = read_batch(agent, &mut reader, |message| {
             if runs_user_code(&message) {
                 // the rest of what was read stays in `reader`, for its thread
                 user_code.get_or_insert(message);
@@ -465,11 +467,11 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
     calls.pending.fetch_add(1, Ordering::SeqCst);
     queue.send(first).map_err(|e| e.to_string())?;
     {
-        let (agent, calls) = (agent.clone(), calls.clone());
+        let agent = agent.clone();
         std::thread::spawn(move || loop {
-            let read = read_batch(&agent, &mut reader, &calls, |message| {
+            let read = read_batch(&agent, &mut reader, |message| {
                 if runs_user_code(&message) {
-                    calls.pending.fetch_add(1, Ordering::SeqCst);
+                    agent.calls.pending.fetch_add(1, Ordering::SeqCst);
                 }
                 queue.send(message).map(|()| true).map_err(|_| io::Error::other("the agent stopped serving"))
             });
@@ -512,9 +514,9 @@ fn runs_user_code(message: &ToWorker) -> bool {
 fn read_batch(
     agent: &Agent,
     reader: &mut FrameReader,
-    calls: &Calls,
     mut then: impl FnMut(ToWorker) -> io::Result<bool>,
 ) -> io::Result<()> {
+    let calls = &agent.calls;
     reader.fill(true)?;
     agent.heard();
     while let Some(message) = reader.frame()? {
@@ -523,10 +525,7 @@ fn read_batch(
             ToWorker::Cancel { id } => {
                 calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
             }
-            ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => {
-                agent.abandoning.store(true, Ordering::Relaxed);
-                agent.exit(0, agent.kill_grace);
-            }
+            ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => agent.exit(0, agent.kill_grace),
             ToWorker::ProbeDone => crate::nics::stop_listening(),
             ToWorker::WhoOwns { id, client, server } => {
                 let host = format!("host {}", real_hostname());
