@@ -621,9 +621,14 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let first = |rank: u32| dir.path().join(format!("{rank}.0.pid"));
-    wait_for("the first world", Duration::from_secs(30), || (0..6).all(|r| first(r).exists()));
-    let on_h3: Vec<i32> = (4..6).map(|r| std::fs::read_to_string(first(r)).unwrap().trim().parse().unwrap()).collect();
+    // a failing assertion must not leave the job to fail the next tests
+    let _reap = KillOnDrop(child.id());
+    // a pid file exists before the shell has written the pid into it
+    let first = |rank: u32| -> Option<i32> {
+        std::fs::read_to_string(dir.path().join(format!("{rank}.0.pid"))).ok()?.trim().parse().ok()
+    };
+    wait_for("the first world", Duration::from_secs(30), || (0..6).all(|r| first(r).is_some()));
+    let on_h3: Vec<i32> = (4..6).filter_map(first).collect();
     let cut = LinkDown::cut("h3");
     let out = child.wait_with_output().unwrap();
     let text = stdout(&out);
@@ -927,19 +932,8 @@ fn both_elastic_modes_inside_a_slurm_allocation() {
 
 /// `store_client.py KIND ADDR PORT` inside `host`, as user `nobody` or as root.
 fn store_client_in(host: &str, python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) -> String {
-    let t = testhosts();
-    let script = repo_file("crates/kolo/tests/python/store_client.py");
-    let mut cmd = Command::new(t.join("hx"));
-    cmd.arg(host);
-    if as_nobody {
-        cmd.args(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]);
-    }
-    let out = cmd.args([python, &script, kind, addr, port]).env("HOME", "/").current_dir("/").output().unwrap();
-    // the answer is stdout's; torch warns on stderr
-    match stdout(&out).trim() {
-        "" => format!("no answer: {}", stderr(&out)),
-        answer => answer.to_string(),
-    }
+    let hx = testhosts().join("hx");
+    store_client(&[&hx.to_string_lossy(), host], python, kind, addr, port, as_nobody)
 }
 
 /// A job over ssh on h1 and h2 whose ranks write their env and wait for
