@@ -330,7 +330,11 @@ mod elastic {
         for member in first {
             assert_eq!(member.join().unwrap(), (progress.clone(), Some(1)));
         }
-        assert!(errors.lock().unwrap().is_empty(), "no collective failed: {:?}", errors.lock().unwrap());
+        // each member checks for a new round at its own commit: one that
+        // has not seen it yet may be in a collective the round interrupts,
+        // which ends at the same commit; no collective fails otherwise
+        let errors = errors.lock().unwrap();
+        assert!(errors.iter().all(|e| e == "interrupted: the job moved on to round 1"), "{errors:?}");
         runtime.block_on(Arc::try_unwrap(server).ok().unwrap().stop());
     }
 }

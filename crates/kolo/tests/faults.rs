@@ -241,6 +241,9 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
     commands_and_agents(dir.path(), 2);
     // stopped first, so that none of them sees another die and cleans up
     let everyone = process_tree(child.id() as i32);
+    let before: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
+    let comms: Vec<String> =
+        everyone.iter().map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default()).collect();
     assert!(everyone.len() >= 5, "driver, agents and ranks: {everyone:?}");
     for &pid in &everyone {
         let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
@@ -251,7 +254,7 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
     child.wait().unwrap();
     wait_for("every process of the job to end", Duration::from_secs(10), || everyone.iter().all(|&p| !alive(p)));
     let abandoned: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
-    assert_eq!(abandoned.len(), 2, "each rank's directory, abandoned: {abandoned:?}");
+    assert_eq!(abandoned.len(), 2, "each rank's directory, abandoned: {abandoned:?} before {before:?} {comms:#?}");
 
     let out = kolo().env("TMPDIR", tmp.path()).args(["run", "-np", "1", "--", "true"]).output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));

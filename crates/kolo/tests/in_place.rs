@@ -206,7 +206,12 @@ fn a_host_discovery_adds_joins_at_the_next_commit() {
     assert!(out.contains("4 ranks from epoch"), "{out}");
     // growing loses no work: the round ends at a commit, the next starts there
     let ended = out.lines().find(|l| l.contains("round ended at")).expect("the first round's end");
-    assert!(ended.contains("the hosts changed: round 1 is starting"), "{out}");
+    // the rank hears of the new round either from its own check of the
+    // hosts or from the job having moved on first; both end at a commit
+    assert!(
+        ended.contains("the hosts changed: round 1 is starting") || ended.contains("the job moved on to round 1"),
+        "{out}"
+    );
     let at = ended.split("round ended at ").nth(1).unwrap().split(':').next().unwrap();
     assert!(out.contains(&format!("4 ranks from {at} (")), "resumed elsewhere than {at}: {out}");
     assert!(final_loss(&out) < 0.35, "{out}");
