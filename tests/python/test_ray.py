@@ -368,10 +368,19 @@ def test_a_killed_elastic_driver_leaves_nothing_on_the_cluster(cluster, nothing_
     assert ray.available_resources().get("CPU", 0) == cpus
 
 
+def _rank_dirs():
+    """The rank directories on this machine: kolo makes them in TMPDIR when
+    set, else in /dev/shm, else in the system's temporary folder."""
+    found = set()
+    for base in ("/dev/shm", tempfile.gettempdir()):
+        found |= set(glob.glob(os.path.join(base, "kolo-rank-*")))
+    return found
+
+
 def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     # directories other jobs left are not this job's to remove
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
+    before = _rank_dirs()
     driver = subprocess.Popen(
         [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
          "-np", "2", "--", "sleep", "600"],
@@ -385,7 +394,7 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
         time.sleep(0.1)
     commands = sleepers()
     assert len(commands) == 2
-    rank_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*"))) - before
+    rank_dirs = _rank_dirs() - before
     assert len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
     driver.kill()
     driver.wait()
@@ -395,9 +404,9 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     assert not any(_alive(p) for p in commands)  # the commands too, not only the agents (nothing_left)
     # the agents were asked to stop (SIGTERM) before they were killed: they removed their files
     deadline = time.monotonic() + 10
-    while rank_dirs & set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*"))) and time.monotonic() < deadline:
+    while rank_dirs & _rank_dirs() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not rank_dirs & set(glob.glob(os.path.join(tempfile.gettempdir(), "kolo-rank-*")))
+    assert not rank_dirs & _rank_dirs()
 
 
 def _comm(pid):

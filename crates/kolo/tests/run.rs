@@ -387,3 +387,60 @@ fn the_training_demo_converges() {
         assert_eq!(text.lines().filter(|l| l.contains("epoch")).count(), 5, "{text}");
     }
 }
+
+/// A rank that is done no longer needs its agent: the agent goes while the
+/// others still run (not all at the job's end), and its going is no loss.
+#[test]
+fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
+    let dir = TempDir::new("released-agent");
+    let go = dir.path().join("go");
+    // each rank writes "its pid, its agent's pid"; rank 1 then waits for `go`
+    let script = format!(
+        "echo $$ $PPID > {d}/$RANK.pid; [ $RANK = 0 ] && exit 0; while [ ! -e {go} ]; do sleep 0.01; done",
+        d = dir.path().display(),
+        go = go.display()
+    );
+    let child = kolo()
+        .args(["run", "-np", "2", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _kill = KillOnDrop(child.id());
+    wait_for("both ranks to write their pids", Duration::from_secs(20), || pids_in(dir.path()).len() == 4);
+    let read = |rank: u32| std::fs::read_to_string(dir.path().join(format!("{rank}.pid"))).unwrap();
+    let agent_of = |rank: u32| read(rank).split_whitespace().nth(1).unwrap().parse::<i32>().unwrap();
+    let (first, second) = (agent_of(0), agent_of(1));
+    wait_for("rank 0's agent to exit", Duration::from_secs(20), || !alive(first));
+    assert!(alive(second), "rank 1's agent went before its rank ended");
+    std::fs::write(&go, "").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+}
+
+/// A rank's private directory (its error file, its Python hook) is in
+/// `TMPDIR` when set, else in memory (`/dev/shm`), and gone with the job.
+#[test]
+fn rank_directories_are_in_tmpdir_when_set_else_in_memory() {
+    let tmp = TempDir::new("rank-dir-base");
+    let script = "echo \"$TORCHELASTIC_ERROR_FILE\"";
+    let in_tmp = kolo()
+        .env("TMPDIR", tmp.path())
+        .args(["run", "--disable-prefix", "-np", "1", "--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    let unset = kolo()
+        .env_remove("TMPDIR")
+        .args(["run", "--disable-prefix", "-np", "1", "--", "sh", "-c", script])
+        .output()
+        .unwrap();
+    for (out, base) in [(&in_tmp, tmp.path().to_path_buf()), (&unset, std::path::PathBuf::from("/dev/shm"))] {
+        assert!(out.status.success(), "{}", stderr(out));
+        let file = std::path::PathBuf::from(stdout(out).trim());
+        let dir = file.parent().unwrap();
+        assert_eq!(dir.parent(), Some(base.as_path()), "{}", file.display());
+        assert!(dir.file_name().unwrap().to_string_lossy().starts_with("kolo-rank-"), "{}", file.display());
+        assert!(!dir.exists(), "{} outlived its job", dir.display());
+    }
+}

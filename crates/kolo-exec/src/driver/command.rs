@@ -37,6 +37,7 @@ impl Executor {
     /// grace period.
     pub async fn wait_command(&mut self, interrupt: impl Future<Output = Signal>) -> Result<JobOutcome, ExecError> {
         let grace = self.settings.kill_grace;
+        let release = self.engine().is_some_and(|e| e.agents_may_leave_early());
         let running = self.running.as_mut().ok_or(ExecError::NotStarted)?;
         tokio::pin!(interrupt);
         let mut teardown = Teardown::new(running.links.len(), grace);
@@ -46,7 +47,14 @@ impl Executor {
             let deadline = teardown.deadline().map(tokio::time::Instant::from_std);
             let event = tokio::select! {
                 ended = running.events.recv() => match ended {
-                    Some(RankEvent { rank, cause }) => JobEvent::Ended { rank, cause },
+                    Some(RankEvent { rank, cause }) => {
+                        if release && !matches!(cause, Cause::Lost(_)) {
+                            if let Some(link) = running.links.iter().find(|l| l.info.rank == rank) {
+                                link.release().await;
+                            }
+                        }
+                        JobEvent::Ended { rank, cause }
+                    }
                     None => break,
                 },
                 signal = &mut interrupt, if !interrupted => {

@@ -63,6 +63,8 @@ pub(crate) struct Link {
     /// `WhoOwns` questions waiting for their answer, by id.
     owner_questions: Mutex<HashMap<u64, oneshot::Sender<Result<(), String>>>>,
     next_question: AtomicU64,
+    /// Told to stop because its command ended: its going is no loss.
+    released: AtomicBool,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -89,6 +91,7 @@ impl Link {
             host_addr: host_addr.map(|a| a.to_canonical()),
             owner_questions: Mutex::new(HashMap::new()),
             next_question: AtomicU64::new(1),
+            released: AtomicBool::new(false),
         }
     }
 
@@ -104,6 +107,14 @@ impl Link {
             return Err(format!("cannot ask {} about it: {e}", self.describe()));
         }
         rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
+    }
+
+    /// Stops an agent whose command ended: it has nothing left to do, and
+    /// it exits while the other ranks run rather than with them all at the
+    /// job's end.
+    pub async fn release(&self) {
+        self.released.store(true, Ordering::Relaxed);
+        let _ = self.send(&ToWorker::Stop).await;
     }
 
     pub fn describe(&self) -> String {
@@ -241,8 +252,14 @@ pub(crate) async fn read_worker(
         }
     };
     let _ = forward(&link, &output, Chunk::End { rank }).await;
-    let expected = stopping.load(Ordering::Relaxed);
-    if link.mark_lost(if expected { "the executor was shut down" } else { &reason }) && !expected {
+    let released = link.released.load(Ordering::Relaxed);
+    let expected = stopping.load(Ordering::Relaxed) || released;
+    let reason = match (stopping.load(Ordering::Relaxed), released) {
+        (true, _) => "the executor was shut down".to_string(),
+        (false, true) => "its command ended".to_string(),
+        (false, false) => reason,
+    };
+    if link.mark_lost(&reason) && !expected {
         tracing::warn!("worker {} was lost: {reason}", link.describe());
         let _ = events.send(RankEvent { rank, cause: Cause::Lost(reason) });
     }

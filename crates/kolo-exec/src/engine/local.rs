@@ -46,6 +46,10 @@ impl LocalEngine {
 }
 
 impl Engine for LocalEngine {
+    fn agents_may_leave_early(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "local"
     }

@@ -60,6 +60,12 @@ pub trait Engine: Send + Sync {
     fn guards_commands(&self) -> bool {
         false
     }
+    /// Whether an agent whose command ended may exit while the others run.
+    /// Not where the launcher takes a task that ends for a sign that the
+    /// others should (srun ends the rest `WaitTime` after the first).
+    fn agents_may_leave_early(&self) -> bool {
+        false
+    }
     /// Workers whose process ended, with how.
     fn exited(&mut self) -> Vec<(u32, String)>;
     /// Whether every worker process has ended.

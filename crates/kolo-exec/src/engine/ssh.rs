@@ -91,6 +91,10 @@ impl SshEngine {
 }
 
 impl Engine for SshEngine {
+    fn agents_may_leave_early(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "ssh"
     }

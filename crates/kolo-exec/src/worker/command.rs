@@ -8,13 +8,13 @@ use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::guard::{Guard, GuardOptions};
 use crate::proto::ToDriver;
 
-use super::{pump, Agent};
+use super::Agent;
 
 /// How a command registers its group: a guard's record, or the driver's
 /// (`super::group_record`).
@@ -67,7 +67,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // driver's report shows it) unless the caller chose one, and the
     // Python hook that lets JAX find the job; gone with the command
     // (and first, those of jobs on this host whose every process was killed)
-    super::rank_dir::sweep_abandoned(&std::env::temp_dir());
+    super::rank_dir::sweep_abandoned(&super::rank_dir::base());
     let rank_dir = super::rank_dir::RankDir::create(guard.as_deref());
     let lookup = |name: &str| {
         env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
@@ -144,26 +144,17 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     *agent.command.lock().unwrap_or_else(|p| p.into_inner()) =
         Some(super::Running { group: child.id(), guard, dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()) });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
-    let (done_tx, done_rx) = mpsc::channel();
-    let outputs: [(Option<OwnedFd>, bool); 2] =
-        [(child.stdout.take().map(OwnedFd::from), false), (child.stderr.take().map(OwnedFd::from), true)];
-    for (fd, stderr) in outputs {
-        let Some(fd) = fd else { continue };
-        let (agent, done) = (agent.clone(), done_tx.clone());
-        std::thread::spawn(move || {
-            pump(&agent, File::from(fd), stderr);
-            let _ = done.send(());
-        });
-    }
+    let outputs: Vec<(File, bool)> = [
+        (child.stdout.take().map(|o| File::from(OwnedFd::from(o))), false),
+        (child.stderr.take().map(|o| File::from(OwnedFd::from(o))), true),
+    ]
+    .into_iter()
+    .filter_map(|(file, stderr)| Some((file?, stderr)))
+    .collect();
     let agent = agent.clone();
+    // one thread for the command: its output and its end
     std::thread::spawn(move || {
-        let status = child.wait();
-        // the last lines must reach the driver before the exit does; a
-        // background child still holding the pipes must not delay it long
-        let deadline = Instant::now() + Duration::from_millis(300);
-        for _ in 0..2 {
-            let _ = done_rx.recv_timeout(deadline.saturating_duration_since(Instant::now()));
-        }
+        let status = pump_until_exit(&agent, &mut child, outputs);
         use std::os::unix::process::ExitStatusExt;
         let (code, signal) = match status {
             Ok(s) => (s.code(), s.signal()),
@@ -179,6 +170,90 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         drop(rank_dir);
         let _ = agent.send(&ToDriver::CommandExited { code, signal });
     });
+}
+
+/// Sends the command's output to the driver until the command has exited
+/// and its pipes are drained. A background child that still holds the
+/// pipes gets `LAST_OUTPUT` after the command's exit, not longer: the last
+/// lines must reach the driver before the exit does, the exit must not
+/// wait on a stray process.
+fn pump_until_exit(
+    agent: &Agent,
+    child: &mut std::process::Child,
+    mut outputs: Vec<(File, bool)>,
+) -> io::Result<std::process::ExitStatus> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    const LAST_OUTPUT: Duration = Duration::from_millis(300);
+    // a pidfd says when the command exits (Linux 5.3); without one, the
+    // pipes are polled with a short timeout and the command checked
+    let pidfd = pidfd(child.id());
+    let mut exited = None;
+    let mut deadline: Option<Instant> = None;
+    let mut buf = vec![0u8; 64 * 1024];
+    while !outputs.is_empty() {
+        let timeout = match (deadline, &pidfd) {
+            (Some(at), _) => {
+                let ms = at.saturating_duration_since(Instant::now()).as_millis().min(i32::MAX as u128);
+                PollTimeout::try_from(ms as i32).unwrap_or(PollTimeout::MAX)
+            }
+            (None, Some(_)) => PollTimeout::NONE,
+            (None, None) => PollTimeout::from(20u8),
+        };
+        let mut fds: Vec<PollFd> = outputs.iter().map(|(f, _)| PollFd::new(f.as_fd(), PollFlags::POLLIN)).collect();
+        if let (Some(pidfd), None) = (&pidfd, exited) {
+            fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
+        }
+        match poll(&mut fds, timeout) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+        let ready: Vec<bool> = fds.iter().map(|f| f.revents().is_some_and(|r| !r.is_empty())).collect();
+        drop(fds);
+        let mut closed = Vec::new();
+        for (i, (file, stderr)) in outputs.iter_mut().enumerate() {
+            if !ready[i] {
+                continue;
+            }
+            match file.read(&mut buf) {
+                Ok(0) | Err(_) => closed.push(i),
+                Ok(n) => {
+                    if agent.send(&ToDriver::Output { stderr: *stderr, data: buf[..n].to_vec() }).is_err() {
+                        closed.push(i);
+                    }
+                }
+            }
+        }
+        for i in closed.into_iter().rev() {
+            outputs.remove(i);
+        }
+        if exited.is_none() {
+            exited = child.try_wait()?;
+            if exited.is_some() {
+                deadline = Some(Instant::now() + LAST_OUTPUT);
+            }
+        }
+        if deadline.is_some_and(|at| Instant::now() >= at) {
+            break;
+        }
+    }
+    match exited {
+        Some(status) => Ok(status),
+        None => child.wait(),
+    }
+}
+
+/// A descriptor that becomes readable when `pid` exits, where the kernel
+/// has them.
+fn pidfd(pid: u32) -> Option<OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // or -1; nothing else is touched
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a descriptor the kernel just gave us, owned by nobody else
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
 /// torchrun's variable naming the file `@record` writes a failure into.
@@ -220,17 +295,15 @@ fn truncate(text: String, max: usize) -> String {
 }
 
 /// The `sitecustomize` that registers kolo's JAX cluster environment (see
-/// the file): written into `dir/python`, whose path it returns.
+/// the file): written into the rank's directory, whose path it returns for
+/// `PYTHONPATH` (nothing else there is a module Python could import).
 fn write_python_hooks(dir: &std::path::Path, guard: Option<&Guard>) -> Option<std::path::PathBuf> {
     use std::os::unix::fs::OpenOptionsExt;
-    let hooks = dir.join("python");
-    let file = hooks.join("sitecustomize.py");
+    let file = dir.join("sitecustomize.py");
     if let Some(guard) = guard {
-        let _ = guard.remove_path(&hooks);
         let _ = guard.remove_path(&file);
     }
-    std::fs::create_dir(&hooks).ok()?;
     let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).ok()?;
     std::io::Write::write_all(&mut out, include_bytes!("sitecustomize.py")).ok()?;
-    Some(hooks)
+    Some(dir.to_path_buf())
 }

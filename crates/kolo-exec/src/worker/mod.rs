@@ -285,7 +285,13 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         exiting: Mutex::new(()),
         own_output: Mutex::new(None),
     });
-    redirect_own_output(&agent).map_err(|e| format!("cannot redirect output: {e}"))?;
+    // the agent's own fd 1 and 2 go to the driver from when the user's code
+    // first runs in it (`serve`): a command job never needs the two pipes
+    // and threads. Until then nothing may write into the group registry
+    if agent.group_registry.is_some() {
+        let null = File::options().write(true).open("/dev/null").map_err(|e| e.to_string())?;
+        nix::unistd::dup2_stdout(null.as_fd()).map_err(|e| e.to_string())?;
+    }
 
     {
         let agent = agent.clone();
@@ -463,6 +469,10 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
             break message;
         }
     };
+    if let Err(e) = redirect_own_output(agent) {
+        agent.say(&format!("cannot redirect output: {e}; stopping"));
+        agent.exit(1, Duration::ZERO);
+    }
     let (queue, messages) = mpsc::channel::<ToWorker>();
     calls.pending.fetch_add(1, Ordering::SeqCst);
     queue.send(first).map_err(|e| e.to_string())?;
