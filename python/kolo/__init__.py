@@ -6,7 +6,19 @@ kolo's Rust worker agent. `kolo.Executor` is horovod.ray's RayExecutor API:
 `from kolo import Executor as RayExecutor`."""
 
 from . import elastic
-from ._kolo import PlacementError, __version__
+from ._kolo import JobStopped, PlacementError, WorkerLost, __version__
 from .executor import Executor, Handle, Settings, WorkerError, get, report
 
-__all__ = ["__version__", "Executor", "Handle", "PlacementError", "Settings", "WorkerError", "elastic", "get", "report"]
+__all__ = [
+    "__version__",
+    "Executor",
+    "Handle",
+    "JobStopped",
+    "PlacementError",
+    "Settings",
+    "WorkerError",
+    "WorkerLost",
+    "elastic",
+    "get",
+    "report",
+]

@@ -139,65 +139,42 @@ class Executor:
         hosts: Optional[str] = None,
         min_workers: Optional[int] = None,
         max_workers: Optional[int] = None,
+        max_restarts: Optional[int] = None,
         reset_limit: Optional[int] = None,
         cooldown_range: Optional[tuple] = None,
         elastic_timeout: float = 600,
         host_discovery_script: Optional[str] = None,
         discovery_interval: float = 1.0,
     ):
-        # elastic (horovod.ray's elastic executor): min_workers makes it so
-        self._elastic = None
-        if min_workers is not None:
-            max_workers = max_workers if max_workers is not None else (num_workers or min_workers)
-            for name, value in (("min_workers", min_workers), ("max_workers", max_workers)):
-                if not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            if min_workers > max_workers:
-                raise ValueError(f"min_workers ({min_workers}) must not be more than max_workers ({max_workers})")
-            if num_hosts is not None:
-                raise ValueError("an elastic executor places workers by host slots: give hosts, not num_hosts")
-            if cooldown_range is not None:
-                lo, hi = cooldown_range
-                if not (0 < lo <= hi):
-                    raise ValueError(f"cooldown_range must be (min, max) seconds with 0 < min <= max, got {cooldown_range!r}")
-            self._elastic = dict(
-                min_workers=min_workers,
-                max_workers=max_workers,
-                reset_limit=reset_limit,
-                cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1])) if cooldown_range else None,
-                elastic_timeout_s=float(elastic_timeout),
-                discovery_script=host_discovery_script,
-                discovery_interval_s=float(discovery_interval),
-            )
-            num_workers = max_workers
-        elif max_workers is not None or host_discovery_script is not None:
-            raise ValueError("max_workers and host_discovery_script are for elastic executors: give min_workers too")
-        if num_workers is None and num_hosts is None:
-            raise ValueError("Either `num_workers` or `num_hosts` must be set.")
-        if num_workers is not None and num_hosts is not None:
-            raise ValueError("Both `num_workers` and `num_hosts` cannot be set.")
-        if gpus_per_worker and not use_gpu:
-            raise ValueError("gpus_per_worker is set, but use_gpu is False. use_gpu must be True if gpus_per_worker is set.")
-        if use_gpu and gpus_per_worker is not None and gpus_per_worker < 1:
-            raise ValueError(f"gpus_per_worker must be at least 1 with use_gpu, got {gpus_per_worker}")
-        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if engine not in (None, "local", "ssh", "slurm", "ray"):
-            raise ValueError(f"engine must be 'local', 'ssh', 'slurm' or 'ray', got {engine!r}")
-        if engine == "ray" and hosts is not None:
-            raise ValueError("engine='ray' places the workers on the Ray cluster's nodes itself: drop hosts")
         self.settings = settings or Settings()
         self._use_current_placement_group = use_current_placement_group
-        self._request = dict(
+        s = self.settings
+        # checked now, in kolo's core, as horovod.ray checks its arguments:
+        # min_workers makes an elastic executor in place (horovod.ray's),
+        # max_restarts one in restart mode (torchrun's)
+        self._job = _kolo.Job(
             num_workers=num_workers,
             num_hosts=num_hosts,
-            workers_per_host=num_workers_per_host,
+            num_workers_per_host=num_workers_per_host,
             cpus_per_worker=cpus_per_worker,
-            gpus_per_worker=(gpus_per_worker or 1) if use_gpu else 0,
+            use_gpu=use_gpu,
+            gpus_per_worker=gpus_per_worker,
             hosts=hosts,
             engine=engine,
+            timeout_s=float(s.timeout_s),
+            placement_group_timeout_s=float(s.placement_group_timeout_s),
+            nics=sorted(s.nics) if s.nics else None,
+            ssh_config_file=s.ssh_config_file,
+            min_workers=min_workers,
+            max_workers=max_workers,
+            max_restarts=max_restarts,
+            reset_limit=reset_limit,
+            cooldown_range=(float(cooldown_range[0]), float(cooldown_range[1])) if cooldown_range else None,
+            elastic_timeout=float(elastic_timeout),
+            host_discovery_script=host_discovery_script,
+            discovery_interval=float(discovery_interval),
         )
+        self._elastic = self._job.elastic
         self._driver = None
         self._workers: List[tuple] = []
         self._pool = None
@@ -225,7 +202,7 @@ class Executor:
         """Where the Ray engine finds the cluster: the one this process is
         connected to (and the placement group it runs in, with
         use_current_placement_group), else RAY_ADDRESS or this machine's."""
-        if self._request["engine"] != "ray" or "ray" not in sys.modules:
+        if self._job.engine != "ray" or "ray" not in sys.modules:
             return {}
         import ray
 
@@ -242,18 +219,14 @@ class Executor:
 
     def _start(self, identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars):
         s = self.settings
-        if self._elastic is not None and s.ssh_str and not s.ssh_identity_file:
+        if self._elastic and s.ssh_str and not s.ssh_identity_file:
             raise ValueError("an elastic executor starts workers for as long as it runs: give ssh_identity_file with ssh_str")
         driver = _kolo.Driver(
-            start_timeout_s=float(s.timeout_s),
-            placement_timeout_s=float(s.placement_group_timeout_s),
-            nics=sorted(s.nics) if s.nics else None,
-            ssh_identity_file=identity_file,
-            ssh_config_file=s.ssh_config_file,
+            self._job,
             worker_program=sys.executable,
             worker_args=["-m", "kolo._worker"],
+            ssh_identity_file=identity_file,
             **self._ray_cluster(),
-            **self._request,
         )
         # the driver's import path goes along, so that what pickles by
         # reference (classes and functions of the caller's modules) imports
@@ -261,7 +234,7 @@ class Executor:
         executable = cloudpickle.dumps((executable_cls, tuple(executable_args or ()), dict(executable_kwargs or {})))
         args = pickle.dumps((list(sys.path), executable))
         env = [(str(k), str(v)) for k, v in (extra_env_vars or {}).items()]
-        if self._elastic is not None:
+        if self._elastic:
             # workers come and go in run(), as the hosts do
             self._driver, self._elastic_start = driver, (args, env)
             return
@@ -301,15 +274,19 @@ class Executor:
         """`fn(*args, **kwargs)` on every worker; the results in rank order.
         Callbacks as for `execute`.
 
-        Elastic executors (`min_workers`): `fn` runs in every process of
-        the job, which come and go with the hosts (use `kolo.elastic.run`
-        inside); the results of the last round's processes, in rank order.
+        Elastic executors in place (`min_workers`): `fn` runs in every
+        process of the job, which come and go with the hosts (use
+        `kolo.elastic.run` inside); the results of the last round's
+        processes, in rank order. In restart mode (`max_restarts`), a
+        failure stops every worker and `fn` runs again in fresh ones, up to
+        `max_restarts` times (`TORCHELASTIC_RESTART_COUNT` says which time);
+        the results of the run in which every worker succeeded.
         Callbacks get what the current round's rank 0 reports; `on_event`
         gets every membership change as a dict (`event`: round, failed,
         blacklisted, starting or waiting; `message`: the line kolo would
         print)."""
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
-        if self._elastic is not None:
+        if self._elastic:
             return self._run_elastic(payload, callbacks, on_event)
         if on_event is not None:
             raise ValueError("on_event hears membership changes, which only elastic executors (min_workers) have")
@@ -322,11 +299,11 @@ class Executor:
         if on_event is not None:
             _checked([on_event])
         args, env = self._elastic_start
-        answers = driver.run_elastic(args, env, payload, on_event=on_event, on_report=on_report, **self._elastic)
+        answers = driver.run_elastic(args, env, payload, on_event=on_event, on_report=on_report)
         return self._answers(answers)
 
     def _not_elastic(self, what):
-        if self._elastic is not None:
+        if self._elastic:
             raise RuntimeError(f"an elastic executor runs functions with run(), not {what}(): its workers come and go")
 
     def run_remote(self, fn: Callable, args=None, kwargs=None) -> List[Handle]:

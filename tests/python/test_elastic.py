@@ -134,3 +134,49 @@ def test_the_elastic_example_finishes_on_the_hosts_left():
     # the noise's variance (0.01) is as low as the loss goes
     assert all(0.005 < float(f.rsplit(" ", 1)[1]) < 0.02 for f in finals), out.stdout
     assert not workers_left()
+
+
+def fails_first(dir):
+    """Rank 1 fails in the first world; every world records its pid."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(dir, f"{rank}.{attempt}"), "w") as f:
+        f.write(str(os.getpid()))
+    if attempt == 0 and rank == 1:
+        raise RuntimeError("the first world fails")
+    return rank, attempt, int(os.environ["TORCHELASTIC_MAX_RESTARTS"]), os.environ["HOROVOD_ELASTIC"]
+
+
+def test_restart_mode_starts_every_worker_again_after_a_failure(tmp_path):
+    events = []
+    settings = kolo.Executor.create_settings(timeout_s=30)
+    with kolo.Executor(settings, num_workers=2, max_restarts=2, engine="local", hosts="a:1,b:1") as ex:
+        ex.start()
+        results = ex.run(fails_first, args=[str(tmp_path)], on_event=events.append)
+    assert results == [(0, 1, 2, "1"), (1, 1, 2, "1")]
+    # the world's workers are new processes, not the survivors of the first
+    # (rank 0 of the first world may be stopped before its call ran)
+    first = {(tmp_path / n).read_text() for n in ("0.0", "1.0") if (tmp_path / n).exists()}
+    second = {(tmp_path / n).read_text() for n in ("0.1", "1.1")}
+    assert len(second) == 2 and first and not first & second, (first, second)
+    restarting = [e for e in events if e["event"] == "restarting"]
+    assert len(restarting) == 1 and restarting[0]["rank"] == 1 and restarting[0]["host"] == "b", events
+    assert not workers_left()
+
+
+def always_fails():
+    raise ValueError("broken for good")
+
+
+def test_restart_mode_stops_at_max_restarts_naming_the_limit_and_the_failure():
+    settings = kolo.Executor.create_settings(timeout_s=30)
+    ex = kolo.Executor(settings, num_workers=2, max_restarts=1, engine="local", hosts="localhost:2")
+    ex.start()
+    with pytest.raises(kolo.JobStopped) as raised:
+        ex.run(always_fails)
+    ex.shutdown()
+    message = str(raised.value)
+    assert isinstance(raised.value, RuntimeError)
+    assert "restarted 1 times, its max_restarts" in message, message
+    assert "ValueError: broken for good" in message, message
+    assert not workers_left()

@@ -50,6 +50,7 @@ pub mod elastic;
 mod engine;
 mod guard;
 mod hurry;
+pub mod job;
 mod nics;
 mod output;
 pub mod policy;
@@ -75,7 +76,7 @@ pub use registry::{
     build_id, set_build_id, Executable, Function, Registry, ReportError, Reporter, Task, UserError, WorkerContext,
     MAX_REPORT,
 };
-pub use settings::{Settings, WorkerRequest};
+pub use settings::{Settings, SharedJob, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
 
 use std::path::PathBuf;
@@ -100,16 +101,26 @@ pub enum ExecError {
         #[source]
         source: std::io::Error,
     },
+    /// Bad input: what the user asked for cannot be (the message names it
+    /// and the fix).
     #[error("invalid settings: {0}")]
     BadSettings(String),
+    /// A blocking engine call is still running.
+    #[error("the engine is busy with another call")]
+    EngineBusy,
+    /// An elastic job's hosts could not be discovered.
+    #[error("{0}")]
+    Discovery(String),
     #[error("the executor is not started; call start first")]
     NotStarted,
     #[error("the executor is started already; shut it down before starting again")]
     AlreadyStarted,
+    /// Workers exited before they connected; `hosts`: every host where one did.
     #[error("worker {index} on host {host} could not start: {reason}")]
-    WorkerStart { index: u32, host: String, reason: String },
+    WorkerStart { index: u32, host: String, reason: String, hosts: Vec<String> },
+    /// `hosts`: where the workers that did not connect run.
     #[error("timed out after {seconds:.1} s waiting for workers to connect: {missing} did not (raise the start timeout if they are slow)")]
-    StartTimeout { seconds: f64, missing: String },
+    StartTimeout { seconds: f64, missing: String, hosts: Vec<String> },
     #[error(
         "worker {index} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere",
         proto::PROTOCOL_VERSION
@@ -129,12 +140,13 @@ pub enum ExecError {
     WorkerLost { rank: u32, host: String, reason: String },
     #[error("task failed on rank {rank} (host {host}): {message}")]
     Task { rank: u32, host: String, message: String },
-    #[error("slurm: {0}")]
-    Slurm(String),
+    #[error("slurm: {what}: {detail}")]
+    Slurm { what: String, detail: String },
     #[error("ray: {0}")]
     Ray(String),
-    #[error("network interface detection: {0}")]
-    Nics(String),
+    /// `host`: the host it is about, if one.
+    #[error("network interface detection: {message}")]
+    Nics { host: Option<String>, message: String },
     #[error("cannot encode a value: {0}")]
     Encode(#[source] postcard::Error),
     #[error("cannot decode the result of rank {rank}: {source}")]
@@ -145,4 +157,26 @@ pub enum ExecError {
     },
     #[error("the call was cancelled")]
     Cancelled,
+}
+
+impl ExecError {
+    /// The hosts this error is about, where it is about some and not the
+    /// whole job (an elastic job leaves those out and goes on).
+    pub fn hosts(&self) -> Vec<String> {
+        match self {
+            ExecError::WorkerStart { hosts, .. } | ExecError::StartTimeout { hosts, .. } => hosts.clone(),
+            ExecError::Nics { host: Some(host), .. }
+            | ExecError::WorkerLost { host, .. }
+            | ExecError::Build { host, .. }
+            | ExecError::Task { host, .. } => vec![host.clone()],
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// Locks `mutex` even if a thread panicked while holding it: what kolo
+/// keeps behind its locks is whole at every point a panic could happen,
+/// and one panicking task must not take the driver or an agent down.
+pub fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

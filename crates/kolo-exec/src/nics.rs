@@ -85,7 +85,7 @@ pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfac
         None => 0,
     };
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if let Some(earlier) = STOP_LISTENING.lock().unwrap_or_else(|p| p.into_inner()).replace(stop.clone()) {
+    if let Some(earlier) = crate::lock(&STOP_LISTENING).replace(stop.clone()) {
         earlier.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     std::thread::spawn(move || {
@@ -113,7 +113,7 @@ pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfac
 
 /// Closes the probe listener of this process, if one runs.
 pub fn stop_listening() {
-    if let Some(stop) = STOP_LISTENING.lock().unwrap_or_else(|p| p.into_inner()).take() {
+    if let Some(stop) = crate::lock(&STOP_LISTENING).take() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }

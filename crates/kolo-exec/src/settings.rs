@@ -36,7 +36,20 @@ pub struct Settings {
     pub worker_args: Vec<String>,
     /// The rendezvous server refuses requests without the job secret.
     pub rendezvous_require_secret: bool,
+    /// What the workers are told of the elastic job they are part of.
+    pub elastic: Option<kolo_topology::ElasticEnv>,
+    /// The job these workers join (an in-place job's later cohorts): they
+    /// meet on its store, under its id, over its interfaces.
+    pub shared: Option<SharedJob>,
     secret: String,
+}
+
+/// What a job's later executors share with its first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedJob {
+    pub rendezvous: std::net::SocketAddr,
+    pub job_id: String,
+    pub ifaces: Vec<String>,
 }
 
 impl Default for Settings {
@@ -53,6 +66,8 @@ impl Default for Settings {
             worker_program: None,
             worker_args: Vec::new(),
             rendezvous_require_secret: false,
+            elastic: None,
+            shared: None,
             secret: random_hex(32),
         }
     }

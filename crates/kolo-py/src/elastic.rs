@@ -60,7 +60,7 @@ impl ElasticWorker {
 
 impl ElasticWorker {
     fn lock(&self) -> std::sync::MutexGuard<'_, Elastic> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        kolo_exec::lock(&self.inner)
     }
 }
 
@@ -146,7 +146,7 @@ impl Comm {
 
 impl Comm {
     fn lock(&self) -> std::sync::MutexGuard<'_, Communicator> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        kolo_exec::lock(&self.inner)
     }
 }
 
@@ -187,6 +187,16 @@ pub fn event_dict<'py>(py: Python<'py>, event: &kolo_exec::elastic::ElasticEvent
         E::Reported { rank, .. } => {
             d.set_item("event", "reported")?;
             d.set_item("rank", rank)?;
+        }
+        E::Reforming { round } => {
+            d.set_item("event", "reforming")?;
+            d.set_item("round", round)?;
+        }
+        E::Restarting { rank, host, reason } => {
+            d.set_item("event", "restarting")?;
+            d.set_item("rank", rank)?;
+            d.set_item("host", host)?;
+            d.set_item("reason", reason)?;
         }
     }
     Ok(d)

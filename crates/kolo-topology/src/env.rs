@@ -9,6 +9,39 @@ use crate::RankInfo;
 /// in the workers. It is never forwarded from the caller's environment.
 pub const ENV_SECRET: &str = "KOLO_SECRET";
 
+/// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`): the
+/// round a process starts for, and how long it waits for a round.
+pub const ENV_ELASTIC_ROUND: &str = "KOLO_ELASTIC_ROUND";
+pub const ENV_ELASTIC_TIMEOUT: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
+
+/// Variables whose values are chosen when the job starts (addresses,
+/// ports, ids, the secret): a plan shown before (`--dry-run`) marks them.
+pub const CHOSEN_AT_START: [&str; 10] = [
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_GLOO_RENDEZVOUS_PORT",
+    "KOLO_RENDEZVOUS_ADDR",
+    "KOLO_RENDEZVOUS_PORT",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "JAX_COORDINATOR_ADDRESS",
+    "KOLO_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    ENV_SECRET,
+];
+
+/// Variables naming the interfaces, detected at start on several hosts.
+pub const IFACE_VARS: [&str; 4] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "KOLO_IFACES", "GLOO_SOCKET_IFNAME"];
+
+/// What an elastic job's processes are told of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ElasticEnv {
+    /// In place: the round the processes start for, and how long they
+    /// wait for a round.
+    InPlace { round: u64, timeout_s: u64 },
+    /// Restart mode: this world's restarts so far, and the most allowed.
+    Restart { restarts: u32, max_restarts: u32 },
+}
+
 /// What is the same for every rank of a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JobEnv {
@@ -26,7 +59,7 @@ pub struct JobEnv {
     /// JAX's coordinator runs in rank 0: its host and a port free there.
     pub jax_coordinator_addr: String,
     pub jax_coordinator_port: u16,
-    pub elastic: bool,
+    pub elastic: Option<ElasticEnv>,
     pub job_id: String,
 }
 
@@ -43,7 +76,7 @@ impl JobEnv {
             master_port: 0,
             jax_coordinator_addr: "127.0.0.1".into(),
             jax_coordinator_port: 0,
-            elastic: false,
+            elastic: None,
             job_id: "dry-run".into(),
         }
     }
@@ -85,7 +118,7 @@ pub fn rank_env(
         set("NCCL_SOCKET_IFNAME", job.ifaces.join(","));
         set("KOLO_IFACES", job.ifaces.join(","));
     }
-    if job.elastic {
+    if job.elastic.is_some() {
         set("HOROVOD_ELASTIC", "1".into());
     }
     set("PYTHONUNBUFFERED", "1".into());
@@ -102,8 +135,23 @@ pub fn rank_env(
     set("ROLE_RANK", info.rank.to_string());
     set("ROLE_WORLD_SIZE", info.size.to_string());
     set("TORCHELASTIC_RUN_ID", job.job_id.clone());
-    set("TORCHELASTIC_RESTART_COUNT", "0".into());
-    set("TORCHELASTIC_MAX_RESTARTS", "0".into());
+    match &job.elastic {
+        Some(ElasticEnv::Restart { restarts, max_restarts }) => {
+            set("KOLO_RESTART_COUNT", restarts.to_string());
+            set("TORCHELASTIC_RESTART_COUNT", restarts.to_string());
+            set("TORCHELASTIC_MAX_RESTARTS", max_restarts.to_string());
+        }
+        Some(ElasticEnv::InPlace { round, timeout_s }) => {
+            set(ENV_ELASTIC_ROUND, round.to_string());
+            set(ENV_ELASTIC_TIMEOUT, timeout_s.to_string());
+            set("TORCHELASTIC_RESTART_COUNT", "0".into());
+            set("TORCHELASTIC_MAX_RESTARTS", "0".into());
+        }
+        None => {
+            set("TORCHELASTIC_RESTART_COUNT", "0".into());
+            set("TORCHELASTIC_MAX_RESTARTS", "0".into());
+        }
+    }
     set("MASTER_ADDR", job.master_addr.clone());
     set("MASTER_PORT", job.master_port.to_string());
     // every rank, rank 0 included, is a client of the store kolo serves
@@ -184,7 +232,7 @@ mod tests {
             master_port: 29500,
             jax_coordinator_addr: "10.0.0.2".into(),
             jax_coordinator_port: 29501,
-            elastic: false,
+            elastic: None,
             job_id: "j".into(),
         }
     }
@@ -246,9 +294,55 @@ mod tests {
         assert!(!rank_env(&alone, "b", &job(), None).contains_key("OMP_NUM_THREADS"));
         assert_eq!(get("KOLO_RANK"), Some("3"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("0,1"));
-        let elastic = rank_env(&info, "b", &JobEnv { elastic: true, ..job() }, None);
+        let restart = ElasticEnv::Restart { restarts: 2, max_restarts: 3 };
+        let elastic = rank_env(&info, "b", &JobEnv { elastic: Some(restart), ..job() }, None);
         assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
         assert!(!elastic.contains_key("CUDA_VISIBLE_DEVICES"));
+        assert_eq!(elastic.get("KOLO_RESTART_COUNT").map(String::as_str), Some("2"));
+        assert_eq!(elastic.get("TORCHELASTIC_RESTART_COUNT").map(String::as_str), Some("2"));
+        assert_eq!(elastic.get("TORCHELASTIC_MAX_RESTARTS").map(String::as_str), Some("3"));
+        let in_place = ElasticEnv::InPlace { round: 4, timeout_s: 600 };
+        let elastic = rank_env(&info, "b", &JobEnv { elastic: Some(in_place), ..job() }, None);
+        assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
+        assert_eq!(elastic.get(ENV_ELASTIC_ROUND).map(String::as_str), Some("4"));
+        assert_eq!(elastic.get(ENV_ELASTIC_TIMEOUT).map(String::as_str), Some("600"));
+    }
+
+    /// The variables a plan marks as chosen at start are exactly those
+    /// that differ between two starts of one job.
+    #[test]
+    fn the_start_time_variables_are_those_that_change_between_starts() {
+        let info = RankInfo {
+            rank: 0,
+            size: 2,
+            local_rank: 0,
+            local_size: 1,
+            cross_rank: 0,
+            cross_size: 2,
+            node_rank: 0,
+            num_nodes: 2,
+        };
+        let other = JobEnv {
+            rendezvous_addr: "10.0.0.9".into(),
+            rendezvous_port: 4001,
+            master_addr: "10.0.0.8".into(),
+            master_port: 29502,
+            jax_coordinator_addr: "10.0.0.7".into(),
+            jax_coordinator_port: 29503,
+            job_id: "k".into(),
+            ..job()
+        };
+        let (a, b) = (rank_env(&info, "a", &job(), None), rank_env(&info, "a", &other, None));
+        let changed: Vec<&str> = a.keys().filter(|k| a[*k] != b[*k]).map(String::as_str).collect();
+        let mut marked: Vec<&str> = CHOSEN_AT_START.iter().copied().filter(|k| *k != ENV_SECRET).collect();
+        marked.sort();
+        assert_eq!(changed, marked);
+        let other_ifaces = rank_env(&info, "a", &JobEnv { ifaces: vec!["ib0".into()], ..job() }, None);
+        let mut changed: Vec<&str> = a.keys().filter(|k| a[*k] != other_ifaces[*k]).map(String::as_str).collect();
+        changed.sort();
+        let mut ifaces = IFACE_VARS.to_vec();
+        ifaces.sort();
+        assert_eq!(changed, ifaces);
     }
 
     #[test]

@@ -33,20 +33,20 @@ impl Placement {
     ) -> Result<Self, TopologyError> {
         let bad = |m: &str| Err(TopologyError::BadRequest(m.to_string()));
         match (num_workers, num_hosts, workers_per_host) {
-            (Some(0), None, None) => bad("num_workers must be at least 1"),
+            (Some(0), None, None) => bad("num_workers must be a positive integer (at least 1), got 0"),
             (Some(n), None, None) if n > crate::MAX_PROCESSES => Err(TopologyError::TooManyProcesses(n.into())),
             (Some(n), None, None) => Ok(Placement::Pack { num_workers: n }),
             (None, Some(h), Some(w)) if h == 0 || w == 0 => {
-                bad("num_hosts and num_workers_per_host must be at least 1")
+                bad("num_hosts and num_workers_per_host must be positive integers")
             }
             (None, Some(h), Some(w)) if u64::from(h) * u64::from(w) > u64::from(crate::MAX_PROCESSES) => {
                 Err(TopologyError::TooManyProcesses(u64::from(h) * u64::from(w)))
             }
             (None, Some(h), Some(w)) => Ok(Placement::Colocated { num_hosts: h, workers_per_host: w }),
-            (Some(_), _, _) => bad("give either num_workers, or num_hosts with num_workers_per_host, not both"),
+            (Some(_), _, _) => bad("Both `num_workers` and `num_hosts` cannot be set: give num_workers, or num_hosts with num_workers_per_host, not both"),
             (None, Some(_), None) => bad("num_hosts needs num_workers_per_host too"),
             (None, None, Some(_)) => bad("num_workers_per_host needs num_hosts too"),
-            (None, None, None) => bad("give num_workers, or num_hosts with num_workers_per_host"),
+            (None, None, None) => bad("Either `num_workers` or `num_hosts` must be set: give num_workers, or num_hosts with num_workers_per_host"),
         }
     }
 
@@ -76,9 +76,9 @@ impl Default for WorkerResources {
 pub fn resolve_gpus_per_worker(use_gpu: bool, gpus_per_worker: Option<u32>) -> Result<u32, TopologyError> {
     match (use_gpu, gpus_per_worker) {
         (false, None) => Ok(0),
-        (false, Some(_)) => {
-            Err(TopologyError::BadRequest("gpus_per_worker is set but use_gpu is not; set use_gpu to use GPUs".into()))
-        }
+        (false, Some(_)) => Err(TopologyError::BadRequest(
+            "gpus_per_worker is set, but use_gpu is False. use_gpu must be True if gpus_per_worker is set.".into(),
+        )),
         (true, None) => Ok(1),
         (true, Some(0)) => Err(TopologyError::BadRequest(
             "use_gpu with gpus_per_worker 0; give at least 1 GPU per worker or drop use_gpu".into(),

@@ -4,6 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use kolo_exec::EngineChoice;
 
 #[derive(Parser, Debug)]
 #[command(name = "kolo", version, about = "Start and run data-parallel training jobs across machines")]
@@ -37,8 +38,8 @@ pub struct NicsArgs {
     /// Hosts to probe: host1,host2,... (slots are ignored: one agent per host).
     #[arg(short = 'H', long = "hosts", value_name = "HOSTS")]
     pub hosts: String,
-    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
-    pub engine: EngineArg,
+    #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
+    pub engine: EngineChoice,
     #[arg(long, value_name = "FILE")]
     pub ssh_config: Option<PathBuf>,
     #[arg(long, value_name = "PORT")]
@@ -95,8 +96,8 @@ pub struct RunArgs {
     /// Where workers run: auto (slurm inside an allocation, ssh when the
     /// hosts include other machines, local otherwise), local (every host a
     /// simulated node here), ssh, slurm, ray (a Ray cluster's nodes).
-    #[arg(long, value_enum, default_value_t = EngineArg::Auto)]
-    pub engine: EngineArg,
+    #[arg(long, default_value = "auto", value_parser = parse_engine, value_name = "ENGINE")]
+    pub engine: EngineChoice,
     /// The Ray cluster for --engine ray (default: RAY_ADDRESS, else the
     /// cluster running on this machine).
     #[arg(long, value_name = "ADDRESS")]
@@ -192,13 +193,9 @@ pub struct RunArgs {
     pub command: Vec<OsString>,
 }
 
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineArg {
-    Auto,
-    Local,
-    Ssh,
-    Slurm,
-    Ray,
+/// Engines by the names kolo-exec knows them by.
+fn parse_engine(name: &str) -> Result<EngineChoice, kolo_exec::ExecError> {
+    name.parse()
 }
 
 #[derive(Args, Debug)]

@@ -3,11 +3,12 @@
 //! kolo-exec and kolo-rendezvous, with `kolo run`'s launch policy).
 
 mod cli;
-mod elastic;
-mod in_place;
-mod launch;
+mod dry_run;
+mod nics;
 mod out;
+mod rendezvous;
 mod run;
+mod spec;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -52,8 +53,8 @@ pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
     let result = runtime.block_on(async {
         match cli.command {
             cli::Command::Run(args) => run::run(*args, worker).await,
-            cli::Command::Rendezvous(args) => run::rendezvous(args).await,
-            cli::Command::Nics(args) => run::nics(args).await,
+            cli::Command::Rendezvous(args) => rendezvous::rendezvous(args).await,
+            cli::Command::Nics(args) => nics::nics(args).await,
         }
     });
     match result {

@@ -118,13 +118,13 @@ impl Executor {
         let mut handles = Vec::new();
         for link in running.links.iter().filter(|l| only.is_none_or(|r| r == l.info.rank)) {
             let (tx, rx) = oneshot::channel();
-            link.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+            crate::lock(&link.pending).insert(id, tx);
             if let Some(reports) = reports {
-                link.reports.lock().unwrap_or_else(|p| p.into_inner()).insert(id, reports.clone());
+                crate::lock(&link.reports).insert(id, reports.clone());
             }
             if let Err(e) = link.send_frame(&frame).await {
-                link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                crate::lock(&link.pending).remove(&id);
+                crate::lock(&link.reports).remove(&id);
                 return Err(e);
             }
             handles.push(CallHandle { link: link.clone(), id, rx: Some(rx), _output: PhantomData });
@@ -174,8 +174,8 @@ impl<T: DeserializeOwned> CallHandle<T> {
     /// result is dropped otherwise.
     pub async fn cancel(mut self) -> Result<(), ExecError> {
         self.rx = None;
-        self.link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
-        self.link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        crate::lock(&self.link.pending).remove(&self.id);
+        crate::lock(&self.link.reports).remove(&self.id);
         self.link.send(&ToWorker::Cancel { id: self.id }).await
     }
 

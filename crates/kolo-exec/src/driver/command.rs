@@ -90,11 +90,7 @@ impl Executor {
                     host: running.links[*rank as usize].info.hostname.clone(),
                     cause: cause.clone(),
                     stderr_tail: running.output.stderr_tail(*rank as usize),
-                    error: running.links[*rank as usize]
-                        .command_error
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clone(),
+                    error: crate::lock(&running.links[*rank as usize].command_error).clone(),
                 })
             }
             None => None,

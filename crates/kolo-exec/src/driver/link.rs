@@ -100,10 +100,10 @@ impl Link {
     pub async fn ask_owner(&self, client: std::net::SocketAddr, server: std::net::SocketAddr) -> Result<(), String> {
         let id = self.next_question.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).insert(id, tx);
+        crate::lock(&self.owner_questions).insert(id, tx);
         let sent = self.send(&ToWorker::WhoOwns { id, client, server }).await;
         if let Err(e) = sent {
-            self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            crate::lock(&self.owner_questions).remove(&id);
             return Err(format!("cannot ask {} about it: {e}", self.describe()));
         }
         rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
@@ -122,7 +122,7 @@ impl Link {
     }
 
     pub fn lost_reason(&self) -> Option<String> {
-        self.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        crate::lock(&self.lost).clone()
     }
 
     pub async fn send(&self, message: &ToWorker) -> Result<(), ExecError> {
@@ -155,21 +155,21 @@ impl Link {
     /// Marks the worker lost and fails everything waiting on it; false if
     /// it was lost already.
     pub fn mark_lost(&self, reason: &str) -> bool {
-        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        let mut lost = crate::lock(&self.lost);
         if lost.is_some() {
             return false;
         }
         *lost = Some(reason.to_string());
         drop(lost);
         let message = format!("worker {} was lost: {reason}", self.describe());
-        for (_, tx) in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+        for (_, tx) in crate::lock(&self.pending).drain() {
             let _ = tx.send(Err(CallError::Lost(reason.to_string())));
         }
-        if let Some(tx) = self.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(tx) = crate::lock(&self.created).take() {
             let _ = tx.send(Err(message));
         }
-        self.reports.lock().unwrap_or_else(|p| p.into_inner()).clear();
-        self.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        crate::lock(&self.reports).clear();
+        crate::lock(&self.owner_questions).clear();
         true
     }
 }
@@ -217,19 +217,19 @@ pub(crate) async fn read_worker(
                 let _ = events.send(RankEvent { rank, cause: Cause::StartFailed { message, code } });
             }
             ToDriver::CommandError { message, traceback } => {
-                *link.command_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(RankError { message, traceback });
+                *crate::lock(&link.command_error) = Some(RankError { message, traceback });
             }
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
             }
             ToDriver::SocketOwner { id, answer } => {
-                if let Some(tx) = link.owner_questions.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+                if let Some(tx) = crate::lock(&link.owner_questions).remove(&id) {
                     let _ = tx.send(answer);
                 }
             }
             ToDriver::Created { result } => {
-                if let Some(tx) = link.created.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                if let Some(tx) = crate::lock(&link.created).take() {
                     let _ = tx.send(result);
                 }
             }
@@ -237,15 +237,15 @@ pub(crate) async fn read_worker(
                 if data.len() > MAX_REPORT {
                     break format!("it reported {} bytes at once, over the limit of {MAX_REPORT}", data.len());
                 }
-                let sink = link.reports.lock().unwrap_or_else(|p| p.into_inner()).get(&id).cloned();
+                let sink = crate::lock(&link.reports).get(&id).cloned();
                 if let Some(sink) = sink {
                     // a caller that stopped listening loses its reports, nothing else
                     let _ = forward(&link, &sink, Report { rank, data }).await;
                 }
             }
             ToDriver::Done { id, result } => {
-                link.reports.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                if let Some(tx) = link.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(&id) {
+                crate::lock(&link.reports).remove(&id);
+                if let Some(tx) = crate::lock(&link.pending).remove(&id) {
                     let _ = tx.send(result.map_err(CallError::Task));
                 }
             }

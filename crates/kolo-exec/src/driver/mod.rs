@@ -67,6 +67,8 @@ struct Running {
     /// Heartbeats and the watchdog; they run until shutdown.
     background: JoinSet<()>,
     stopping: Arc<AtomicBool>,
+    /// What is the same for every rank.
+    job: kolo_topology::JobEnv,
 }
 
 /// Runs user code on a set of worker processes; see the crate docs.
@@ -144,7 +146,7 @@ impl Executor {
         &mut self,
         call: impl FnOnce(&mut Box<dyn Engine>) -> Result<T, ExecError> + Send + 'static,
     ) -> Result<T, ExecError> {
-        let mut engine = self.engine.take().ok_or_else(|| ExecError::BadSettings("the engine is busy".into()))?;
+        let mut engine = self.engine.take().ok_or(ExecError::EngineBusy)?;
         let joined = tokio::task::spawn_blocking(move || {
             let result = call(&mut engine);
             (engine, result)
@@ -183,6 +185,24 @@ impl Executor {
     /// rounds there ([`RendezvousServer::set_round`]).
     pub fn rendezvous_server(&self) -> Option<&RendezvousServer> {
         self.running.as_ref().map(|r| &r.server)
+    }
+
+    /// Makes the workers part of an elastic job (before `start`): what they
+    /// are told of it, and the job they join, if it runs already.
+    pub fn join_elastic(&mut self, elastic: kolo_topology::ElasticEnv, shared: Option<crate::SharedJob>) {
+        self.settings.elastic = Some(elastic);
+        self.settings.shared = shared;
+    }
+
+    /// What the job's later executors share with this one (after `start`):
+    /// its store, id and interfaces.
+    pub fn shared_job(&self) -> Option<crate::SharedJob> {
+        let running = self.running.as_ref()?;
+        Some(crate::SharedJob {
+            rendezvous: running.server.addr(),
+            job_id: running.job.job_id.clone(),
+            ifaces: running.job.ifaces.clone(),
+        })
     }
 
     /// Takes the stream of rank events of a command job (a rank's command
@@ -245,7 +265,7 @@ impl Executor {
         let message = ToWorker::Create { name: name.to_string(), args };
         for link in &running.links {
             let (tx, rx) = oneshot::channel();
-            *link.created.lock().unwrap_or_else(|p| p.into_inner()) = Some(tx);
+            *crate::lock(&link.created) = Some(tx);
             link.send(&message).await?;
             waits.push((link.clone(), rx));
         }

@@ -22,7 +22,7 @@ static JOBS: Mutex<Vec<(String, Vec<Weak<Link>>)>> = Mutex::new(Vec::new());
 
 /// Adds a job's agents; dead entries (executors gone) are dropped meanwhile.
 pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
-    let mut jobs = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut jobs = crate::lock(&JOBS);
     for (_, agents) in jobs.iter_mut() {
         agents.retain(|a| a.strong_count() > 0);
     }
@@ -36,7 +36,7 @@ pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
 
 /// A live agent of the job whose control connection came from `host`.
 fn agent_on(secret: &str, host: IpAddr) -> Option<Arc<Link>> {
-    let jobs = JOBS.lock().unwrap_or_else(|p| p.into_inner());
+    let jobs = crate::lock(&JOBS);
     let (_, agents) = jobs.iter().find(|(s, _)| s == secret)?;
     agents.iter().filter_map(Weak::upgrade).find(|l| l.host_addr == Some(host) && l.lost_reason().is_none())
 }

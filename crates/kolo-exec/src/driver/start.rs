@@ -128,9 +128,10 @@ impl Executor {
 
         // 5. interfaces, then each rank's env from the plan
         let default_nics = self.engine.as_ref().map(|e| e.default_nics()).unwrap_or_default();
-        let (nics, report) = match &settings.nics {
-            Some(nics) => (nics.clone(), Vec::new()),
-            None => {
+        let (nics, report) = match (&settings.shared, &settings.nics) {
+            (Some(shared), _) => (shared.ifaces.clone(), Vec::new()),
+            (None, Some(nics)) => (nics.clone(), Vec::new()),
+            (None, None) => {
                 let deadline = Instant::now() + settings.start_timeout;
                 detect_nics(&plan, &mut hellos, deadline, default_nics).await?
             }
@@ -148,17 +149,21 @@ impl Executor {
         let deadline = Instant::now() + settings.start_timeout;
         let (jax_coordinator_addr, jax_coordinator_port) = rank0_port(&plan, &mut hellos, &nics, deadline).await?;
         tracing::debug!("stores up, interfaces and rank 0's port known");
+        let (rendezvous, job_id) = match &settings.shared {
+            Some(shared) => (shared.rendezvous, shared.job_id.clone()),
+            None => (server.addr(), random_hex(8)),
+        };
         let job = JobEnv {
-            rendezvous_addr: server.addr().ip().to_string(),
-            rendezvous_port: server.addr().port(),
+            rendezvous_addr: rendezvous.ip().to_string(),
+            rendezvous_port: rendezvous.port(),
             ifaces: nics,
             timeout_s: settings.start_timeout.as_secs().max(1),
             master_addr: torch_store.addr().ip().to_string(),
             master_port: torch_store.addr().port(),
             jax_coordinator_addr,
             jax_coordinator_port,
-            elastic: false,
-            job_id: random_hex(8),
+            elastic: settings.elastic.clone(),
+            job_id,
         };
         let output = OutputWriter::start(settings.output.clone(), n)?;
         let (event_tx, events) = mpsc::unbounded_channel();
@@ -201,7 +206,7 @@ impl Executor {
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
         tracing::debug!("every worker has its environment");
-        Ok(Running { links, server, torch_store, output, events, readers, background, stopping })
+        Ok(Running { links, server, torch_store, output, events, readers, background, stopping, job })
     }
 
     async fn accept_workers(
@@ -313,10 +318,15 @@ impl Executor {
                         let first_seen = *failed_since.get_or_insert_with(Instant::now);
                         if first_seen.elapsed() >= Duration::from_secs(1) || Instant::now() >= deadline {
                             let mut reasons: Vec<String> = Vec::new();
+                            let mut hosts: Vec<String> = Vec::new();
                             for (index, how) in &failed {
-                                let line = format!("host {}: {how}", host(*index as usize));
+                                let name = host(*index as usize);
+                                let line = format!("host {name}: {how}");
                                 if !reasons.contains(&line) {
                                     reasons.push(line);
+                                }
+                                if !hosts.contains(&name) {
+                                    hosts.push(name);
                                 }
                             }
                             let (index, _) = failed[0];
@@ -324,20 +334,22 @@ impl Executor {
                                 index,
                                 host: host(index as usize),
                                 reason: format!("workers exited before connecting: {}", reasons.join("; ")),
+                                hosts,
                             });
                         }
                     }
                     if Instant::now() >= deadline {
-                        let missing: Vec<String> = registered
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, r)| r.is_none())
-                            .map(|(i, _)| format!("worker {i} on host {}", host(i)))
-                            .collect();
+                        let absent: Vec<usize> =
+                            registered.iter().enumerate().filter(|(_, r)| r.is_none()).map(|(i, _)| i).collect();
+                        let missing: Vec<String> =
+                            absent.iter().map(|&i| format!("worker {i} on host {}", host(i))).collect();
+                        let mut hosts: Vec<String> = absent.iter().map(|&i| host(i)).collect();
+                        hosts.dedup();
                         if let Some(source) = out_of_descriptors {
                             return Err(ExecError::Descriptors { workers: n, source });
                         }
-                        return Err(ExecError::StartTimeout { seconds: self.settings.start_timeout.as_secs_f64(), missing: missing.join(", ") });
+                        let seconds = self.settings.start_timeout.as_secs_f64();
+                        return Err(ExecError::StartTimeout { seconds, missing: missing.join(", "), hosts });
                     }
                 }
             }
@@ -426,17 +438,20 @@ fn check_descriptors(workers: usize) -> Result<(), ExecError> {
     Ok(())
 }
 
+fn nics_error(host: &str, message: String) -> ExecError {
+    ExecError::Nics { host: Some(host.to_string()), message }
+}
+
 /// `--nics` names must exist on every host of the job.
 fn check_nics(nics: &Option<Vec<String>>, plan: &Plan, hellos: &[Hello]) -> Result<(), ExecError> {
     let Some(nics) = nics else { return Ok(()) };
     for rep in plan.node_representatives() {
         let have = &hellos[rep].body.interfaces;
         if let Some(missing) = nics.iter().find(|n| !have.contains(n)) {
-            return Err(ExecError::Nics(format!(
-                "interface '{missing}' (--nics) does not exist on host {}; it has: {}",
-                plan.workers[rep].host.hostname,
-                have.join(", ")
-            )));
+            let host = &plan.workers[rep].host.hostname;
+            let message =
+                format!("interface '{missing}' (--nics) does not exist on host {host}; it has: {}", have.join(", "));
+            return Err(nics_error(host, message));
         }
     }
     Ok(())
@@ -454,10 +469,10 @@ async fn await_reply<T>(
     loop {
         let frame = tokio::time::timeout_at(deadline, proto::read_frame_async(stream, proto::MAX_FRAME))
             .await
-            .map_err(|_| ExecError::Nics(format!("host {host} did not answer the {what} before the start timeout")))?
-            .map_err(|e| ExecError::Nics(format!("host {host} was lost during the {what}: {e}")))?;
+            .map_err(|_| nics_error(host, format!("host {host} did not answer the {what} before the start timeout")))?
+            .map_err(|e| nics_error(host, format!("host {host} was lost during the {what}: {e}")))?;
         let message: ToDriver = proto::decode(&frame)
-            .map_err(|e| ExecError::Nics(format!("host {host}: unreadable {what} answer: {e}")))?;
+            .map_err(|e| nics_error(host, format!("host {host}: unreadable {what} answer: {e}")))?;
         if let Some(reply) = pick(message) {
             return Ok(reply);
         }
@@ -481,7 +496,11 @@ async fn detect_nics(
     let frame = |m: &ToWorker| proto::encode(m).map_err(|source| ExecError::Io { what: "encoding".into(), source });
     let listen = frame(&ToWorker::ProbeListen)?;
     for &r in &reps {
-        hellos[r].stream.write_all(&listen).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
+        hellos[r]
+            .stream
+            .write_all(&listen)
+            .await
+            .map_err(|e| nics_error(&host(r), format!("host {}: {e}", host(r))))?;
     }
     let mut listeners = Vec::new();
     for &r in &reps {
@@ -502,7 +521,7 @@ async fn detect_nics(
             .flat_map(|(name, addrs)| addrs.iter().map(move |a| (name.clone(), a.clone(), *port)))
             .collect();
         let probe = frame(&ToWorker::Probe { index: reps[next] as u32, targets, timeout_ms })?;
-        hellos[r].stream.write_all(&probe).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
+        hellos[r].stream.write_all(&probe).await.map_err(|e| nics_error(&host(r), format!("host {}: {e}", host(r))))?;
     }
     let mut pairs = Vec::new();
     for (k, &r) in reps.iter().enumerate() {
@@ -517,9 +536,9 @@ async fn detect_nics(
     // the listeners are for these probes only
     let done = frame(&ToWorker::ProbeDone)?;
     for &r in &reps {
-        hellos[r].stream.write_all(&done).await.map_err(|e| ExecError::Nics(format!("host {}: {e}", host(r))))?;
+        hellos[r].stream.write_all(&done).await.map_err(|e| nics_error(&host(r), format!("host {}: {e}", host(r))))?;
     }
-    let common = crate::nics::common(&pairs).map_err(ExecError::Nics)?;
+    let common = crate::nics::common(&pairs).map_err(|message| ExecError::Nics { host: None, message })?;
     Ok((common, pairs))
 }
 
@@ -536,14 +555,14 @@ async fn rank0_port(
     let ask = proto::encode(&ToWorker::ReservePorts { count: 1 })
         .map_err(|source| ExecError::Io { what: "encoding".into(), source })?;
     let stream = &mut hellos[0].stream;
-    stream.write_all(&ask).await.map_err(|e| ExecError::Nics(format!("host {host}: {e}")))?;
+    stream.write_all(&ask).await.map_err(|e| nics_error(&host, format!("host {host}: {e}")))?;
     let (ports, interfaces) = await_reply(stream, deadline, "port reservation", &host, |m| match m {
         ToDriver::PortsReserved { ports, interfaces } => Some((ports, interfaces)),
         _ => None,
     })
     .await?;
     let [port] = ports[..] else {
-        return Err(ExecError::Nics(format!("host {host} found no free port for rank 0")));
+        return Err(nics_error(&host, format!("host {host} found no free port for rank 0")));
     };
     let multi_node = plan.node_representatives().len() > 1;
     let address = nics

@@ -125,7 +125,7 @@ impl Bridge {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 tracing::debug!(target: "kolo_exec::ray_bridge", "{line}");
-                let mut tail = tail.lock().unwrap_or_else(|p| p.into_inner());
+                let mut tail = crate::lock(&tail);
                 tail.push(line);
                 let excess = tail.len().saturating_sub(20);
                 tail.drain(..excess);
@@ -149,7 +149,7 @@ impl Bridge {
 
     /// The answer to the request just sent, within `limit`.
     fn answer(&mut self, what: &str, limit: Duration) -> Result<Value, ExecError> {
-        let answer = match self.answers.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(limit) {
+        let answer = match crate::lock(&self.answers).recv_timeout(limit) {
             Ok(answer) => answer,
             Err(RecvTimeoutError::Timeout) => {
                 return Err(ray_err(format!(
@@ -170,7 +170,7 @@ impl Bridge {
     }
 
     fn last_words(&self) -> String {
-        let tail = self.stderr_tail.lock().unwrap_or_else(|p| p.into_inner());
+        let tail = crate::lock(&self.stderr_tail);
         // the end of a Python traceback says what went wrong
         let said: Vec<&str> = tail.iter().rev().filter(|l| !l.trim().is_empty()).take(3).map(String::as_str).collect();
         if said.is_empty() {
@@ -353,13 +353,8 @@ impl Engine for RayEngine {
 
     fn exited(&mut self) -> Vec<(u32, String)> {
         let Some(bridge) = self.bridge.as_mut() else { return Vec::new() };
-        let mut out: Vec<(u32, String)> = bridge
-            .events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .try_iter()
-            .filter(|(i, _)| self.reported.insert(*i))
-            .collect();
+        let mut out: Vec<(u32, String)> =
+            crate::lock(&bridge.events).try_iter().filter(|(i, _)| self.reported.insert(*i)).collect();
         if self.kill_sent.is_none() && bridge.exited() {
             let why = format!("kolo's Ray bridge exited{}", bridge.last_words());
             for &index in &self.spawned {
@@ -445,7 +440,7 @@ impl RayNodes {
 
 impl crate::elastic::HostSource for RayNodes {
     fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
-        let mut held = self.bridge.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = crate::lock(&self.bridge);
         if held.as_mut().is_none_or(Bridge::exited) {
             *held = Some(Bridge::start(&self.options.python)?);
         }

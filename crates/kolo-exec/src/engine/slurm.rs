@@ -52,7 +52,7 @@ pub struct SlurmEngine {
 const SRUN_TERM_GRACE: Duration = Duration::from_millis(1500);
 
 fn slurm_err(what: &str, detail: impl std::fmt::Display) -> ExecError {
-    ExecError::Slurm(format!("{what}: {detail}"))
+    ExecError::Slurm { what: what.to_string(), detail: detail.to_string() }
 }
 
 impl SlurmEngine {

@@ -169,7 +169,7 @@ impl Engine for SshEngine {
                 std::thread::spawn(move || {
                     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                         eprintln!("{line}");
-                        *last.lock().unwrap_or_else(|p| p.into_inner()) = line;
+                        *crate::lock(&last) = line;
                     }
                 });
             }
@@ -183,7 +183,7 @@ impl Engine for SshEngine {
         let mut out = Vec::new();
         for ((indices, child), last) in self.children.iter_mut().zip(&self.last_words) {
             if let Ok(Some(status)) = child.try_wait() {
-                let said = last.lock().unwrap_or_else(|p| p.into_inner()).trim().to_string();
+                let said = crate::lock(last).trim().to_string();
                 let how = if said.is_empty() {
                     format!("its ssh session {}", crate::process::describe(status))
                 } else {

@@ -38,7 +38,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // the driver guards commands (its own host), the command registers its
     // group with the driver instead, also before it runs
     let silence = Some(agent.heartbeat_timeout * 2);
-    let early = agent.guard.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let early = crate::lock(&agent.guard).take();
     let guard = match early {
         Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| Some(guard)),
         None if agent.group_registry.is_some() => Ok(None),
@@ -141,7 +141,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             }
         });
     }
-    *agent.command.lock().unwrap_or_else(|p| p.into_inner()) =
+    *crate::lock(&agent.command) =
         Some(super::Running { group: child.id(), guard, dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()) });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
     let outputs: Vec<(File, bool)> = [

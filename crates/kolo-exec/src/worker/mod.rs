@@ -149,12 +149,12 @@ struct OwnOutput {
 impl Agent {
     fn send(&self, message: &ToDriver) -> io::Result<()> {
         let frame = proto::encode(message)?;
-        let mut writer = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut writer = crate::lock(&self.writer);
         writer.write_all(&frame)
     }
 
     fn say(&self, text: &str) {
-        let mut d = self.diagnostics.lock().unwrap_or_else(|p| p.into_inner());
+        let mut d = crate::lock(&self.diagnostics);
         let _ = writeln!(d, "kolo worker {}: {text}", self.index);
     }
 
@@ -165,8 +165,8 @@ impl Agent {
     /// Stops the command's process group (SIGTERM, then SIGKILL after
     /// `grace`), forwards the last output and exits.
     fn exit(&self, code: i32, grace: Duration) -> ! {
-        let _once = self.exiting.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(running) = self.command.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let _once = crate::lock(&self.exiting);
+        if let Some(running) = crate::lock(&self.command).take() {
             stop_group(running.group, grace);
             // the group is gone: the guard has nothing left to do
             if let Some(guard) = running.guard.and_then(|g| Arc::try_unwrap(g).ok()) {
@@ -182,7 +182,7 @@ impl Agent {
         }
         let _ = io::stdout().flush();
         let _ = io::stderr().flush();
-        if let Some(own) = self.own_output.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(own) = crate::lock(&self.own_output).take() {
             // closing our ends lets the pumps see EOF and forward the rest
             if let Ok(null) = File::open("/dev/null") {
                 let _ = nix::unistd::dup2_stdout(null.as_fd());
@@ -385,7 +385,7 @@ fn redirect_own_output(agent: &Arc<Agent>) -> io::Result<()> {
             let _ = done.send(());
         });
     }
-    *agent.own_output.lock().unwrap_or_else(|p| p.into_inner()) = Some(OwnOutput { pumps: done_rx });
+    *crate::lock(&agent.own_output) = Some(OwnOutput { pumps: done_rx });
     Ok(())
 }
 
@@ -493,7 +493,7 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
     for message in messages {
         let runs_user_code = runs_user_code(&message);
         let skip = match &message {
-            ToWorker::Call { id, .. } => calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).remove(id),
+            ToWorker::Call { id, .. } => crate::lock(&calls.cancelled).remove(id),
             _ => false,
         };
         if !skip {
@@ -533,7 +533,7 @@ fn read_batch(
         match message {
             ToWorker::Heartbeat => {}
             ToWorker::Cancel { id } => {
-                calls.cancelled.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+                crate::lock(&calls.cancelled).insert(id);
             }
             ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => agent.exit(0, agent.kill_grace),
             ToWorker::ProbeDone => crate::nics::stop_listening(),
@@ -569,7 +569,7 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
         }
         ToWorker::StartCommand { argv } => return command::start_command(agent, &argv, &state.env),
         ToWorker::SignalCommand { signal } => {
-            let group = agent.command.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|r| r.group);
+            let group = crate::lock(&agent.command).as_ref().map(|r| r.group);
             if let (Some(group), Ok(signal)) = (group, Signal::try_from(signal)) {
                 signal_group(group, signal);
             }

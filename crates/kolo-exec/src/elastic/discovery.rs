@@ -1,0 +1,80 @@
+//! Where an elastic job's hosts come from: a discovery script, a source
+//! such as a Ray cluster's nodes, or a fixed list; asked every interval.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kolo_topology::{parse_discovery, Decision, Event, HostSpec, Membership};
+
+use crate::ExecError;
+
+/// The longest a discovery script may run.
+const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Hosts from a source other than a script or a list (a Ray cluster's
+/// nodes: `RayNodes`). Blocking: called off the runtime.
+pub trait HostSource: Send + Sync + std::fmt::Debug {
+    fn hosts(&self) -> Result<Vec<HostSpec>, ExecError>;
+}
+
+/// Where the hosts come from and how often to ask.
+#[derive(Clone, Debug)]
+pub struct Discovery {
+    /// A script printing `host[:slots]` lines; none: `source`, else `fixed`.
+    pub script: Option<PathBuf>,
+    pub source: Option<Arc<dyn HostSource>>,
+    pub fixed: Vec<HostSpec>,
+    pub interval: Duration,
+    /// Slots of a host the script prints without `:slots`.
+    pub slots_per_host: u32,
+}
+
+impl Discovery {
+    /// A fixed host list, looked at every second.
+    pub fn fixed(hosts: Vec<HostSpec>) -> Discovery {
+        Discovery { script: None, source: None, fixed: hosts, interval: Duration::from_secs(1), slots_per_host: 1 }
+    }
+
+    /// Whether the hosts never change (a fixed list).
+    pub fn is_fixed(&self) -> bool {
+        self.script.is_none() && self.source.is_none()
+    }
+
+    /// Asks the script or source once: its hosts, or why not.
+    pub async fn hosts(&self) -> Result<Vec<HostSpec>, ExecError> {
+        if let (None, Some(source)) = (&self.script, &self.source) {
+            let source = source.clone();
+            return tokio::task::spawn_blocking(move || source.hosts())
+                .await
+                .map_err(|e| ExecError::Discovery(format!("host discovery: {e}")))?;
+        }
+        let Some(script) = &self.script else { return Ok(self.fixed.clone()) };
+        let bad = |what: String| ExecError::Discovery(format!("host discovery script {}: {what}", script.display()));
+        let run = tokio::process::Command::new(script).kill_on_drop(true).output();
+        let out = tokio::time::timeout(DISCOVERY_TIMEOUT, run)
+            .await
+            .map_err(|_| bad(format!("ran longer than {DISCOVERY_TIMEOUT:?}")))?
+            .map_err(|e| {
+                let script = script.display();
+                ExecError::Discovery(format!("cannot run host discovery script {script} (is it executable?): {e}"))
+            })?;
+        if !out.status.success() {
+            return Err(bad(format!("failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
+        }
+        let text = String::from_utf8(out.stdout).map_err(|_| bad("printed something not UTF-8".into()))?;
+        parse_discovery(&text, self.slots_per_host).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Asks again and tells `membership`; a failing script keeps the last
+    /// hosts (and says so).
+    pub async fn poll(&self, membership: &mut Membership, now: Duration) -> Decision {
+        match self.hosts().await {
+            Ok(hosts) => membership.on(Event::Discovered(&hosts), now),
+            Err(e) => {
+                tracing::warn!("{e}; keeping the hosts discovered before");
+                membership.on(Event::Tick, now)
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! What every process of an elastic job runs (an OS command, a task on an
+//! executable, a function) and how its processes' ends are reported.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::policy::Cause;
+use crate::proto::CallKind;
+use crate::registry::{Executable, Function, Task};
+use crate::{CallHandle, ExecError, Executor, Report};
+
+/// How one process of a cohort ended.
+pub enum ProcessEnd<O> {
+    Succeeded(O),
+    /// Failed: why, as "exited with code 3" or the error.
+    Failed(String),
+    /// Its worker was lost (the host is gone).
+    Lost(String),
+}
+
+/// A cohort's processes ending, by rank in the cohort.
+pub type Ends<O> = mpsc::UnboundedReceiver<(u32, ProcessEnd<O>)>;
+
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What every process of an elastic job runs: started in each cohort's
+/// executor, its processes' ends reported.
+pub trait ElasticWork: Send + Sync + 'static {
+    type Output: Send + 'static;
+    /// Starts the work; what its processes report (`WorkerContext::report`)
+    /// goes to `reports`.
+    fn start<'a>(
+        &'a self,
+        executor: &'a mut Executor,
+        env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
+    ) -> BoxFuture<'a, Result<Ends<Self::Output>, ExecError>>;
+}
+
+/// Called with each executor whose command has just started (`kolo run`
+/// says what it set there).
+pub type OnStarted = Box<dyn Fn(&Executor) + Send + Sync>;
+
+/// An OS command in every process (`kolo run --in-place` and restart mode).
+pub struct CommandWork {
+    pub argv: Vec<std::ffi::OsString>,
+    pub on_started: Option<OnStarted>,
+}
+
+impl CommandWork {
+    pub fn new(argv: Vec<std::ffi::OsString>) -> Self {
+        CommandWork { argv, on_started: None }
+    }
+
+    /// Starts the command in every worker of `executor`.
+    pub(crate) async fn start_command(
+        &self,
+        executor: &mut Executor,
+        env: &[(String, String)],
+    ) -> Result<(), ExecError> {
+        executor.start_command(&self.argv, env).await?;
+        if let Some(on_started) = &self.on_started {
+            on_started(executor);
+        }
+        Ok(())
+    }
+}
+
+impl ElasticWork for CommandWork {
+    type Output = ();
+    fn start<'a>(
+        &'a self,
+        executor: &'a mut Executor,
+        env: &'a [(String, String)],
+        _reports: &'a mpsc::Sender<Report>,
+    ) -> BoxFuture<'a, Result<Ends<()>, ExecError>> {
+        Box::pin(async move {
+            self.start_command(executor, env).await?;
+            let mut events = executor.take_rank_events().ok_or(ExecError::NotStarted)?;
+            let (tx, ends) = mpsc::unbounded_channel();
+            tokio::spawn(async move {
+                while let Some(event) = events.recv().await {
+                    let end = match event.cause {
+                        Cause::Exited { code: Some(0), .. } => ProcessEnd::Succeeded(()),
+                        Cause::Lost(reason) => ProcessEnd::Lost(reason),
+                        other => ProcessEnd::Failed(other.to_string()),
+                    };
+                    if tx.send((event.rank, end)).is_err() {
+                        return;
+                    }
+                }
+            });
+            Ok(ends)
+        })
+    }
+}
+
+/// A task on an executable `E` created in every process from `args`
+/// (RayExecutor's `start(executable_cls)` then `execute`).
+pub struct TaskWork<E: Executable, T: Task<E>> {
+    pub args: E::Args,
+    pub task: T,
+}
+
+impl<E, T> ElasticWork for TaskWork<E, T>
+where
+    E: Executable,
+    E::Args: Send + Sync,
+    T: Task<E> + Send + Sync + 'static,
+    T::Output: DeserializeOwned + Send + 'static,
+{
+    type Output = T::Output;
+    fn start<'a>(
+        &'a self,
+        executor: &'a mut Executor,
+        env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
+    ) -> BoxFuture<'a, Result<Ends<T::Output>, ExecError>> {
+        Box::pin(async move {
+            executor.start::<E>(&self.args, env).await?;
+            call_everywhere(executor, CallKind::Task, T::NAME, &self.task, reports).await
+        })
+    }
+}
+
+/// A plain function in every process (`run`).
+pub struct FunctionWork<F: Function> {
+    pub function: F,
+}
+
+impl<F> ElasticWork for FunctionWork<F>
+where
+    F: Function + Send + Sync + 'static,
+    F::Output: DeserializeOwned + Send + 'static,
+{
+    type Output = F::Output;
+    fn start<'a>(
+        &'a self,
+        executor: &'a mut Executor,
+        env: &'a [(String, String)],
+        reports: &'a mpsc::Sender<Report>,
+    ) -> BoxFuture<'a, Result<Ends<F::Output>, ExecError>> {
+        Box::pin(async move {
+            executor.start_workers(env).await?;
+            call_everywhere(executor, CallKind::Function, F::NAME, &self.function, reports).await
+        })
+    }
+}
+
+/// Calls `name` with `payload` in every worker; each one's end, as it comes.
+async fn call_everywhere<O: DeserializeOwned + Send + 'static, P: Serialize>(
+    executor: &Executor,
+    kind: CallKind,
+    name: &str,
+    payload: &P,
+    reports: &mpsc::Sender<Report>,
+) -> Result<Ends<O>, ExecError> {
+    let handles = executor.call_all(kind, name, payload, None, Some(reports)).await?;
+    Ok(ends_of(handles))
+}
+
+fn ends_of<O: DeserializeOwned + Send + 'static>(handles: Vec<CallHandle<O>>) -> Ends<O> {
+    let (tx, ends) = mpsc::unbounded_channel();
+    for handle in handles {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let rank = handle.rank();
+            let end = match handle.join().await {
+                Ok(output) => ProcessEnd::Succeeded(output),
+                Err(ExecError::WorkerLost { reason, .. }) => ProcessEnd::Lost(reason),
+                Err(ExecError::Task { message, .. }) => ProcessEnd::Failed(format!("raised {message}")),
+                Err(e) => ProcessEnd::Failed(e.to_string()),
+            };
+            let _ = tx.send((rank, end));
+        });
+    }
+    ends
+}

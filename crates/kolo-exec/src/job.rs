@@ -1,0 +1,460 @@
+//! One description of a job, whichever front end asked for it: `kolo run`
+//! and `kolo.Executor` translate their arguments into a [`JobSpec`], which
+//! checks them once, picks the hosts and the engine, and makes the
+//! executors of a fixed job, of each world of a restarted job and of each
+//! cohort of an in-place one.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kolo_topology::{total_slots, Cooldown, ElasticConfig, HostSpec, StopReason, TopologyError, WorkerResources};
+
+use crate::elastic::{Cohort, CohortFactory, Discovery};
+use crate::engine::{Engine, EngineChoice, EngineOptions, LocalEngine, SlurmEngine};
+use crate::{ExecError, Executor, Settings, WorkerRequest};
+
+/// How a front end spells the options its messages name (`--min-np` on
+/// the command line, `min_workers` in Python).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OptionNames {
+    pub np: &'static str,
+    pub min_np: &'static str,
+    pub max_np: &'static str,
+    pub reset_limit: &'static str,
+    pub max_restarts: &'static str,
+    pub elastic_timeout: &'static str,
+    pub cooldown: &'static str,
+    pub discovery: &'static str,
+    pub discovery_interval: &'static str,
+    pub slots_per_host: &'static str,
+    pub hosts: &'static str,
+    pub engine: &'static str,
+}
+
+impl OptionNames {
+    /// Why membership stopped the job, naming the limits as the user gave them.
+    pub fn explain(&self, reason: &StopReason) -> String {
+        match reason {
+            StopReason::ResetLimit { limit } => format!(
+                "the job was re-formed {limit} times, its reset limit; raise {} to allow more",
+                self.reset_limit
+            ),
+            StopReason::RestartLimit { limit } => format!(
+                "ranks failed and the job was restarted {limit} times, its {}; raise it to allow more",
+                self.max_restarts
+            ),
+            StopReason::Timeout { needed, available, waited } => format!(
+                "timed out after {:.0} s waiting for {needed} slots ({}) with {available} available on hosts not \
+                 blacklisted; add hosts or lower {}, or raise {}",
+                waited.as_secs_f64(),
+                self.min_np,
+                self.min_np,
+                self.elastic_timeout
+            ),
+            StopReason::NoSlotsLeft { needed, available } => format!(
+                "{available} slots are left on hosts not blacklisted, fewer than the {needed} of {}, and no more can \
+                 come: the host list is fixed and blacklisted hosts stay out; give {} to let them back or {} to add \
+                 hosts, or lower {}",
+                self.min_np, self.cooldown, self.discovery, self.min_np
+            ),
+        }
+    }
+}
+
+/// What a host's slots count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Slots {
+    /// Processes (horovodrun's): `-np` may not exceed the hosts' slots,
+    /// and a job that names no host has as many slots here as processes.
+    Processes,
+    /// CPUs (the Executor's): workers take `cpus_per_worker` each, and a
+    /// job that names no host has this machine's cores.
+    Cpus,
+}
+
+/// How many workers, and how they share hosts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Workers {
+    /// This many, packed onto as few hosts as fit; none: every slot of the
+    /// hosts given (or of the Slurm allocation).
+    Pack(Option<u32>),
+    /// `per_host` workers on each of `hosts` distinct hosts.
+    Colocated { hosts: u32, per_host: u32 },
+}
+
+/// Horovod's elastic modes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElasticMode {
+    /// Survivors keep running and join a new round (Horovod's elastic mode).
+    InPlace,
+    /// Every rank stops and the job starts again, restart count and all
+    /// (torchrun's elastic semantics).
+    Restart,
+}
+
+/// What makes a job elastic; unset limits take their defaults from the
+/// job's size.
+#[derive(Clone, Debug)]
+pub struct ElasticOptions {
+    pub mode: ElasticMode,
+    /// Fewest processes (default: the job's size).
+    pub min_np: Option<u32>,
+    /// Most processes (default: the job's size; with a discovery script,
+    /// every slot it finds).
+    pub max_np: Option<u32>,
+    /// Restarts after failures (default: none in restart mode; in place
+    /// only the reset limit bounds them, as in Horovod).
+    pub max_restarts: Option<u32>,
+    pub reset_limit: Option<u32>,
+    pub elastic_timeout: Duration,
+    /// Blacklisted hosts come back after MIN..MAX; none: never.
+    pub cooldown: Option<(Duration, Duration)>,
+    /// A program printing the available hosts; none: the host list (or,
+    /// on Ray, the cluster's alive nodes).
+    pub discovery_script: Option<PathBuf>,
+    pub discovery_interval: Duration,
+    /// Slots of a host the script prints without `:slots`.
+    pub slots_per_host: u32,
+}
+
+impl ElasticOptions {
+    pub fn new(mode: ElasticMode) -> Self {
+        ElasticOptions {
+            mode,
+            min_np: None,
+            max_np: None,
+            max_restarts: None,
+            reset_limit: None,
+            elastic_timeout: Duration::from_secs(600),
+            cooldown: None,
+            discovery_script: None,
+            discovery_interval: Duration::from_secs(1),
+            slots_per_host: 1,
+        }
+    }
+}
+
+/// A job as asked for. Fill it in, then [`JobSpec::check`] it once.
+#[derive(Clone, Debug)]
+pub struct JobSpec {
+    pub engine: EngineChoice,
+    /// The hosts given (`-H`, a host file, `hosts=`); none: the Slurm
+    /// allocation this runs in, the Ray cluster, or this machine.
+    pub hosts: Option<Vec<HostSpec>>,
+    pub slots: Slots,
+    pub workers: Workers,
+    pub resources: WorkerResources,
+    pub settings: Settings,
+    pub engine_options: EngineOptions,
+    /// Variables every worker gets on top of kolo's own.
+    pub env: Vec<(String, String)>,
+    pub elastic: Option<ElasticOptions>,
+    pub names: OptionNames,
+}
+
+/// A checked job: its hosts and size are known.
+#[derive(Clone, Debug)]
+pub struct Job {
+    spec: JobSpec,
+    /// The hosts it runs on; empty where the engine finds them itself (a
+    /// Ray cluster, this machine's CPUs, an allocation Slurm will grant).
+    hosts: Vec<HostSpec>,
+    request: WorkerRequest,
+}
+
+fn bad(message: impl Into<String>) -> ExecError {
+    ExecError::BadSettings(message.into())
+}
+
+/// `seconds` as a duration, if it is a positive number (`what` names it).
+pub fn seconds(what: &str, seconds: f64) -> Result<Duration, ExecError> {
+    if seconds.is_finite() && seconds > 0.0 {
+        Ok(Duration::from_secs_f64(seconds))
+    } else {
+        Err(bad(format!("{what} must be a positive number of seconds, got {seconds}")))
+    }
+}
+
+impl FromStr for EngineChoice {
+    type Err = ExecError;
+    fn from_str(name: &str) -> Result<Self, ExecError> {
+        Ok(match name {
+            "auto" => EngineChoice::Auto,
+            "local" => EngineChoice::Local,
+            "ssh" => EngineChoice::Ssh,
+            "slurm" => EngineChoice::Slurm,
+            "ray" => EngineChoice::Ray,
+            other => return Err(bad(format!("engine must be auto, local, ssh, slurm or ray, got '{other}'"))),
+        })
+    }
+}
+
+impl JobSpec {
+    /// Checks the job once, for every front end: the hosts it runs on,
+    /// its size, and its elastic limits.
+    pub fn check(self) -> Result<Job, ExecError> {
+        let names = self.names;
+        let in_allocation = SlurmEngine::in_allocation();
+        let ray = self.engine == EngineChoice::Ray;
+        if ray && self.hosts.is_some() {
+            return Err(bad(format!(
+                "the Ray engine places workers on the Ray cluster's nodes itself: give no host list ({})",
+                names.hosts
+            )));
+        }
+        if self.resources.cpus == 0 {
+            return Err(TopologyError::BadRequest("cpus_per_worker must be at least 1".into()).into());
+        }
+        let allocation = matches!(self.engine, EngineChoice::Auto | EngineChoice::Slurm) && in_allocation;
+        let hosts = match &self.hosts {
+            Some(hosts) => hosts.clone(),
+            None if allocation => SlurmEngine::allocation_hosts()?,
+            None => Vec::new(),
+        };
+        let np: u32 = match self.workers {
+            Workers::Pack(Some(0)) => return Err(bad(format!("{} must be at least 1, got 0", names.np))),
+            Workers::Pack(Some(np)) => np,
+            // every slot of the hosts given, or of the allocation
+            Workers::Pack(None) if !hosts.is_empty() => {
+                let slots = total_slots(&hosts);
+                u32::try_from(slots).map_err(|_| TopologyError::TooManyProcesses(slots))?
+            }
+            // an elastic job on no hosts given starts with its fewest
+            Workers::Pack(None) => match self.elastic.as_ref().and_then(|e| e.min_np) {
+                Some(min_np) => min_np,
+                None => return Err(bad(format!("give the number of processes with {}", names.np))),
+            },
+            Workers::Colocated { hosts, per_host } if hosts == 0 || per_host == 0 => {
+                return Err(
+                    TopologyError::BadRequest("num_hosts and num_workers_per_host must be at least 1".into()).into()
+                )
+            }
+            Workers::Colocated { hosts, per_host } => {
+                let n = u64::from(hosts) * u64::from(per_host);
+                u32::try_from(n).map_err(|_| TopologyError::TooManyProcesses(n))?
+            }
+        };
+        if np > kolo_topology::MAX_PROCESSES {
+            return Err(TopologyError::TooManyProcesses(np.into()).into());
+        }
+        // the hosts given bound the job (Horovod's check); an allocation
+        // and a Ray cluster are checked when they place it
+        if self.slots == Slots::Processes
+            && self.hosts.is_some()
+            && self.engine != EngineChoice::Slurm
+            && self.elastic.is_none()
+        {
+            let available = total_slots(&hosts);
+            if u64::from(np) > available {
+                return Err(TopologyError::NotEnoughSlots { requested: np.into(), available }.into());
+            }
+        }
+        let request = match self.workers {
+            Workers::Colocated { hosts, per_host } => WorkerRequest::colocated(hosts, per_host),
+            Workers::Pack(_) => WorkerRequest::pack(np),
+        }
+        .cpus_per_worker(self.resources.cpus)
+        .gpus_per_worker(self.resources.gpus);
+        if let Some(elastic) = &self.elastic {
+            if matches!(self.workers, Workers::Colocated { .. }) {
+                return Err(bad(format!(
+                    "an elastic job places workers by host slots: give {} and {}, not hosts times workers per host",
+                    names.np, names.hosts
+                )));
+            }
+            if self.engine == EngineChoice::Slurm && !in_allocation {
+                return Err(bad(
+                    "an elastic job under Slurm runs inside an allocation (salloc or sbatch): kolo does not grow \
+                     one it asked for",
+                ));
+            }
+            if let Some((lo, hi)) = elastic.cooldown {
+                if lo.is_zero() || lo > hi {
+                    return Err(bad(format!(
+                        "{} '{}:{}': give MIN and MAX seconds with 0 < MIN <= MAX, e.g. 10 and 300",
+                        names.cooldown,
+                        lo.as_secs_f64(),
+                        hi.as_secs_f64()
+                    )));
+                }
+            }
+            if elastic.discovery_interval < Duration::from_millis(10) {
+                return Err(bad(format!(
+                    "{} must be at least 0.01 seconds, got {}",
+                    names.discovery_interval,
+                    elastic.discovery_interval.as_secs_f64()
+                )));
+            }
+            if elastic.slots_per_host == 0 {
+                return Err(bad(format!("{} must be at least 1", names.slots_per_host)));
+            }
+        }
+        let job = Job { spec: self, hosts, request };
+        if job.is_elastic() {
+            job.elastic_config()?;
+        }
+        Ok(job)
+    }
+}
+
+impl Job {
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.spec.settings
+    }
+
+    /// What each world asks for (with the job's size).
+    pub fn request(&self) -> WorkerRequest {
+        self.request
+    }
+
+    /// The processes of the job (of its first world, if elastic).
+    pub fn np(&self) -> u32 {
+        self.request.num_workers()
+    }
+
+    /// The variables every worker gets on top of kolo's own.
+    pub fn env(&self) -> &[(String, String)] {
+        &self.spec.env
+    }
+
+    pub fn is_elastic(&self) -> bool {
+        self.spec.elastic.is_some()
+    }
+
+    pub fn elastic_mode(&self) -> Option<ElasticMode> {
+        self.spec.elastic.as_ref().map(|e| e.mode)
+    }
+
+    /// The executor of a fixed job (host names are looked up off the
+    /// async runtime).
+    pub async fn executor(&self) -> Result<Executor, ExecError> {
+        let (spec, hosts, request) = (self.spec.clone(), self.hosts.clone(), self.request);
+        let engine = tokio::task::spawn_blocking(move || fixed_engine(&spec, hosts, &request))
+            .await
+            .map_err(|e| ExecError::Io { what: "choosing the engine".into(), source: std::io::Error::other(e) })??;
+        Executor::with_engine(self.spec.settings.clone(), self.request, engine)
+    }
+
+    /// The engine this job resolves to (`Auto` made concrete).
+    pub fn engine_choice(&self) -> EngineChoice {
+        self.spec.engine.resolve(&self.hosts)
+    }
+
+    /// Membership's limits for an elastic job (none for a fixed one).
+    pub fn elastic_config(&self) -> Result<ElasticConfig, ExecError> {
+        let Some(elastic) = &self.spec.elastic else {
+            return Err(bad("the job is not elastic"));
+        };
+        let names = self.spec.names;
+        let np = self.np();
+        let min_np = elastic.min_np.unwrap_or(np);
+        let max_np = match (elastic.max_np, &elastic.discovery_script) {
+            (Some(max), _) => max,
+            (None, Some(_)) => kolo_topology::MAX_PROCESSES,
+            (None, None) => np.max(min_np),
+        };
+        if min_np == 0 {
+            return Err(bad(format!("{} must be a positive integer, got 0", names.min_np)));
+        }
+        if min_np > max_np {
+            let bare = |name: &'static str| name.trim_start_matches('-');
+            return Err(bad(format!(
+                "{} ({min_np}) must not be more than {} ({max_np}): give 1 <= {} <= {}",
+                names.min_np,
+                names.max_np,
+                bare(names.min_np),
+                bare(names.max_np)
+            )));
+        }
+        let mut config = ElasticConfig::new(min_np, max_np)?;
+        config.max_restarts = match elastic.mode {
+            ElasticMode::InPlace => elastic.max_restarts,
+            ElasticMode::Restart => Some(elastic.max_restarts.unwrap_or(0)),
+        };
+        config.reset_limit = elastic.reset_limit;
+        config.elastic_timeout = elastic.elastic_timeout;
+        if let Some((lo, hi)) = elastic.cooldown {
+            config.cooldown = Some(Cooldown::new(lo, hi)?);
+        }
+        // in place nothing else bounds failures: Horovod's rule
+        config.blacklist_failed_hosts = elastic.mode == ElasticMode::InPlace;
+        config.fixed_hosts = self.discovery()?.is_fixed();
+        Ok(config)
+    }
+
+    /// Where an elastic job's hosts come from: the discovery script, the
+    /// Ray cluster's nodes, or the hosts, fixed.
+    pub fn discovery(&self) -> Result<Discovery, ExecError> {
+        let Some(elastic) = &self.spec.elastic else {
+            return Err(bad("the job is not elastic"));
+        };
+        let choice = self.spec.engine;
+        let source = match &elastic.discovery_script {
+            None => choice.host_source(&self.spec.engine_options, self.request.resources),
+            Some(_) => None,
+        };
+        let fixed = match (&self.spec.hosts, self.hosts.is_empty(), choice) {
+            (_, false, _) => self.hosts.clone(),
+            (None, true, EngineChoice::Ray) => Vec::new(),
+            // this machine, with a slot for each process
+            _ => vec![HostSpec::new("localhost", self.np().max(elastic.max_np.unwrap_or(0)))],
+        };
+        Ok(Discovery {
+            script: elastic.discovery_script.clone(),
+            source,
+            fixed,
+            interval: elastic.discovery_interval,
+            slots_per_host: elastic.slots_per_host,
+        })
+    }
+
+    /// Makes the executor of each world or cohort of an elastic job, on the
+    /// hosts its membership chose, sharing the job's secret.
+    pub fn cohort_factory(&self) -> CohortFactory {
+        let job = self.clone();
+        Arc::new(move |cohort: Cohort| {
+            let job = job.clone();
+            Box::pin(async move {
+                let request = WorkerRequest::pack(cohort.np as u32)
+                    .cpus_per_worker(job.request.resources.cpus)
+                    .gpus_per_worker(job.request.resources.gpus);
+                let mut settings = job.spec.settings.clone().with_secret(cohort.secret);
+                settings.output.first_label = cohort.first_process;
+                let (choice, options) = (job.spec.engine, job.spec.engine_options.clone());
+                let hosts = cohort.hosts;
+                // engines look host names up: off the runtime
+                let engine = tokio::task::spawn_blocking(move || choice.elastic_engine(hosts, &request, options))
+                    .await
+                    .map_err(|e| ExecError::Io {
+                        what: "choosing the engine".into(),
+                        source: std::io::Error::other(e),
+                    })??;
+                Executor::with_engine(settings, request, engine)
+            })
+        })
+    }
+}
+
+/// The engine of a fixed job: blocking (names are looked up).
+fn fixed_engine(spec: &JobSpec, hosts: Vec<HostSpec>, request: &WorkerRequest) -> Result<Box<dyn Engine>, ExecError> {
+    let choice = spec.engine.resolve(&hosts);
+    if spec.hosts.is_none() && hosts.is_empty() && matches!(choice, EngineChoice::Local | EngineChoice::Ssh) {
+        // no host list and no allocation: this machine
+        let engine = match spec.slots {
+            Slots::Cpus => LocalEngine::this_machine(),
+            Slots::Processes => LocalEngine::with_hosts(vec![HostSpec::new("localhost", request.num_workers())]),
+        };
+        if choice == EngineChoice::Local {
+            return Ok(Box::new(engine));
+        }
+        let here = HostSpec::new("localhost", request.num_workers());
+        return choice.engine(vec![here], request, spec.engine_options.clone());
+    }
+    choice.engine(hosts, request, spec.engine_options.clone())
+}

@@ -1,0 +1,430 @@
+//! The driver side: `kolo.Executor`'s arguments translated into kolo-exec's
+//! one job description (`Job`, checked when the Executor is made), and
+//! kolo-exec's Executor on its own runtime (`Driver`), fixed or elastic.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use kolo_exec::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
+use kolo_exec::job::{self, ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
+use kolo_exec::{lock, EngineChoice, EngineOptions, Executor, RayOptions, Settings, WorkerRequest};
+
+use crate::worker::{registry, PyCall, PyWorker};
+use crate::{error, exec_error, JobStopped};
+
+/// How `kolo.Executor`'s messages name its arguments (horovod.ray's).
+const PYTHON_NAMES: OptionNames = OptionNames {
+    np: "num_workers",
+    min_np: "min_workers",
+    max_np: "max_workers",
+    reset_limit: "reset_limit",
+    max_restarts: "max_restarts",
+    elastic_timeout: "elastic_timeout",
+    cooldown: "cooldown_range",
+    discovery: "host_discovery_script",
+    discovery_interval: "discovery_interval",
+    slots_per_host: "slots_per_host",
+    hosts: "hosts",
+    engine: "engine",
+};
+
+/// A count given in Python: a positive integer, or a ValueError naming it.
+fn count(name: &str, value: Option<i64>) -> PyResult<Option<u32>> {
+    match value {
+        None => Ok(None),
+        Some(v) => u32::try_from(v)
+            .ok()
+            .filter(|&v| v >= 1)
+            .map(Some)
+            .ok_or_else(|| value_error(format!("{name} must be a positive integer, got {v}"))),
+    }
+}
+
+fn value_error(e: impl std::fmt::Display) -> PyErr {
+    pyo3::exceptions::PyValueError::new_err(e.to_string())
+}
+
+/// A `kolo.Executor`'s job, checked when the Executor is made.
+#[pyclass(module = "kolo._kolo")]
+pub(crate) struct Job {
+    spec: JobSpec,
+}
+
+#[pymethods]
+impl Job {
+    /// horovod.ray's arguments (and kolo's: `hosts`, `engine`, and the
+    /// elastic ones); raises ValueError naming a bad one and the fix.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (num_workers=None, num_hosts=None, num_workers_per_host=1, cpus_per_worker=1, use_gpu=false, gpus_per_worker=None, hosts=None, engine=None, timeout_s=30.0, placement_group_timeout_s=100.0, nics=None, ssh_config_file=None, min_workers=None, max_workers=None, max_restarts=None, reset_limit=None, cooldown_range=None, elastic_timeout=600.0, host_discovery_script=None, discovery_interval=1.0))]
+    fn new(
+        num_workers: Option<i64>,
+        num_hosts: Option<i64>,
+        num_workers_per_host: i64,
+        cpus_per_worker: i64,
+        use_gpu: bool,
+        gpus_per_worker: Option<i64>,
+        hosts: Option<String>,
+        engine: Option<String>,
+        timeout_s: f64,
+        placement_group_timeout_s: f64,
+        nics: Option<Vec<String>>,
+        ssh_config_file: Option<String>,
+        min_workers: Option<i64>,
+        max_workers: Option<i64>,
+        max_restarts: Option<i64>,
+        reset_limit: Option<i64>,
+        cooldown_range: Option<(f64, f64)>,
+        elastic_timeout: f64,
+        host_discovery_script: Option<String>,
+        discovery_interval: f64,
+    ) -> PyResult<Self> {
+        let (mut num_workers, num_hosts) = (count("num_workers", num_workers)?, count("num_hosts", num_hosts)?);
+        let (min_workers, max_workers) = (count("min_workers", min_workers)?, count("max_workers", max_workers)?);
+        // a restart limit of 0 is a limit: counts of the others start at 1
+        let max_restarts = max_restarts
+            .map(|v| u32::try_from(v).map_err(|_| value_error(format!("max_restarts must be 0 or more, got {v}"))))
+            .transpose()?;
+        let reset_limit = reset_limit
+            .map(|v| u32::try_from(v).map_err(|_| value_error(format!("reset_limit must be 0 or more, got {v}"))))
+            .transpose()?;
+        // horovod.ray's elastic executor: min_workers makes it so (in
+        // place); max_restarts asks for restart mode
+        let mode = match (max_restarts, min_workers) {
+            (Some(_), _) => Some(ElasticMode::Restart),
+            (None, Some(_)) => Some(ElasticMode::InPlace),
+            (None, None) => None,
+        };
+        if mode.is_none() && (max_workers.is_some() || host_discovery_script.is_some()) {
+            return Err(value_error(
+                "max_workers and host_discovery_script are for elastic executors: give min_workers too",
+            ));
+        }
+        if mode.is_some() && num_hosts.is_some() {
+            return Err(value_error("an elastic executor places workers by host slots: give hosts, not num_hosts"));
+        }
+        if mode == Some(ElasticMode::InPlace) {
+            // its most workers are its size; it runs as many as it finds
+            num_workers = max_workers.or(num_workers).or(min_workers);
+        } else if mode == Some(ElasticMode::Restart) {
+            num_workers = num_workers.or(max_workers).or(min_workers);
+        }
+        let per_host = count("num_workers_per_host", Some(num_workers_per_host))?;
+        let cpus = count("cpus_per_worker", Some(cpus_per_worker))?.unwrap_or(1);
+        // horovod.ray: gpus_per_worker=0 without use_gpu is no request
+        let gpus_per_worker = gpus_per_worker.filter(|&g| use_gpu || g != 0);
+        let gpus_per_worker = gpus_per_worker
+            .map(|g| u32::try_from(g).map_err(|_| value_error(format!("gpus_per_worker must be 0 or more, got {g}"))))
+            .transpose()?;
+        let request =
+            WorkerRequest::from_args(num_workers, num_hosts, num_hosts.and(per_host), cpus, use_gpu, gpus_per_worker)
+                .map_err(exec_error)?;
+        let workers = match request.placement {
+            kolo_topology::Placement::Pack { num_workers } => Workers::Pack(Some(num_workers)),
+            kolo_topology::Placement::Colocated { num_hosts, workers_per_host } => {
+                Workers::Colocated { hosts: num_hosts, per_host: workers_per_host }
+            }
+        };
+        let mut settings = Settings::default();
+        settings.start_timeout = job::seconds("timeout_s", timeout_s).map_err(exec_error)?;
+        settings.placement_timeout =
+            job::seconds("placement_group_timeout_s", placement_group_timeout_s).map_err(exec_error)?;
+        settings.nics = nics;
+        settings.ssh.config_file = ssh_config_file.map(Into::into);
+        let elastic = match mode {
+            None => None,
+            Some(mode) => {
+                let mut options = ElasticOptions::new(mode);
+                options.min_np = min_workers;
+                options.max_np = max_workers;
+                options.max_restarts = max_restarts;
+                options.reset_limit = reset_limit;
+                options.elastic_timeout = job::seconds("elastic_timeout", elastic_timeout).map_err(exec_error)?;
+                if let Some((lo, hi)) = cooldown_range {
+                    let lo = job::seconds("cooldown_range", lo).map_err(exec_error)?;
+                    let hi = job::seconds("cooldown_range", hi).map_err(exec_error)?;
+                    options.cooldown = Some((lo, hi));
+                }
+                options.discovery_script = host_discovery_script.map(Into::into);
+                options.discovery_interval =
+                    job::seconds("discovery_interval", discovery_interval).map_err(exec_error)?;
+                Some(options)
+            }
+        };
+        let spec = JobSpec {
+            engine: engine.as_deref().unwrap_or("auto").parse().map_err(exec_error)?,
+            hosts: hosts.as_deref().map(kolo_topology::parse_host_list).transpose().map_err(value_error)?,
+            slots: Slots::Cpus,
+            workers,
+            resources: request.resources,
+            settings,
+            engine_options: EngineOptions::default(),
+            env: Vec::new(),
+            elastic,
+            names: PYTHON_NAMES,
+        };
+        // checked now, as horovod.ray checks its arguments
+        spec.clone().check().map_err(exec_error)?;
+        Ok(Job { spec })
+    }
+
+    /// Whether the job is elastic (its functions run with `run` only).
+    #[getter]
+    fn elastic(&self) -> bool {
+        self.spec.elastic.is_some()
+    }
+
+    /// The engine asked for, by name.
+    #[getter]
+    fn engine(&self) -> &'static str {
+        match self.spec.engine {
+            EngineChoice::Auto => "auto",
+            EngineChoice::Local => "local",
+            EngineChoice::Ssh => "ssh",
+            EngineChoice::Slurm => "slurm",
+            EngineChoice::Ray => "ray",
+        }
+    }
+}
+
+/// Waits for `work` with the GIL released, looking for Python's signals
+/// (Ctrl-C) every 100 ms: a call into the workers may take as long as the
+/// user's function does.
+fn interruptible<T>(
+    runtime: &tokio::runtime::Runtime,
+    work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+) -> PyResult<T> {
+    runtime.block_on(async {
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                done = &mut work => return done.map_err(exec_error),
+                _ = tokio::time::sleep(SIGNAL_CHECK) => {
+                    Python::with_gil(|py| py.check_signals())?;
+                }
+            }
+        }
+    })
+}
+
+/// How often a driver waiting on the workers looks for Ctrl-C.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// kolo-exec's Executor on its own runtime, for `kolo.Executor`.
+#[pyclass(module = "kolo._kolo")]
+pub(crate) struct Driver {
+    inner: Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
+    /// The job, for an elastic job's worlds and cohorts.
+    job: kolo_exec::job::Job,
+}
+
+impl Driver {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        work: impl FnOnce(&tokio::runtime::Runtime, &mut Executor) -> PyResult<T> + Send,
+    ) -> PyResult<T> {
+        py.allow_threads(|| {
+            let mut inner = lock(&self.inner);
+            let (runtime, executor) = inner.as_mut().ok_or_else(|| error("the executor was shut down"))?;
+            let result = work(runtime, executor);
+            // interrupted (Ctrl-C): nothing of the job outlives the call
+            if result
+                .as_ref()
+                .is_err_and(|e| Python::with_gil(|py| e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)))
+            {
+                if let Some((runtime, mut executor)) = inner.take() {
+                    runtime.block_on(executor.shutdown());
+                }
+            }
+            result
+        })
+    }
+}
+
+#[pymethods]
+impl Driver {
+    /// The driver of `job`, its workers `worker_program worker_args...`;
+    /// `ssh_identity_file` and the Ray cluster are known when it starts.
+    #[new]
+    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None))]
+    fn new(
+        job: &Job,
+        worker_program: String,
+        worker_args: Vec<String>,
+        ssh_identity_file: Option<String>,
+        ray_address: Option<String>,
+        ray_placement_group: Option<String>,
+    ) -> PyResult<Self> {
+        let mut spec = job.spec.clone();
+        spec.settings.ssh.identity_file = ssh_identity_file.map(Into::into);
+        spec.settings.worker_program = Some(worker_program.clone().into());
+        spec.settings.worker_args = worker_args;
+        spec.engine_options = EngineOptions {
+            ssh: spec.settings.ssh.clone(),
+            // the workers' Python runs the Ray bridge too: it has Ray if the caller does
+            ray: RayOptions {
+                address: ray_address,
+                python: worker_program.into(),
+                placement_group: ray_placement_group,
+            },
+            ..Default::default()
+        };
+        let job = spec.check().map_err(exec_error)?;
+        // the workers are `python -m kolo._worker` with this registry
+        kolo_exec::set_build_id(registry().build_id());
+        // one thread of its own: heartbeats and output go on while Python
+        // is busy between calls, not only while it waits in one
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kolo-driver")
+            .enable_all()
+            .build()
+            .map_err(error)?;
+        let executor = match job.is_elastic() {
+            // an elastic job's executors are made per world or cohort
+            true => None,
+            false => Some(runtime.block_on(job.executor()).map_err(exec_error)?),
+        };
+        let inner = executor.map(|executor| (runtime, executor));
+        Ok(Driver { inner: Mutex::new(inner), job })
+    }
+
+    /// Starts the workers and creates each one's state from `args`.
+    fn start(&self, py: Python<'_>, args: Vec<u8>, env: Vec<(String, String)>) -> PyResult<()> {
+        self.with(py, |rt, ex| interruptible(rt, ex.start::<PyWorker>(&args, &env)))
+    }
+
+    /// Runs the pickled call on every worker; the answers in rank order.
+    /// `on_report(rank, bytes)` gets what workers report meanwhile; if it
+    /// raises, it is not called again and its exception is raised once
+    /// the call is done.
+    #[pyo3(signature = (payload, on_report=None))]
+    fn execute(&self, py: Python<'_>, payload: Vec<u8>, on_report: Option<Py<PyAny>>) -> PyResult<Vec<Py<PyBytes>>> {
+        let call = PyCall { payload, elastic: false };
+        let answers = self.with(py, |rt, ex| match &on_report {
+            None => interruptible(rt, ex.execute::<PyWorker, PyCall>(&call)),
+            Some(callback) => {
+                let mut failed: Option<PyErr> = None;
+                let answers = interruptible(
+                    rt,
+                    ex.execute_reporting::<PyWorker, PyCall>(&call, |report| {
+                        if failed.is_none() {
+                            Python::with_gil(|py| {
+                                let data = PyBytes::new(py, &report.data);
+                                failed = callback.call1(py, (report.rank, data)).err();
+                            });
+                        }
+                    }),
+                )?;
+                failed.map_or(Ok(answers), Err)
+            }
+        })?;
+        Ok(answers.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
+    }
+
+    /// Runs the pickled call on rank 0 only.
+    fn execute_single(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Py<PyBytes>> {
+        let call = PyCall { payload, elastic: false };
+        let answer = self.with(py, |rt, ex| interruptible(rt, ex.execute_single::<PyWorker, PyCall>(&call)))?;
+        Ok(PyBytes::new(py, &answer).unbind())
+    }
+
+    /// Runs the pickled call elastically: in place (Horovod's elastic
+    /// executor: workers are started per cohort on the hosts, or those a
+    /// discovery script prints, and the answers are those of the last
+    /// round's members) or in restart mode (every worker starts again
+    /// after a failure; the answers are those of the world that
+    /// succeeded), each worker's state made from `args` and `env`.
+    /// `on_event(dict)` hears each membership change and
+    /// `on_report(rank, bytes)` each value reported (`rank` in the current
+    /// round, or None); if one raises, neither is called again and its
+    /// exception is raised at the end.
+    #[pyo3(signature = (args, env, payload, on_event=None, on_report=None))]
+    fn run_elastic(
+        &self,
+        py: Python<'_>,
+        args: Vec<u8>,
+        env: Vec<(String, String)>,
+        payload: Vec<u8>,
+        on_event: Option<Py<PyAny>>,
+        on_report: Option<Py<PyAny>>,
+    ) -> PyResult<Vec<Py<PyBytes>>> {
+        let job = &self.job;
+        let mode = job.elastic_mode().ok_or_else(|| error("the executor is not elastic"))?;
+        let failed: Arc<Mutex<Option<PyErr>>> = Default::default();
+        let last_failure: Arc<Mutex<Option<String>>> = Default::default();
+        let (heard, failure) = (failed.clone(), last_failure.clone());
+        let listener = move |event: ElasticEvent| {
+            if let ElasticEvent::Failed { .. } | ElasticEvent::Restarting { .. } = &event {
+                *lock(&failure) = Some(event.to_string());
+            }
+            let mut failed = lock(&heard);
+            if failed.is_some() {
+                return;
+            }
+            Python::with_gil(|py| {
+                *failed = match (&event, &on_report, &on_event) {
+                    (ElasticEvent::Reported { rank, data }, Some(callback), _) => {
+                        callback.call1(py, (*rank, PyBytes::new(py, data))).err()
+                    }
+                    (ElasticEvent::Reported { .. }, None, _) | (_, _, None) => None,
+                    (_, _, Some(callback)) => {
+                        crate::elastic::event_dict(py, &event).and_then(|d| callback.call1(py, (d,))).err()
+                    }
+                };
+            });
+        };
+        let work = TaskWork::<PyWorker, PyCall> { args, task: PyCall { payload, elastic: true } };
+        let (config, discovery) = (job.elastic_config().map_err(exec_error)?, job.discovery().map_err(exec_error)?);
+        let (factory, env) = (job.cohort_factory(), [job.env(), &env[..]].concat());
+        // the job's own runtime: there is no executor to hold one
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kolo-driver")
+            .enable_all()
+            .build()
+            .map_err(error)?;
+        let (results, stopped): (Vec<Vec<u8>>, Option<String>) = py.allow_threads(|| match mode {
+            ElasticMode::InPlace => {
+                let run = ElasticJob::run(work, config, discovery, factory, env, listener, std::future::pending());
+                let outcome = interruptible(&runtime, run)?;
+                Ok::<_, PyErr>((outcome.results, outcome.stopped.map(|c: StopCause| c.explain(&PYTHON_NAMES))))
+            }
+            ElasticMode::Restart => {
+                let run = RestartJob::run(&work, config, discovery, factory, env, listener, std::future::pending());
+                let outcome = interruptible(&runtime, run)?;
+                let stopped = outcome.stopped.as_ref().map(|reason| PYTHON_NAMES.explain(reason));
+                Ok((outcome.last.map(|l| l.results).unwrap_or_default(), stopped))
+            }
+        })?;
+        if let Some(e) = lock(&failed).take() {
+            return Err(e);
+        }
+        if let Some(reason) = stopped {
+            let last = match lock(&last_failure).take() {
+                Some(failure) => format!("; the last failure: {failure}"),
+                None => String::new(),
+            };
+            return Err(JobStopped::new_err(format!("the elastic job stopped: {reason}{last}")));
+        }
+        Ok(results.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
+    }
+
+    /// `(rank, host)` of every worker, in rank order.
+    fn workers(&self, py: Python<'_>) -> PyResult<Vec<(u32, String)>> {
+        self.with(py, |_, ex| Ok(ex.workers().into_iter().map(|w| (w.rank, w.hostname)).collect()))
+    }
+
+    /// Stops the workers; the driver cannot be used afterwards.
+    fn shutdown(&self, py: Python<'_>) {
+        py.allow_threads(|| {
+            if let Some((runtime, mut executor)) = lock(&self.inner).take() {
+                runtime.block_on(executor.shutdown());
+            }
+        })
+    }
+}
