@@ -23,6 +23,8 @@
 //! [`tag`], [`verify`], [`Listener`], [`Dialer`]) do no I/O, for callers
 //! with their own event loop.
 
+#![forbid(unsafe_code)]
+
 use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
 

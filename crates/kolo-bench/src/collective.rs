@@ -17,7 +17,7 @@ use serde_json::json;
 use crate::Table;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-pub enum Collective {
+pub(crate) enum Collective {
     Allreduce,
     Allgather,
     ReduceScatter,
@@ -71,7 +71,7 @@ pub struct CollectiveArgs {
 }
 
 /// A worker's communicator, kept between sweeps.
-pub struct CommBench {
+pub(crate) struct CommBench {
     comm: Communicator,
 }
 
@@ -88,7 +88,7 @@ impl Executable for CommBench {
 
 /// Times one collective over sizes; returns (bytes, iters, mean seconds) rows.
 #[derive(Serialize, Deserialize)]
-pub struct Sweep {
+pub(crate) struct Sweep {
     collective: Collective,
     sizes: Vec<usize>,
     op: String,
@@ -187,11 +187,11 @@ fn time<T: One>(
     Ok((iters, seconds))
 }
 
-pub fn register(registry: Registry) -> Registry {
+pub(crate) fn register(registry: Registry) -> Registry {
     registry.executable::<CommBench>().task::<CommBench, Sweep>()
 }
 
-pub async fn run(collective: Collective, args: CollectiveArgs) -> Result<i32> {
+pub(crate) async fn run(collective: Collective, args: CollectiveArgs) -> Result<i32> {
     let op: ReduceOp = args.op.parse().map_err(anyhow::Error::msg)?;
     let dtype: DType = args.dtype.parse().map_err(anyhow::Error::msg)?;
     if args.np == 0 || args.min_bytes == 0 || args.min_bytes > args.max_bytes {

@@ -25,7 +25,7 @@ pub struct ExecutorArgs {
 }
 
 /// The smallest executable: it only answers.
-pub struct Idle;
+pub(crate) struct Idle;
 
 impl Executable for Idle {
     const NAME: &'static str = "bench-idle";
@@ -37,7 +37,7 @@ impl Executable for Idle {
 
 /// A call that does nothing but return the rank.
 #[derive(Serialize, Deserialize)]
-pub struct Ping;
+pub(crate) struct Ping;
 
 impl Task<Idle> for Ping {
     const NAME: &'static str = "bench-ping";
@@ -47,7 +47,7 @@ impl Task<Idle> for Ping {
     }
 }
 
-pub fn register(registry: Registry) -> Registry {
+pub(crate) fn register(registry: Registry) -> Registry {
     registry.executable::<Idle>().task::<Idle, Ping>()
 }
 
@@ -55,7 +55,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-pub async fn run(args: ExecutorArgs) -> Result<i32> {
+pub(crate) async fn run(args: ExecutorArgs) -> Result<i32> {
     let sizes = if args.np.is_empty() { vec![4, 16] } else { args.np.clone() };
     if args.rounds == 0 || sizes.contains(&0) {
         bail!("--rounds and --np must be at least 1");

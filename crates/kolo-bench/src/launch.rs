@@ -35,7 +35,7 @@ fn time_once(command: &mut Command) -> Result<f64> {
     Ok(seconds * 1e3)
 }
 
-pub async fn run(args: LaunchArgs) -> Result<i32> {
+pub(crate) async fn run(args: LaunchArgs) -> Result<i32> {
     let sizes = if args.np.is_empty() { vec![4, 16] } else { args.np.clone() };
     if args.runs == 0 {
         bail!("--runs must be at least 1");

@@ -59,7 +59,7 @@ fn start_kolo_server(ranks: u32) -> Result<(ServerProcess, String)> {
     Ok((ServerProcess(child), line.trim().to_string()))
 }
 
-pub async fn run(args: RendezvousBenchArgs) -> Result<i32> {
+pub(crate) async fn run(args: RendezvousBenchArgs) -> Result<i32> {
     let sizes = if args.ranks.is_empty() { vec![64, 256, 1024] } else { args.ranks.clone() };
     if sizes.contains(&0) {
         bail!("--ranks must be at least 1");

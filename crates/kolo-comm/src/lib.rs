@@ -27,10 +27,11 @@ mod schedule;
 mod shm;
 
 pub use bootstrap::{Config, Interrupt, Transport};
-pub use comm::{split_counts, Communicator, Tuning};
+pub use comm::{Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
 /// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
 pub use kolo_auth::{AuthError, Secret};
+pub use schedule::split_counts;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {

@@ -11,8 +11,6 @@
 
 use std::ops::Range;
 
-use crate::comm::split_counts;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Apply {
     Copy,
@@ -279,4 +277,9 @@ mod tests {
         assert_eq!(recursive_doubling(6, 0, 8).len(), 2);
         assert_eq!(recursive_doubling(6, 1, 8).len(), 4);
     }
+}
+
+/// Element counts of `n` near-equal parts of `count` (the first parts one larger).
+pub fn split_counts(count: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|i| count / n + usize::from(i < count % n)).collect()
 }

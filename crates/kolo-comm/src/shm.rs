@@ -29,7 +29,7 @@ const MAX_CAPACITY: usize = 1 << 30;
 
 /// Most bytes moved by one call, so a sender and a receiver alternate in
 /// pieces that stay in cache.
-pub const SEGMENT: usize = 256 * 1024;
+pub(crate) const SEGMENT: usize = 256 * 1024;
 
 /// What keeps a ring's memory alive.
 enum Backing {
@@ -38,7 +38,7 @@ enum Backing {
     Heap(#[allow(dead_code)] std::sync::Arc<heap::Region>),
 }
 
-pub struct Ring {
+pub(crate) struct Ring {
     /// Start of the region: header, then `capacity` bytes of data.
     base: *mut u8,
     capacity: usize,
@@ -54,7 +54,7 @@ unsafe impl Send for Ring {}
 impl Ring {
     /// The consumer's side: a fresh anonymous memory file of `capacity`
     /// data bytes, pre-faulted, and its descriptor for the producer.
-    pub fn create(capacity: usize) -> io::Result<(Ring, OwnedFd)> {
+    pub(crate) fn create(capacity: usize) -> io::Result<(Ring, OwnedFd)> {
         use nix::sys::memfd::{memfd_create, MFdFlags};
         use nix::sys::stat::{fchmod, Mode};
         assert!(capacity.is_multiple_of(8) && (8..=MAX_CAPACITY).contains(&capacity));
@@ -75,7 +75,7 @@ impl Ring {
     }
 
     /// The producer's side: maps (pre-faulted) a ring another rank made.
-    pub fn open(fd: OwnedFd) -> io::Result<Ring> {
+    pub(crate) fn open(fd: OwnedFd) -> io::Result<Ring> {
         let file = File::from(fd);
         let len = file.metadata()?.len() as usize;
         let capacity = len.wrapping_sub(HEADER);
@@ -90,11 +90,11 @@ impl Ring {
     }
 
     /// Tells the other side this connection is dead.
-    pub fn abort(&self) {
+    pub(crate) fn abort(&self) {
         self.counter(ABORT_AT).store(1, Ordering::Release);
     }
 
-    pub fn aborted(&self) -> bool {
+    pub(crate) fn aborted(&self) -> bool {
         self.counter(ABORT_AT).load(Ordering::Acquire) != 0
     }
 
@@ -113,7 +113,7 @@ impl Ring {
     /// Producer: copies up to `data.len()` bytes (a multiple of 8, except
     /// for a message's last piece, whose padding up to 8 is skipped) and
     /// returns how many ring bytes it advanced.
-    pub fn push(&mut self, data: &[u8], padded_len: usize) -> usize {
+    pub(crate) fn push(&mut self, data: &[u8], padded_len: usize) -> usize {
         let tail = self.counter(TAIL_AT).load(Ordering::Acquire);
         let free = self.capacity - (self.cursor - tail) as usize;
         let n = padded_len.min(free).min(SEGMENT) & !7;
@@ -137,7 +137,7 @@ impl Ring {
 
     /// Consumer: hands up to `max` available bytes (a multiple of 8) to
     /// `take` in at most two contiguous, 8-aligned pieces, then frees them.
-    pub fn pop(&mut self, max: usize, mut take: impl FnMut(&[u8])) -> usize {
+    pub(crate) fn pop(&mut self, max: usize, mut take: impl FnMut(&[u8])) -> usize {
         let head = self.counter(HEAD_AT).load(Ordering::Acquire);
         let n = ((head - self.cursor) as usize).min(max).min(SEGMENT) & !7;
         if n == 0 {
@@ -166,7 +166,7 @@ mod heap {
     use std::sync::Arc;
 
     /// A zeroed, 8-aligned heap buffer reached through a raw pointer only.
-    pub struct Region {
+    pub(super) struct Region {
         ptr: *mut u64,
         words: usize,
     }
@@ -183,7 +183,7 @@ mod heap {
     }
 
     /// (producer, consumer) over a heap region.
-    pub fn pair(capacity: usize) -> (Ring, Ring) {
+    pub(super) fn pair(capacity: usize) -> (Ring, Ring) {
         let words = (HEADER + capacity) / 8;
         let ptr = Box::into_raw(vec![0u64; words].into_boxed_slice()) as *mut u64;
         let region = Arc::new(Region { ptr, words });

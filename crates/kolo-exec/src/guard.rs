@@ -55,7 +55,7 @@ pub struct Guard {
 pub(crate) struct GroupWriter(OwnedFd);
 
 impl GroupWriter {
-    pub fn watch_group(&self, pgid: u32) -> io::Result<()> {
+    pub(crate) fn watch_group(&self, pgid: u32) -> io::Result<()> {
         let mut record = [GROUP, 0, 4, 0, 0, 0, 0];
         record[3..].copy_from_slice(&pgid.to_be_bytes());
         write_all(self.0.as_raw_fd(), &record)
@@ -251,68 +251,77 @@ fn nap_ms(ms: i64) {
 }
 
 /// The guard's life. Only async-signal-safe calls from here on.
+///
+/// # Safety
+///
+/// Only in the guard process just forked from the parent: it may call
+/// async-signal-safe functions only (no allocation, no locks), and
+/// `state` was made before the fork.
 unsafe fn watch(pipe: RawFd, parent: libc::pid_t, state: &mut State) -> ! {
-    // own session: no terminal signals, not in the parent's process group
-    // (which engines kill as a whole)
-    libc::setsid();
-    for signal in [libc::SIGINT, libc::SIGHUP, libc::SIGPIPE, libc::SIGQUIT, libc::SIGUSR1] {
-        libc::signal(signal, libc::SIG_IGN);
-    }
-    // SIGTERM is read, not ignored: a batch system ending the whole step
-    // (Slurm: SIGTERM to every process of it, SIGKILL after KillWait)
-    // leaves the guard only that moment to clean up
-    let mut term: libc::sigset_t = std::mem::zeroed();
-    libc::sigemptyset(&mut term);
-    libc::sigaddset(&mut term, libc::SIGTERM);
-    libc::signal(libc::SIGTERM, libc::SIG_DFL);
-    libc::sigprocmask(libc::SIG_SETMASK, &term, std::ptr::null_mut());
-    // keep only the pipe: an inherited socket would keep the driver from
-    // seeing this process's parent go; stdio goes to /dev/null
-    libc::dup2(pipe, 3);
-    if libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32) != 0 {
-        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-        libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
-        for fd in 4..(limit.rlim_cur.min(1 << 16) as RawFd) {
-            libc::close(fd);
+    // SAFETY: as the function's own contract says
+    unsafe {
+        // own session: no terminal signals, not in the parent's process group
+        // (which engines kill as a whole)
+        libc::setsid();
+        for signal in [libc::SIGINT, libc::SIGHUP, libc::SIGPIPE, libc::SIGQUIT, libc::SIGUSR1] {
+            libc::signal(signal, libc::SIG_IGN);
         }
-    }
-    let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
-    for fd in 0..3 {
-        libc::dup2(null, fd);
-    }
-    let pipe: RawFd = 3;
-    let terminated = libc::signalfd(-1, &term, libc::SFD_CLOEXEC);
-    let mut last_beat = now_ms();
-    loop {
-        let timeout = match state.silence_ms {
-            0 => -1,
-            limit => (last_beat + limit - now_ms()).clamp(0, 1000) as libc::c_int,
-        };
-        let mut pfds = [
-            libc::pollfd { fd: pipe, events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: terminated, events: libc::POLLIN, revents: 0 },
-        ];
-        let ready = libc::poll(pfds.as_mut_ptr(), if terminated >= 0 { 2 } else { 1 }, timeout);
-        if ready > 0 && pfds[1].revents != 0 {
-            clean_up(state, None);
+        // SIGTERM is read, not ignored: a batch system ending the whole step
+        // (Slurm: SIGTERM to every process of it, SIGKILL after KillWait)
+        // leaves the guard only that moment to clean up
+        let mut term: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut term);
+        libc::sigaddset(&mut term, libc::SIGTERM);
+        libc::signal(libc::SIGTERM, libc::SIG_DFL);
+        libc::sigprocmask(libc::SIG_SETMASK, &term, std::ptr::null_mut());
+        // keep only the pipe: an inherited socket would keep the driver from
+        // seeing this process's parent go; stdio goes to /dev/null
+        libc::dup2(pipe, 3);
+        if libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32) != 0 {
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit);
+            for fd in 4..(limit.rlim_cur.min(1 << 16) as RawFd) {
+                libc::close(fd);
+            }
         }
-        let pfd = pfds[0];
-        if ready > 0 && pfd.revents != 0 {
-            let free = &mut state.buf[state.filled..];
-            let n = libc::read(pipe, free.as_mut_ptr().cast(), free.len());
-            if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        for fd in 0..3 {
+            libc::dup2(null, fd);
+        }
+        let pipe: RawFd = 3;
+        let terminated = libc::signalfd(-1, &term, libc::SFD_CLOEXEC);
+        let mut last_beat = now_ms();
+        loop {
+            let timeout = match state.silence_ms {
+                0 => -1,
+                limit => (last_beat + limit - now_ms()).clamp(0, 1000) as libc::c_int,
+            };
+            let mut pfds = [
+                libc::pollfd { fd: pipe, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: terminated, events: libc::POLLIN, revents: 0 },
+            ];
+            let ready = libc::poll(pfds.as_mut_ptr(), if terminated >= 0 { 2 } else { 1 }, timeout);
+            if ready > 0 && pfds[1].revents != 0 {
                 clean_up(state, None);
             }
-            if n > 0 {
-                state.filled += n as usize;
-                last_beat = now_ms();
-                if take_records(state) {
-                    libc::_exit(0);
+            let pfd = pfds[0];
+            if ready > 0 && pfd.revents != 0 {
+                let free = &mut state.buf[state.filled..];
+                let n = libc::read(pipe, free.as_mut_ptr().cast(), free.len());
+                if n == 0 || (n < 0 && *libc::__errno_location() != libc::EINTR) {
+                    clean_up(state, None);
+                }
+                if n > 0 {
+                    state.filled += n as usize;
+                    last_beat = now_ms();
+                    if take_records(state) {
+                        libc::_exit(0);
+                    }
                 }
             }
-        }
-        if state.silence_ms > 0 && now_ms() - last_beat > state.silence_ms {
-            clean_up(state, Some(parent));
+            if state.silence_ms > 0 && now_ms() - last_beat > state.silence_ms {
+                clean_up(state, Some(parent));
+            }
         }
     }
 }
@@ -364,74 +373,92 @@ fn take_records(state: &mut State) -> bool {
 
 /// Ends the groups, kills a silent parent, runs the command, removes the
 /// paths (the last registered first), and exits.
+///
+/// # Safety
+///
+/// Only in the guard process just forked from the parent: it may call
+/// async-signal-safe functions only (no allocation, no locks), and
+/// `state` was made before the fork.
 unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
-    let groups = &state.groups[..];
-    if let Some(parent) = silent_parent {
-        // stopped or hung: it will not clean up; SIGCONT lets a stopped
-        // one die at once
-        libc::kill(parent, libc::SIGKILL);
-        libc::kill(parent, libc::SIGCONT);
-    }
-    let mut any = false;
-    for &g in groups {
-        any |= libc::killpg(g, libc::SIGTERM) == 0;
-        libc::killpg(g, libc::SIGCONT);
-    }
-    // the files first: a batch system ending the whole step (Slurm kills
-    // this process with the rest) must not cut the clean-up short
-    for slot in state.paths[..state.path_count].iter().rev() {
-        let path = slot.as_ptr().cast::<libc::c_char>();
-        if libc::unlink(path) != 0 {
-            libc::rmdir(path);
+    // SAFETY: as the function's own contract says
+    unsafe {
+        let groups = &state.groups[..];
+        if let Some(parent) = silent_parent {
+            // stopped or hung: it will not clean up; SIGCONT lets a stopped
+            // one die at once
+            libc::kill(parent, libc::SIGKILL);
+            libc::kill(parent, libc::SIGCONT);
         }
-    }
-    if any {
-        let deadline = now_ms() + state.grace_ms;
-        while now_ms() < deadline && groups.iter().any(|&g| libc::killpg(g, 0) == 0) {
-            nap_ms(10);
-        }
+        let mut any = false;
         for &g in groups {
-            libc::killpg(g, libc::SIGKILL);
+            any |= libc::killpg(g, libc::SIGTERM) == 0;
+            libc::killpg(g, libc::SIGCONT);
         }
+        // the files first: a batch system ending the whole step (Slurm kills
+        // this process with the rest) must not cut the clean-up short
+        for slot in state.paths[..state.path_count].iter().rev() {
+            let path = slot.as_ptr().cast::<libc::c_char>();
+            if libc::unlink(path) != 0 {
+                libc::rmdir(path);
+            }
+        }
+        if any {
+            let deadline = now_ms() + state.grace_ms;
+            while now_ms() < deadline && groups.iter().any(|&g| libc::killpg(g, 0) == 0) {
+                nap_ms(10);
+            }
+            for &g in groups {
+                libc::killpg(g, libc::SIGKILL);
+            }
+        }
+        if state.command_len > 0 {
+            run_command(&state.command[..state.command_len]);
+        }
+        libc::_exit(0)
     }
-    if state.command_len > 0 {
-        run_command(&state.command[..state.command_len]);
-    }
-    libc::_exit(0)
 }
 
 /// Runs a NUL-separated argv, waiting up to 30 s.
+///
+/// # Safety
+///
+/// Only in the guard process just forked from the parent: it may call
+/// async-signal-safe functions only (no allocation, no locks), and
+/// `state` was made before the fork.
 unsafe fn run_command(bytes: &[u8]) {
-    let mut argv: [*const libc::c_char; MAX_ARGS] = [std::ptr::null(); MAX_ARGS];
-    let mut count = 0;
-    let mut start = 0;
-    for (i, &b) in bytes.iter().enumerate() {
-        if b == 0 && count < MAX_ARGS - 1 {
-            argv[count] = bytes[start..].as_ptr().cast();
-            count += 1;
-            start = i + 1;
+    // SAFETY: as the function's own contract says
+    unsafe {
+        let mut argv: [*const libc::c_char; MAX_ARGS] = [std::ptr::null(); MAX_ARGS];
+        let mut count = 0;
+        let mut start = 0;
+        for (i, &b) in bytes.iter().enumerate() {
+            if b == 0 && count < MAX_ARGS - 1 {
+                argv[count] = bytes[start..].as_ptr().cast();
+                count += 1;
+                start = i + 1;
+            }
         }
-    }
-    if count == 0 {
-        return;
-    }
-    let pid = libc::fork();
-    if pid == 0 {
-        libc::execvp(argv[0], argv.as_ptr());
-        libc::_exit(127);
-    }
-    if pid < 0 {
-        return;
-    }
-    let deadline = now_ms() + 30_000;
-    while now_ms() < deadline {
-        if libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) != 0 {
+        if count == 0 {
             return;
         }
-        nap_ms(20);
+        let pid = libc::fork();
+        if pid == 0 {
+            libc::execvp(argv[0], argv.as_ptr());
+            libc::_exit(127);
+        }
+        if pid < 0 {
+            return;
+        }
+        let deadline = now_ms() + 30_000;
+        while now_ms() < deadline {
+            if libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) != 0 {
+                return;
+            }
+            nap_ms(20);
+        }
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
     }
-    libc::kill(pid, libc::SIGKILL);
-    libc::waitpid(pid, std::ptr::null_mut(), 0);
 }
 
 #[cfg(test)]
@@ -448,15 +475,8 @@ mod tests {
         }
     }
 
-    fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-        let start = std::time::Instant::now();
-        while start.elapsed() < limit {
-            if cond() {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        cond()
+    fn wait_for(limit: Duration, cond: impl FnMut() -> bool) -> bool {
+        crate::wait::wait_until(std::time::Instant::now() + limit, Duration::from_millis(10), cond)
     }
 
     #[test]

@@ -177,17 +177,29 @@ pub fn seconds(what: &str, seconds: f64) -> Result<Duration, ExecError> {
     }
 }
 
+/// Every engine by its name: the one table both ways.
+const ENGINE_NAMES: [(&str, EngineChoice); 5] = [
+    ("auto", EngineChoice::Auto),
+    ("local", EngineChoice::Local),
+    ("ssh", EngineChoice::Ssh),
+    ("slurm", EngineChoice::Slurm),
+    ("ray", EngineChoice::Ray),
+];
+
 impl FromStr for EngineChoice {
     type Err = ExecError;
     fn from_str(name: &str) -> Result<Self, ExecError> {
-        Ok(match name {
-            "auto" => EngineChoice::Auto,
-            "local" => EngineChoice::Local,
-            "ssh" => EngineChoice::Ssh,
-            "slurm" => EngineChoice::Slurm,
-            "ray" => EngineChoice::Ray,
-            other => return Err(bad(format!("engine must be auto, local, ssh, slurm or ray, got '{other}'"))),
-        })
+        match ENGINE_NAMES.iter().find(|(n, _)| *n == name) {
+            Some((_, choice)) => Ok(*choice),
+            None => Err(bad(format!("engine must be auto, local, ssh, slurm or ray, got '{name}'"))),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = ENGINE_NAMES.iter().find(|(_, c)| c == self).map_or("auto", |(n, _)| n);
+        f.write_str(name)
     }
 }
 
@@ -457,4 +469,127 @@ fn fixed_engine(spec: &JobSpec, hosts: Vec<HostSpec>, request: &WorkerRequest) -
         return choice.engine(vec![here], request, spec.engine_options.clone());
     }
     choice.engine(hosts, request, spec.engine_options.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLI: OptionNames = OptionNames {
+        np: "-np",
+        min_np: "--min-np",
+        max_np: "--max-np",
+        reset_limit: "--reset-limit",
+        max_restarts: "--max-restarts",
+        elastic_timeout: "--elastic-timeout",
+        cooldown: "--cooldown-range",
+        discovery: "--host-discovery-script",
+        discovery_interval: "--discovery-interval",
+        slots_per_host: "--slots-per-host",
+        hosts: "-H",
+        engine: "--engine",
+    };
+    const PYTHON: OptionNames = OptionNames {
+        np: "num_workers",
+        min_np: "min_workers",
+        max_np: "max_workers",
+        reset_limit: "reset_limit",
+        max_restarts: "max_restarts",
+        elastic_timeout: "elastic_timeout",
+        cooldown: "cooldown_range",
+        discovery: "host_discovery_script",
+        discovery_interval: "discovery_interval",
+        slots_per_host: "slots_per_host",
+        hosts: "hosts",
+        engine: "engine",
+    };
+
+    #[test]
+    fn stop_reasons_name_the_limits_as_each_front_end_spells_them() {
+        let timeout = StopReason::Timeout { needed: 4, available: 2, waited: Duration::from_secs(30) };
+        assert!(CLI.explain(&timeout).contains("waiting for 4 slots (--min-np) with 2 available"));
+        let python = PYTHON.explain(&timeout);
+        assert!(python.contains("(min_workers)") && python.contains("raise elastic_timeout"), "{python}");
+        assert!(!python.contains("--"), "{python}");
+        let none_left = StopReason::NoSlotsLeft { needed: 2, available: 1 };
+        let cli = CLI.explain(&none_left);
+        assert!(cli.contains("give --cooldown-range") && cli.contains("--host-discovery-script"), "{cli}");
+        let python = PYTHON.explain(&none_left);
+        assert!(python.contains("give cooldown_range") && python.contains("or lower min_workers"), "{python}");
+        assert!(CLI.explain(&StopReason::ResetLimit { limit: 2 }).contains("--reset-limit"));
+        assert!(CLI.explain(&StopReason::RestartLimit { limit: 2 }).contains("--max-restarts"));
+    }
+
+    fn spec(workers: Workers, hosts: Option<&str>) -> JobSpec {
+        JobSpec {
+            engine: EngineChoice::Local,
+            hosts: hosts.map(|h| kolo_topology::parse_host_list(h).unwrap()),
+            slots: Slots::Processes,
+            workers,
+            resources: WorkerResources::default(),
+            settings: Settings::default(),
+            engine_options: EngineOptions::default(),
+            env: Vec::new(),
+            elastic: None,
+            names: CLI,
+        }
+    }
+
+    #[test]
+    fn a_job_is_sized_from_its_hosts_and_checked_once() {
+        // every slot of the hosts given
+        assert_eq!(spec(Workers::Pack(None), Some("a:2,b:3")).check().unwrap().np(), 5);
+        let over = spec(Workers::Pack(Some(6)), Some("a:2,b:3")).check().unwrap_err();
+        assert!(matches!(over, ExecError::Topology(TopologyError::NotEnoughSlots { requested: 6, available: 5 })));
+        // the executor's slots are CPUs: the placement decides, later
+        let cpus = JobSpec { slots: Slots::Cpus, ..spec(Workers::Pack(Some(6)), Some("a:2,b:3")) };
+        assert_eq!(cpus.check().unwrap().np(), 6);
+        let none = spec(Workers::Pack(None), None).check().unwrap_err().to_string();
+        assert!(none.contains("give the number of processes with -np"), "{none}");
+        let zero = spec(Workers::Pack(Some(0)), None).check().unwrap_err().to_string();
+        assert!(zero.contains("-np must be at least 1"), "{zero}");
+        let ray = JobSpec { engine: EngineChoice::Ray, ..spec(Workers::Pack(Some(2)), Some("a:2")) };
+        assert!(ray.check().unwrap_err().to_string().contains("give no host list"));
+        assert_eq!(spec(Workers::Colocated { hosts: 2, per_host: 3 }, None).check().unwrap().np(), 6);
+    }
+
+    #[test]
+    fn elastic_limits_default_from_the_job_and_are_named_when_wrong() {
+        let mut elastic = ElasticOptions::new(ElasticMode::Restart);
+        elastic.min_np = Some(3);
+        let job = JobSpec { elastic: Some(elastic.clone()), ..spec(Workers::Pack(None), Some("a:2,b:2")) };
+        let config = job.check().unwrap().elastic_config().unwrap();
+        assert_eq!((config.min_np, config.max_np, config.max_restarts), (3, 4, Some(0)));
+        assert!(!config.blacklist_failed_hosts);
+        // no -np and no hosts: the fewest
+        let job = JobSpec { elastic: Some(elastic.clone()), ..spec(Workers::Pack(None), None) };
+        assert_eq!(job.check().unwrap().np(), 3);
+        elastic.max_np = Some(2);
+        let bad = JobSpec { elastic: Some(elastic.clone()), ..spec(Workers::Pack(Some(2)), None) };
+        let e = bad.check().unwrap_err().to_string();
+        assert!(e.contains("--min-np (3) must not be more than --max-np (2): give 1 <= min-np <= max-np"), "{e}");
+        let mut in_place = ElasticOptions::new(ElasticMode::InPlace);
+        in_place.cooldown = Some((Duration::from_secs(9), Duration::from_secs(3)));
+        let bad = JobSpec { elastic: Some(in_place.clone()), names: PYTHON, ..spec(Workers::Pack(Some(2)), None) };
+        assert!(bad.check().unwrap_err().to_string().contains("cooldown_range '9:3'"));
+        in_place.cooldown = None;
+        let job = JobSpec { elastic: Some(in_place), ..spec(Workers::Pack(Some(2)), None) };
+        let config = job.check().unwrap().elastic_config().unwrap();
+        assert!(config.blacklist_failed_hosts && config.fixed_hosts && config.max_restarts.is_none());
+    }
+
+    #[test]
+    fn engines_are_named_once() {
+        for (name, choice) in [
+            ("auto", EngineChoice::Auto),
+            ("local", EngineChoice::Local),
+            ("ssh", EngineChoice::Ssh),
+            ("slurm", EngineChoice::Slurm),
+            ("ray", EngineChoice::Ray),
+        ] {
+            assert_eq!(name.parse::<EngineChoice>().unwrap(), choice);
+            assert_eq!(choice.to_string(), name);
+        }
+        assert!("mpi".parse::<EngineChoice>().unwrap_err().to_string().contains("engine must be auto, local"));
+    }
 }

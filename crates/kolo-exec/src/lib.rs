@@ -59,6 +59,7 @@ mod proto;
 mod registry;
 mod settings;
 mod sockets;
+pub mod wait;
 mod worker;
 
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo};

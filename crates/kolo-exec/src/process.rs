@@ -6,32 +6,29 @@ use nix::unistd::Pid;
 
 /// Sends `signal` to the process group led by `pgid`; false once the group
 /// is gone.
-pub fn signal_group(pgid: u32, signal: Signal) -> bool {
+pub(crate) fn signal_group(pgid: u32, signal: Signal) -> bool {
     killpg(Pid::from_raw(pgid as i32), signal).is_ok()
 }
 
 /// Whether any process of the group is still alive (zombies included).
-pub fn group_alive(pgid: u32) -> bool {
+pub(crate) fn group_alive(pgid: u32) -> bool {
     killpg(Pid::from_raw(pgid as i32), None).is_ok()
 }
 
 /// SIGTERM to the group, SIGKILL to what is left of it after `grace`
 /// (blocking: call it from a thread of its own or a process on its way out).
-pub fn stop_group(group: u32, grace: std::time::Duration) {
+pub(crate) fn stop_group(group: u32, grace: std::time::Duration) {
     if !signal_group(group, Signal::SIGTERM) {
         return;
     }
     // a stopped process cannot act on SIGTERM
     signal_group(group, Signal::SIGCONT);
-    let deadline = std::time::Instant::now() + grace;
-    while std::time::Instant::now() < deadline && group_alive(group) {
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    crate::wait::wait_until(std::time::Instant::now() + grace, crate::wait::EXIT_POLL, || !group_alive(group));
     signal_group(group, Signal::SIGKILL);
 }
 
 /// How a process ended, in words.
-pub fn describe(status: std::process::ExitStatus) -> String {
+pub(crate) fn describe(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with code {code}"),

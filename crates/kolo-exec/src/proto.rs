@@ -13,32 +13,32 @@
 
 use std::io::{self, Read};
 
-pub use kolo_auth::Role;
+pub(crate) use kolo_auth::Role;
 use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
 pub const PROTOCOL_VERSION: u32 = 5;
 /// Frames larger than this are refused (a task's arguments or result).
-pub const MAX_FRAME: usize = 256 << 20;
+pub(crate) const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
 /// driver buffer more without the secret.
-pub const MAX_PREAUTH_FRAME: usize = 4096;
+pub(crate) const MAX_PREAUTH_FRAME: usize = 4096;
 /// Sent first on every connection so that a stray client is recognised.
-pub const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
+pub(crate) const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
 
-pub use kolo_auth::{Nonce, Tag};
+pub(crate) use kolo_auth::{Nonce, Tag};
 
 /// Driver → worker, first frame: fixed layout, the same in every version.
 #[derive(Debug, Clone)]
-pub struct Challenge {
+pub(crate) struct Challenge {
     pub magic: u32,
     pub version: u32,
     pub nonce: Nonce,
 }
 
 impl Challenge {
-    pub fn frame(&self) -> Vec<u8> {
+    pub(crate) fn frame(&self) -> Vec<u8> {
         let mut f = Vec::with_capacity(44);
         f.extend_from_slice(&40u32.to_be_bytes());
         f.extend_from_slice(&self.magic.to_be_bytes());
@@ -47,7 +47,7 @@ impl Challenge {
         f
     }
 
-    pub fn parse(body: &[u8]) -> Option<Challenge> {
+    pub(crate) fn parse(body: &[u8]) -> Option<Challenge> {
         let body: &[u8; 40] = body.try_into().ok()?;
         Some(Challenge {
             magic: u32::from_be_bytes(body[0..4].try_into().ok()?),
@@ -59,7 +59,7 @@ impl Challenge {
 
 /// Worker → driver, the fixed start of the first frame.
 #[derive(Debug, Clone)]
-pub struct HelloHeader {
+pub(crate) struct HelloHeader {
     pub magic: u32,
     pub version: u32,
     pub index: u32,
@@ -73,7 +73,7 @@ const HELLO_HEADER: usize = 4 + 4 + 4 + 32 + 32;
 /// Worker → driver, the rest of the first frame (postcard; trusted only
 /// once the header's tag checked out).
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub struct HelloBody {
+pub(crate) struct HelloBody {
     /// The host name the worker really runs on.
     pub hostname: String,
     pub pid: u32,
@@ -84,7 +84,7 @@ pub struct HelloBody {
 }
 
 /// The worker's first frame: header then body.
-pub fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
+pub(crate) fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(4 + HELLO_HEADER + body.len());
     f.extend_from_slice(&((HELLO_HEADER + body.len()) as u32).to_be_bytes());
     f.extend_from_slice(&header.magic.to_be_bytes());
@@ -97,7 +97,7 @@ pub fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
 }
 
 /// Splits a first frame into its header and (unchecked) body.
-pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
+pub(crate) fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
     if frame.len() < HELLO_HEADER {
         return None;
     }
@@ -114,7 +114,7 @@ pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
 
 /// Driver → worker, answers a good Hello.
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub struct Welcome {
+pub(crate) struct Welcome {
     pub tag: Tag,
     pub heartbeat_interval_ms: u64,
     pub heartbeat_timeout_ms: u64,
@@ -124,7 +124,7 @@ pub struct Welcome {
 
 /// What a call runs on the worker.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallKind {
+pub(crate) enum CallKind {
     /// A task on the worker's executable.
     Task,
     /// A plain function.
@@ -132,7 +132,7 @@ pub enum CallKind {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub enum ToWorker {
+pub(crate) enum ToWorker {
     Heartbeat,
     /// Overlaid on the worker's environment (and the command's).
     SetEnv(Vec<(String, String)>),
@@ -187,7 +187,7 @@ pub enum ToWorker {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub enum ToDriver {
+pub(crate) enum ToDriver {
     Heartbeat,
     /// The answer to `WhoOwns`: the connection is the job user's, or why not.
     SocketOwner {
@@ -259,7 +259,7 @@ fn control_context(version: u32, index: u32, body: &[u8]) -> Vec<u8> {
 /// A control handshake proof: the worker's is kolo-auth's dialer tag over
 /// the control context, the driver's the listener tag, given only to a
 /// worker that proved itself.
-pub fn control_tag(
+pub(crate) fn control_tag(
     secret: &Secret,
     role: Role,
     nonces: (&Nonce, &Nonce),
@@ -273,7 +273,7 @@ pub fn control_tag(
 
 /// Whether `claimed` is `role`'s control proof (compared in constant time
 /// by kolo-auth).
-pub fn control_verifies(
+pub(crate) fn control_verifies(
     secret: &Secret,
     role: Role,
     nonces: (&Nonce, &Nonce),
@@ -286,7 +286,7 @@ pub fn control_verifies(
     kolo_auth::verify(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce, claimed)
 }
 
-pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
+pub(crate) fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     let body = postcard::to_stdvec(message).map_err(io::Error::other)?;
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
@@ -300,7 +300,7 @@ pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     Ok(frame)
 }
 
-pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+pub(crate) fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
     postcard::from_bytes(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
 
@@ -315,7 +315,7 @@ fn check_length(len: usize, max: usize) -> io::Result<usize> {
 }
 
 /// Blocking frame I/O, for the worker agent; frames over `max` are refused.
-pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
+pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize, max)?];
@@ -324,7 +324,7 @@ pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
 }
 
 /// Async frame reading, for the driver; frames over `max` are refused.
-pub async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin), max: usize) -> io::Result<Vec<u8>> {
+pub(crate) async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin), max: usize) -> io::Result<Vec<u8>> {
     use tokio::io::AsyncReadExt;
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;

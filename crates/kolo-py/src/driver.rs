@@ -10,7 +10,7 @@ use pyo3::types::PyBytes;
 
 use kolo_exec::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
 use kolo_exec::job::{self, ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
-use kolo_exec::{lock, EngineChoice, EngineOptions, Executor, RayOptions, Settings, WorkerRequest};
+use kolo_exec::{lock, EngineOptions, Executor, RayOptions, Settings, WorkerRequest};
 
 use crate::worker::{registry, PyCall, PyWorker};
 use crate::{error, exec_error, JobStopped};
@@ -179,14 +179,8 @@ impl Job {
 
     /// The engine asked for, by name.
     #[getter]
-    fn engine(&self) -> &'static str {
-        match self.spec.engine {
-            EngineChoice::Auto => "auto",
-            EngineChoice::Local => "local",
-            EngineChoice::Ssh => "ssh",
-            EngineChoice::Slurm => "slurm",
-            EngineChoice::Ray => "ray",
-        }
+    fn engine(&self) -> String {
+        self.spec.engine.to_string()
     }
 }
 

@@ -152,7 +152,10 @@ impl Comm {
 
 /// An elastic event as the Python callbacks get it: a dict with `event`
 /// and its fields, and `message`, the line kolo would print.
-pub fn event_dict<'py>(py: Python<'py>, event: &kolo_exec::elastic::ElasticEvent) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn event_dict<'py>(
+    py: Python<'py>,
+    event: &kolo_exec::elastic::ElasticEvent,
+) -> PyResult<Bound<'py, PyDict>> {
     use kolo_exec::elastic::ElasticEvent as E;
     let d = PyDict::new(py);
     d.set_item("message", event.to_string())?;
@@ -202,7 +205,7 @@ pub fn event_dict<'py>(py: Python<'py>, event: &kolo_exec::elastic::ElasticEvent
     Ok(d)
 }
 
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ElasticWorker>()?;
     m.add_class::<Comm>()?;
     m.add("MembershipError", m.py().get_type::<MembershipError>())?;

@@ -12,6 +12,8 @@
 //! 414 for a long path, 413 for a large value, 507 when the store is full,
 //! 408 for a slow body, 503 past the connection cap.
 
+#![forbid(unsafe_code)]
+
 //!
 //! [`TorchStoreServer`] serves the same job's store to PyTorch, in the
 //! wire protocol of c10d's `TCPStore`.
@@ -40,7 +42,7 @@ pub use config::ClientConfig;
 #[cfg(feature = "server")]
 pub use gate::{GateAnswer, PeerGate};
 #[cfg(feature = "server")]
-pub use server::{RendezvousServer, ServerConfig, SECRET_HEADER};
+pub use server::{AcceptFailures, RendezvousServer, ServerConfig, SECRET_HEADER};
 #[cfg(feature = "server")]
 pub use torch_store::{TorchStoreConfig, TorchStoreServer};
 

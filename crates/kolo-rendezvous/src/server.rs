@@ -389,16 +389,30 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
     connections.shutdown().await;
 }
 
-/// A burst of failed accepts: logged once when it starts and once when it ends.
-#[derive(Default)]
-pub(crate) struct AcceptFailures {
+/// A burst of failed accepts (out of descriptors, mostly): logged once
+/// when it starts and once when it ends, with a wait before each next
+/// accept that doubles while it lasts. Every accept loop of kolo's servers
+/// and of its driver backs off with it.
+pub struct AcceptFailures {
+    /// Who accepts, for the log ("rendezvous", "the driver").
+    what: &'static str,
     count: u64,
     delay: Duration,
+}
+
+impl Default for AcceptFailures {
+    fn default() -> Self {
+        AcceptFailures::new("rendezvous")
+    }
 }
 
 impl AcceptFailures {
     const FIRST_DELAY: Duration = Duration::from_millis(5);
     const MAX_DELAY: Duration = Duration::from_millis(100);
+
+    pub fn new(what: &'static str) -> Self {
+        AcceptFailures { what, count: 0, delay: Duration::ZERO }
+    }
 
     /// Counts a failure and waits before the next accept; false when told
     /// to stop meanwhile.
@@ -411,7 +425,7 @@ impl AcceptFailures {
     }
 
     /// Counts a failure and says how long to wait before the next accept.
-    fn failed(&mut self, e: &std::io::Error) -> Duration {
+    pub fn failed(&mut self, e: &std::io::Error) -> Duration {
         if self.count == 0 {
             let errno = e.raw_os_error().map(nix::errno::Errno::from_raw);
             if matches!(errno, Some(nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE)) {
@@ -420,11 +434,12 @@ impl AcceptFailures {
                     Err(_) => "the limit is unknown".into(),
                 };
                 tracing::warn!(
-                    "rendezvous accept failed: {e}; out of file descriptors ({limit}): \
-                     waiting for connections to close; raise `ulimit -n` or lower max_connections"
+                    "{} accept failed: {e}; out of file descriptors ({limit}): \
+                     waiting for connections to close; raise `ulimit -n` or lower max_connections",
+                    self.what
                 );
             } else {
-                tracing::warn!("rendezvous accept failed: {e}; retrying");
+                tracing::warn!("{} accept failed: {e}; retrying", self.what);
             }
             self.delay = Self::FIRST_DELAY;
         } else {
@@ -434,10 +449,11 @@ impl AcceptFailures {
         self.delay
     }
 
-    pub(crate) fn recovered(&mut self) {
+    /// An accept succeeded: the burst, if any, is over.
+    pub fn recovered(&mut self) {
         if self.count > 0 {
-            tracing::info!("rendezvous server accepting again after {} failed accepts", self.count);
-            *self = AcceptFailures::default();
+            tracing::info!("{} accepting again after {} failed accepts", self.what, self.count);
+            *self = AcceptFailures::new(self.what);
         }
     }
 }

@@ -58,38 +58,6 @@ impl Cooldown {
     }
 }
 
-/// The names a user gave the elastic limits under, for the messages that
-/// tell them which to change: `kolo run`'s options or Python's arguments.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OptionNames {
-    pub min_np: &'static str,
-    pub reset_limit: &'static str,
-    pub max_restarts: &'static str,
-    pub elastic_timeout: &'static str,
-    pub cooldown: &'static str,
-    pub discovery: &'static str,
-}
-
-impl OptionNames {
-    pub const CLI: OptionNames = OptionNames {
-        min_np: "--min-np",
-        reset_limit: "--reset-limit",
-        max_restarts: "--max-restarts",
-        elastic_timeout: "--elastic-timeout",
-        cooldown: "--cooldown-range",
-        discovery: "--host-discovery-script",
-    };
-    /// `kolo.Executor`'s arguments (horovod.ray's elastic executor's).
-    pub const PYTHON: OptionNames = OptionNames {
-        min_np: "min_workers",
-        reset_limit: "reset_limit",
-        max_restarts: "max_restarts",
-        elastic_timeout: "elastic_timeout",
-        cooldown: "cooldown_range",
-        discovery: "host_discovery_script",
-    };
-}
-
 /// What an elastic job may do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElasticConfig {
@@ -110,8 +78,6 @@ pub struct ElasticConfig {
     /// Discovery is a fixed list, so it never adds a host: a wait that no
     /// cooldown can end is pointless and stops the job at once.
     pub fixed_hosts: bool,
-    /// How stop messages name the limits.
-    pub names: OptionNames,
 }
 
 impl ElasticConfig {
@@ -133,7 +99,6 @@ impl ElasticConfig {
             elastic_timeout: Duration::from_secs(600),
             blacklist_failed_hosts: false,
             fixed_hosts: false,
-            names: OptionNames::CLI,
         })
     }
 }
@@ -229,36 +194,25 @@ pub enum StopReason {
     },
 }
 
-impl StopReason {
-    /// The reason, naming the limits as the user gave them.
-    pub fn explain(&self, names: &OptionNames) -> String {
-        match self {
-            StopReason::ResetLimit { limit } => format!(
-                "the job was re-formed {limit} times, its reset limit; raise {} to allow more",
-                names.reset_limit
-            ),
-            StopReason::RestartLimit { limit } => format!(
-                "ranks failed and the job was restarted {limit} times, its {}; raise it to allow more",
-                names.max_restarts
-            ),
-            StopReason::Timeout { needed, available, waited } => format!(
-                "timed out after {:.0} s waiting for {needed} slots ({}) with {available} available on hosts not blacklisted; add hosts or lower {}, or raise {}",
-                waited.as_secs_f64(),
-                names.min_np,
-                names.min_np,
-                names.elastic_timeout
-            ),
-            StopReason::NoSlotsLeft { needed, available } => format!(
-                "{available} slots are left on hosts not blacklisted, fewer than the {needed} of {}, and no more can come: the host list is fixed and blacklisted hosts stay out; give {} to let them back or {} to add hosts, or lower {}",
-                names.min_np, names.cooldown, names.discovery, names.min_np
-            ),
-        }
-    }
-}
-
+/// Said neutrally: the front ends name the limits as their users gave
+/// them (kolo-exec's `OptionNames::explain`).
 impl std::fmt::Display for StopReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.explain(&OptionNames::CLI))
+        match self {
+            StopReason::ResetLimit { limit } => write!(f, "the job was re-formed {limit} times, its reset limit"),
+            StopReason::RestartLimit { limit } => {
+                write!(f, "ranks failed and the job was restarted {limit} times, its restart limit")
+            }
+            StopReason::Timeout { needed, available, waited } => write!(
+                f,
+                "timed out after {:.0} s waiting for {needed} slots with {available} available on hosts not blacklisted",
+                waited.as_secs_f64()
+            ),
+            StopReason::NoSlotsLeft { needed, available } => write!(
+                f,
+                "{available} slots are left on hosts not blacklisted, fewer than the {needed} needed, and no more can come"
+            ),
+        }
     }
 }
 
@@ -607,11 +561,7 @@ mod tests {
         );
         let Decision::Stop(reason) = m.on(Event::Tick, secs(35)) else { panic!("no stop") };
         assert_eq!(reason, StopReason::Timeout { needed: 4, available: 2, waited: secs(30) });
-        assert!(reason.to_string().contains("waiting for 4 slots (--min-np) with 2 available"), "{reason}");
-        // Python's users read their own argument names
-        let python = reason.explain(&OptionNames::PYTHON);
-        assert!(python.contains("(min_workers)") && python.contains("raise elastic_timeout"), "{python}");
-        assert!(!python.contains("--"), "{python}");
+        assert!(reason.to_string().contains("waiting for 4 slots with 2 available"), "{reason}");
         // and it stays stopped
         assert!(matches!(m.on(Event::Discovered(&hosts(&[("a", 9)])), secs(36)), Decision::Stop(_)));
     }
@@ -729,7 +679,7 @@ mod tests {
         m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1), ("c", 1)])), secs(2));
         let Decision::Stop(reason) = m.on(Event::RankFailed("a"), secs(3)) else { panic!() };
         assert_eq!(reason, StopReason::ResetLimit { limit: 2 });
-        assert!(reason.to_string().contains("--reset-limit"));
+        assert!(reason.to_string().contains("reset limit"));
 
         let mut c = config(1, 8);
         c.max_restarts = Some(1);
@@ -743,7 +693,7 @@ mod tests {
         ));
         let Decision::Stop(reason) = m.on(Event::RankFailed("b"), secs(3)) else { panic!() };
         assert_eq!(reason, StopReason::RestartLimit { limit: 1 });
-        assert!(reason.to_string().contains("--max-restarts"));
+        assert!(reason.to_string().contains("restart limit"));
     }
 
     #[test]
@@ -758,10 +708,7 @@ mod tests {
         m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
         let Decision::Stop(reason) = m.on(Event::HostLost("b"), secs(1)) else { panic!("no stop") };
         assert_eq!(Decision::Stop(reason.clone()), no_slots(2));
-        let cli = reason.to_string();
-        assert!(cli.contains("give --cooldown-range") && cli.contains("--host-discovery-script"), "{cli}");
-        let python = reason.explain(&OptionNames::PYTHON);
-        assert!(python.contains("give cooldown_range") && python.contains("or lower min_workers"), "{python}");
+        assert!(reason.to_string().contains("no more can come"), "{reason}");
         // a host out for a while, or discovery that may add hosts: a wait
         let mut cooling = c.clone();
         cooling.cooldown = Some(Cooldown::new(secs(5), secs(5)).unwrap());

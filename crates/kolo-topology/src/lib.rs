@@ -5,6 +5,8 @@
 //! a node, and the environment every worker receives. No I/O and no clock
 //! here, so all of it is tested exhaustively.
 
+#![forbid(unsafe_code)]
+
 mod elastic;
 mod env;
 mod hosts;
@@ -18,9 +20,7 @@ mod slurm;
 /// `-H host:10000000` must be an error, not an out-of-memory kill.
 pub const MAX_PROCESSES: u32 = 65536;
 
-pub use elastic::{
-    parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, OptionNames, StopReason, World,
-};
+pub use elastic::{parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, StopReason, World};
 pub use env::{
     caller_defaults, forwards_caller_var, rank_env, ElasticEnv, JobEnv, CHOSEN_AT_START, ENV_ELASTIC_ROUND,
     ENV_ELASTIC_TIMEOUT, ENV_SECRET, IFACE_VARS, OMP_NUM_THREADS,

@@ -8,13 +8,13 @@ use kolo_exec::EngineChoice;
 
 #[derive(Parser, Debug)]
 #[command(name = "kolo", version, about = "Start and run data-parallel training jobs across machines")]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
 
 impl Cli {
-    pub fn verbose(&self) -> bool {
+    pub(crate) fn verbose(&self) -> bool {
         match &self.command {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
@@ -24,7 +24,7 @@ impl Cli {
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+pub(crate) enum Command {
     /// Run COMMAND as N ranks of a job (like horovodrun / mpirun).
     Run(Box<RunArgs>),
     /// Serve the rendezvous key-value store on its own until stopped.
@@ -34,7 +34,7 @@ pub enum Command {
 }
 
 #[derive(Args, Debug)]
-pub struct NicsArgs {
+pub(crate) struct NicsArgs {
     /// Hosts to probe: host1,host2,... (slots are ignored: one agent per host).
     #[arg(short = 'H', long = "hosts", value_name = "HOSTS")]
     pub hosts: String,
@@ -55,7 +55,7 @@ pub struct NicsArgs {
 }
 
 #[derive(Args, Debug)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// Number of processes (horovodrun's -np); defaults to the slots of the host list.
     #[arg(short = 'n', long = "np", visible_alias = "num-proc", value_name = "N")]
     pub np: Option<u64>,
@@ -199,7 +199,7 @@ fn parse_engine(name: &str) -> Result<EngineChoice, kolo_exec::ExecError> {
 }
 
 #[derive(Args, Debug)]
-pub struct RendezvousArgs {
+pub(crate) struct RendezvousArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     pub bind: std::net::IpAddr,
@@ -233,7 +233,7 @@ pub struct RendezvousArgs {
 
 /// `-np 4` is what horovodrun and mpirun users type; clap knows `--np`.
 /// Only options before the command are touched.
-pub fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
+pub(crate) fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
     let mut out = Vec::new();
     let mut in_command = false;
     for arg in args {

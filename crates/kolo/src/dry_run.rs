@@ -10,7 +10,7 @@ use crate::out::{say, Said};
 
 /// The plan the job would run, one JSON object per rank: exactly what
 /// `kolo run` starts, with the values chosen at start marked `<...>`.
-pub async fn dry_run(job: &Job) -> Result<i32> {
+pub(crate) async fn dry_run(job: &Job) -> Result<i32> {
     if job.spec().engine == EngineChoice::Slurm && !kolo_exec::SlurmEngine::in_allocation() {
         bail!("--dry-run cannot show where Slurm places ranks before it grants the nodes; run it inside salloc");
     }

@@ -10,7 +10,7 @@ use crate::cli::NicsArgs;
 use crate::out::{say, Said};
 
 /// `kolo nics`: one agent per host, interface detection, a line per host pair.
-pub async fn nics(args: NicsArgs) -> Result<i32> {
+pub(crate) async fn nics(args: NicsArgs) -> Result<i32> {
     let hosts: Vec<HostSpec> = parse_host_list(&args.hosts)?.into_iter().map(|h| HostSpec { slots: 1, ..h }).collect();
     let ssh = SshOptions {
         port: args.ssh_port,

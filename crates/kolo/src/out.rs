@@ -4,14 +4,14 @@
 use std::io::Write;
 
 #[derive(Debug, PartialEq, Eq)]
-pub enum Said {
+pub(crate) enum Said {
     Written,
     /// The reader is gone; stop printing.
     Closed,
 }
 
 /// One line on stdout.
-pub fn say(line: &str) -> std::io::Result<Said> {
+pub(crate) fn say(line: &str) -> std::io::Result<Said> {
     let mut out = std::io::stdout().lock();
     match writeln!(out, "{line}").and_then(|_| out.flush()) {
         Ok(()) => Ok(Said::Written),
@@ -21,6 +21,6 @@ pub fn say(line: &str) -> std::io::Result<Said> {
 }
 
 /// One line on stderr; a closed stderr is ignored.
-pub fn tell(line: &str) {
+pub(crate) fn tell(line: &str) {
     let _ = writeln!(std::io::stderr().lock(), "{line}");
 }

@@ -8,7 +8,7 @@ use crate::cli::RendezvousArgs;
 use crate::out::say;
 use crate::run::stop_signal;
 
-pub async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
+pub(crate) async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
     let plan = match &args.plan {
         Some(list) => {
             let hosts = parse_host_list(list)?;

@@ -12,7 +12,7 @@ use crate::cli::RunArgs;
 use crate::out::tell;
 use crate::spec::CLI_NAMES;
 
-pub async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
+pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
     let job = crate::spec::job(&args, &worker)?;
     if args.dry_run {
         if job.is_elastic() {
@@ -202,7 +202,7 @@ fn threads_with_openmp(program: &std::ffi::OsStr) -> bool {
 /// Resolves with the first SIGINT, SIGTERM or SIGHUP kolo receives. The
 /// handlers are installed on the call, not on the first poll, so a signal
 /// that comes right after is not lost to the default action.
-pub fn stop_signal() -> impl std::future::Future<Output = Signal> {
+pub(crate) fn stop_signal() -> impl std::future::Future<Output = Signal> {
     use tokio::signal::unix::{signal, SignalKind};
     let streams = (signal(SignalKind::interrupt()), signal(SignalKind::terminate()), signal(SignalKind::hangup()));
     async move {

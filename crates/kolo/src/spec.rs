@@ -11,7 +11,7 @@ use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources, 
 use crate::cli::RunArgs;
 
 /// How `kolo run`'s messages name its options.
-pub const CLI_NAMES: OptionNames = OptionNames {
+pub(crate) const CLI_NAMES: OptionNames = OptionNames {
     np: "-np",
     min_np: "--min-np",
     max_np: "--max-np",
@@ -28,7 +28,7 @@ pub const CLI_NAMES: OptionNames = OptionNames {
 
 /// The job `kolo run` was asked for, checked; the worker program is this
 /// one unless `--worker-program` says otherwise.
-pub fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> {
+pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> {
     if args.command.is_empty() {
         bail!("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py");
     }

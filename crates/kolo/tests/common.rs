@@ -7,24 +7,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-pub fn kolo() -> Command {
+pub(crate) fn kolo() -> Command {
     Command::new(env!("CARGO_BIN_EXE_kolo"))
 }
 
-pub fn run(args: &[&str]) -> Output {
+pub(crate) fn run(args: &[&str]) -> Output {
     kolo().args(args).output().expect("kolo runs")
 }
 
-pub fn stdout(o: &Output) -> String {
+pub(crate) fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
-pub fn stderr(o: &Output) -> String {
+pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// Waits until `cond` holds, failing the test after `limit`.
-pub fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+pub(crate) fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
     let start = Instant::now();
     while !cond() {
         assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
@@ -33,7 +33,7 @@ pub fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
 }
 
 /// Alive and not a zombie.
-pub fn alive(pid: i32) -> bool {
+pub(crate) fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
             let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
@@ -45,7 +45,7 @@ pub fn alive(pid: i32) -> bool {
 
 /// SIGKILLs a process when dropped, so that a failing assertion does not
 /// leave it (its janitor then ends the job's other processes).
-pub struct KillOnDrop(pub u32);
+pub(crate) struct KillOnDrop(pub u32);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
@@ -53,16 +53,16 @@ impl Drop for KillOnDrop {
     }
 }
 
-pub struct TempDir(pub PathBuf);
+pub(crate) struct TempDir(pub PathBuf);
 
 impl TempDir {
-    pub fn new(name: &str) -> TempDir {
+    pub(crate) fn new(name: &str) -> TempDir {
         let dir = std::env::temp_dir().join(format!("kolo-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         TempDir(dir)
     }
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.0
     }
 }
@@ -74,7 +74,7 @@ impl Drop for TempDir {
 }
 
 /// Pids written one a file into `dir` by the ranks.
-pub fn pids_in(dir: &Path) -> Vec<i32> {
+pub(crate) fn pids_in(dir: &Path) -> Vec<i32> {
     let mut pids = Vec::new();
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
@@ -91,7 +91,7 @@ pub fn pids_in(dir: &Path) -> Vec<i32> {
 /// or `python3`. Without it the test is skipped with a line saying so,
 /// unless `KOLO_REQUIRE_FRAMEWORKS` is set (CI installs them), where that
 /// is a failure.
-pub fn python_with(module: &str) -> Option<String> {
+pub(crate) fn python_with(module: &str) -> Option<String> {
     let python = std::env::var("KOLO_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
     let found = Command::new(&python).args(["-c", &format!("import {module}")]).output();
     if found.is_ok_and(|o| o.status.success()) {
@@ -104,7 +104,7 @@ pub fn python_with(module: &str) -> Option<String> {
 }
 
 /// A file of this repository, by its path from the root.
-pub fn repo_file(path: &str) -> String {
+pub(crate) fn repo_file(path: &str) -> String {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path).to_string_lossy().into_owned()
 }
 
@@ -112,7 +112,14 @@ pub fn repo_file(path: &str) -> String {
 /// `python`, through `launcher` (none, or `hx HOST` for a test host), as
 /// user `nobody` (setpriv) or as this user; its one-line answer, `wrote`
 /// or `refused: WHY`.
-pub fn store_client(launcher: &[&str], python: &str, kind: &str, addr: &str, port: &str, as_nobody: bool) -> String {
+pub(crate) fn store_client(
+    launcher: &[&str],
+    python: &str,
+    kind: &str,
+    addr: &str,
+    port: &str,
+    as_nobody: bool,
+) -> String {
     let script = repo_file("crates/kolo/tests/python/store_client.py");
     let mut argv: Vec<&str> = launcher.to_vec();
     if as_nobody {

@@ -76,7 +76,7 @@ pub struct RankError {
 }
 
 impl Link {
-    pub fn new(info: WorkerInfo, writer: OwnedWriteHalf, host_addr: Option<std::net::IpAddr>) -> Link {
+    pub(super) fn new(info: WorkerInfo, writer: OwnedWriteHalf, host_addr: Option<std::net::IpAddr>) -> Link {
         Link {
             info,
             writer: tokio::sync::Mutex::new(writer),
@@ -97,7 +97,11 @@ impl Link {
 
     /// Asks the worker's agent whether the connection from `client` (on
     /// its host) to `server` is its user's.
-    pub async fn ask_owner(&self, client: std::net::SocketAddr, server: std::net::SocketAddr) -> Result<(), String> {
+    pub(super) async fn ask_owner(
+        &self,
+        client: std::net::SocketAddr,
+        server: std::net::SocketAddr,
+    ) -> Result<(), String> {
         let id = self.next_question.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         crate::lock(&self.owner_questions).insert(id, tx);
@@ -112,26 +116,26 @@ impl Link {
     /// Stops an agent whose command ended: it has nothing left to do, and
     /// it exits while the other ranks run rather than with them all at the
     /// job's end.
-    pub async fn release(&self) {
+    pub(super) async fn release(&self) {
         self.released.store(true, Ordering::Relaxed);
         let _ = self.send(&ToWorker::Stop).await;
     }
 
-    pub fn describe(&self) -> String {
+    pub(super) fn describe(&self) -> String {
         format!("rank {} on host {}", self.info.rank, self.info.hostname)
     }
 
-    pub fn lost_reason(&self) -> Option<String> {
+    pub(super) fn lost_reason(&self) -> Option<String> {
         crate::lock(&self.lost).clone()
     }
 
-    pub async fn send(&self, message: &ToWorker) -> Result<(), ExecError> {
+    pub(super) async fn send(&self, message: &ToWorker) -> Result<(), ExecError> {
         let frame =
             proto::encode(message).map_err(|source| ExecError::Io { what: "encoding a message".into(), source })?;
         self.send_frame(&frame).await
     }
 
-    pub async fn send_frame(&self, frame: &[u8]) -> Result<(), ExecError> {
+    pub(super) async fn send_frame(&self, frame: &[u8]) -> Result<(), ExecError> {
         if let Some(reason) = self.lost_reason() {
             return Err(self.lost_error(reason));
         }
@@ -144,7 +148,7 @@ impl Link {
         Ok(())
     }
 
-    pub fn lost_error(&self, reason: String) -> ExecError {
+    pub(super) fn lost_error(&self, reason: String) -> ExecError {
         ExecError::WorkerLost { rank: self.info.rank, host: self.info.hostname.clone(), reason }
     }
 
@@ -154,7 +158,7 @@ impl Link {
 
     /// Marks the worker lost and fails everything waiting on it; false if
     /// it was lost already.
-    pub fn mark_lost(&self, reason: &str) -> bool {
+    pub(super) fn mark_lost(&self, reason: &str) -> bool {
         let mut lost = crate::lock(&self.lost);
         if lost.is_some() {
             return false;

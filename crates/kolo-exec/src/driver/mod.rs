@@ -31,7 +31,6 @@ use kolo_rendezvous::{RendezvousServer, TorchStoreServer};
 use kolo_topology::{HostSpec, Plan, RankInfo, TopologyError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
-use tokio::time::Instant;
 
 use crate::engine::{Engine, EngineChoice, EngineOptions, LocalEngine};
 use crate::guard::Guard;
@@ -300,7 +299,7 @@ impl Executor {
         // a worker that stops closes its connection after its last output;
         // the readers of lost workers have ended already
         let drain = async { while running.readers.join_next().await.is_some() {} };
-        let limit = self.settings.kill_grace + Duration::from_secs(2);
+        let limit = self.settings.kill_grace + crate::wait::STOP_DRAIN;
         let drained = tokio::select! {
             drained = tokio::time::timeout(limit, drain) => drained.is_ok(),
             // asked twice to stop: what is left is killed now
@@ -324,10 +323,12 @@ impl Executor {
         if let Some(engine) = self.engine() {
             engine.kill_all();
         }
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while !self.engine().is_none_or(|e| e.all_exited()) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        let deadline = std::time::Instant::now() + crate::wait::KILLED_REAP;
+        let engine = &mut self.engine;
+        crate::wait::wait_until_async(deadline, Duration::from_millis(1), || {
+            engine.as_mut().is_none_or(|e| e.all_exited())
+        })
+        .await;
         if let Some(janitor) = self.janitor.take() {
             // the engine's resources go with the engine (scancel, files):
             // drop it first, then the janitor has nothing to do

@@ -234,7 +234,7 @@ impl Executor {
             heartbeat_timeout_ms: self.settings.heartbeat_timeout.as_millis() as u64,
             kill_grace_ms: self.settings.kill_grace.as_millis() as u64,
         };
-        let handshake_limit = self.settings.start_timeout.min(Duration::from_secs(10));
+        let handshake_limit = self.settings.start_timeout.min(crate::wait::HANDSHAKE_LIMIT);
         let build_id = crate::registry::build_id();
         let secret = Arc::new(
             kolo_auth::Secret::new(self.settings.secret()).map_err(|e| ExecError::BadSettings(e.to_string()))?,
@@ -242,12 +242,12 @@ impl Executor {
         let mut refused: u32 = 0;
         let mut out_of_descriptors: Option<std::io::Error> = None;
         // after an accept error, accepting pauses, longer each time in a row
-        let (mut accept_pause, mut backoff) = (Duration::ZERO, Duration::from_millis(10));
+        let (mut accept_pause, mut failures) = (Duration::ZERO, kolo_rendezvous::AcceptFailures::new("the driver"));
         while registered.iter().any(Option::is_none) {
             tokio::select! {
                 accepted = listener.accept(), if accept_pause.is_zero() => match accepted {
                     Ok((stream, peer)) => {
-                        backoff = Duration::from_millis(10);
+                        failures.recovered();
                         // past the bound, a connection is closed unread
                         let Ok(permit) = slots.clone().try_acquire_owned() else { continue };
                         let (secret, welcome) = (secret.clone(), welcome.clone());
@@ -258,16 +258,12 @@ impl Executor {
                         });
                     }
                     Err(e) => {
-                        // out of descriptors: back off (no busy loop) and
-                        // remember it for the error
+                        // back off (no busy loop); out of descriptors is
+                        // remembered for the error
+                        accept_pause = failures.failed(&e);
                         if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) {
-                            if out_of_descriptors.is_none() {
-                                tracing::warn!("cannot accept worker connections: {e}");
-                            }
                             out_of_descriptors = Some(e);
                         }
-                        accept_pause = backoff;
-                        backoff = (backoff * 2).min(Duration::from_millis(200));
                     }
                 },
                 _ = tokio::time::sleep(accept_pause), if !accept_pause.is_zero() => accept_pause = Duration::ZERO,
@@ -316,7 +312,7 @@ impl Executor {
                         // hosts fail together (unreachable ones time out alike):
                         // a moment more names them all
                         let first_seen = *failed_since.get_or_insert_with(Instant::now);
-                        if first_seen.elapsed() >= Duration::from_secs(1) || Instant::now() >= deadline {
+                        if first_seen.elapsed() >= crate::wait::FAILED_TOGETHER || Instant::now() >= deadline {
                             let mut reasons: Vec<String> = Vec::new();
                             let mut hosts: Vec<String> = Vec::new();
                             for (index, how) in &failed {

@@ -85,17 +85,17 @@ pub(crate) struct Rounds {
 }
 
 impl Rounds {
-    pub fn procs(&self) -> &[Proc] {
+    pub(super) fn procs(&self) -> &[Proc] {
         &self.procs
     }
 
     /// Members of the round published last, in rank order.
-    pub fn members(&self) -> &[usize] {
+    pub(super) fn members(&self) -> &[usize] {
         self.rounds.last().map_or(&[], Vec::as_slice)
     }
 
     /// The number the next round gets.
-    pub fn next_round(&self) -> u64 {
+    pub(super) fn next_round(&self) -> u64 {
         self.rounds.len() as u64
     }
 
@@ -105,17 +105,17 @@ impl Rounds {
     }
 
     /// The processes whose results the job ends with, once finishing.
-    pub fn finals(&self) -> &[usize] {
+    pub(super) fn finals(&self) -> &[usize] {
         self.finishing.as_deref().unwrap_or(&[])
     }
 
     /// The process of `cohort` with rank `rank` there.
-    pub fn find(&self, cohort: usize, rank: u32) -> Option<usize> {
+    pub(super) fn find(&self, cohort: usize, rank: u32) -> Option<usize> {
         self.procs.iter().position(|p| p.cohort == cohort && p.rank == rank)
     }
 
     /// Its rank in the current round, if it has one.
-    pub fn round_rank(&self, p: usize) -> Option<u32> {
+    pub(super) fn round_rank(&self, p: usize) -> Option<u32> {
         self.members().iter().position(|&m| m == p).and_then(|r| u32::try_from(r).ok())
     }
 
@@ -124,7 +124,7 @@ impl Rounds {
     /// cohort), which join a later round. The round is published at once
     /// if it has `min_np` processes, so survivors go on while new ones
     /// start.
-    pub fn reform(&mut self, world: &[(String, u32)], min_np: u32) -> Vec<Action> {
+    pub(super) fn reform(&mut self, world: &[(String, u32)], min_np: u32) -> Vec<Action> {
         let mut actions = Vec::new();
         if self.finishing.is_some() {
             return actions;
@@ -177,13 +177,13 @@ impl Rounds {
     }
 
     /// The hosts of the cohort starting now, if one is.
-    pub fn spawning(&self) -> Option<&[String]> {
+    pub(super) fn spawning(&self) -> Option<&[String]> {
         self.spawning.as_deref()
     }
 
     /// The cohort came up with these processes, each `(host, local rank)`
     /// in its rank order; processes its hosts had before must go.
-    pub fn cohort_started(&mut self, procs: Vec<(String, u32)>) -> Vec<Action> {
+    pub(super) fn cohort_started(&mut self, procs: Vec<(String, u32)>) -> Vec<Action> {
         self.spawning = None;
         let cohort = self.cohorts;
         self.cohorts += 1;
@@ -209,14 +209,14 @@ impl Rounds {
     }
 
     /// The cohort could not start.
-    pub fn cohort_failed(&mut self) {
+    pub(super) fn cohort_failed(&mut self) {
         self.spawning = None;
     }
 
     /// Process `p` ended. `joined` tells the round a process last joined
     /// (as it recorded on the store), to know, at the first success, which
     /// round the job finishes with.
-    pub fn ended(&mut self, p: usize, end: End, joined: impl Fn(&Proc) -> Option<u64>) -> Ended {
+    pub(super) fn ended(&mut self, p: usize, end: End, joined: impl Fn(&Proc) -> Option<u64>) -> Ended {
         if self.procs[p].life != Life::Running {
             return Ended::Nothing;
         }

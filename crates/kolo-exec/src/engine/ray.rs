@@ -38,6 +38,11 @@ const BRIDGE: &str = include_str!("ray_bridge.py");
 const BRIDGE_START: Duration = Duration::from_secs(120);
 /// How long the bridge may take to clean up before it is killed.
 const BRIDGE_CLOSE: Duration = Duration::from_secs(15);
+/// How often a closing bridge is looked at.
+const BRIDGE_POLL: Duration = Duration::from_millis(20);
+/// How long Ray may take to start the agents: its actors start Python
+/// processes, seconds each on a busy node.
+const AGENTS_START: Duration = Duration::from_secs(90);
 
 /// Where the Ray cluster is and how to reach it.
 #[derive(Clone, Debug)]
@@ -346,7 +351,7 @@ impl Engine for RayEngine {
         }
         let secret = workers.first().map(|w| w.secret.clone()).unwrap_or_default();
         bridge.send(&json!({"op": "spawn", "secret": secret, "workers": launches}))?;
-        bridge.answer("starting the agents", Duration::from_secs(90))?;
+        bridge.answer("starting the agents", AGENTS_START)?;
         self.spawned = workers.iter().map(|w| w.index).collect();
         Ok(())
     }
@@ -392,10 +397,7 @@ impl Engine for RayEngine {
 impl Drop for RayEngine {
     fn drop(&mut self) {
         self.kill_all();
-        let deadline = Instant::now() + BRIDGE_CLOSE;
-        while !self.all_exited() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || self.all_exited());
         if let Some(bridge) = self.bridge.as_mut() {
             let _ = bridge.child.kill();
             let _ = bridge.child.wait();
@@ -477,10 +479,7 @@ impl Drop for RayNodes {
         if let Some(mut bridge) = held.take() {
             let _ = bridge.send(&json!({"op": "kill"}));
             bridge.stdin = None;
-            let deadline = Instant::now() + BRIDGE_CLOSE;
-            while !bridge.exited() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
+            crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || bridge.exited());
             let _ = bridge.child.kill();
             let _ = bridge.child.wait();
         }

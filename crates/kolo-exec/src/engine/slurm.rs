@@ -357,9 +357,7 @@ impl Drop for SlurmEngine {
     fn drop(&mut self) {
         self.kill_all();
         let deadline = std::time::Instant::now() + SRUN_TERM_GRACE * 2;
-        while !self.all_exited() && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        crate::wait::wait_until(deadline, Duration::from_millis(10), || self.all_exited());
         if let Some(mut srun) = self.srun.take() {
             let _ = srun.kill();
             let _ = srun.wait();

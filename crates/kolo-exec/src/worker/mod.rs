@@ -203,16 +203,22 @@ impl Agent {
     }
 }
 
+/// Attempts to reach the driver, and the pause between them: a driver
+/// that listens before it spawns is reached at once; these ride out a
+/// network that is slow to come up (5 s in all).
+const CONNECT_ATTEMPTS: u32 = 50;
+const CONNECT_PAUSE: Duration = Duration::from_millis(100);
+
 fn connect(driver: &str) -> io::Result<TcpStream> {
-    let mut last = None;
-    for _ in 0..50 {
+    let mut attempt = 1;
+    loop {
         match TcpStream::connect(driver) {
             Ok(stream) => return Ok(stream),
-            Err(e) => last = Some(e),
+            Err(e) if attempt >= CONNECT_ATTEMPTS => return Err(e),
+            Err(_) => attempt += 1,
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(CONNECT_PAUSE);
     }
-    Err(last.expect("at least one attempt"))
 }
 
 fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
@@ -255,7 +261,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
 
     let mut stream = connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(crate::wait::WELCOME_WAIT)).map_err(|e| e.to_string())?;
     let welcome = handshake(&mut stream, index, &secret).map_err(|e| format!("driver {driver}: {e}"))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
 

@@ -1,0 +1,116 @@
+//! The Communicator: a group of ranks that run collectives together.
+//!
+//! - `tuning`: which algorithm for which size (measured, overridable)
+//! - `progress`: the links, message tags, and moving messages to completion
+//! - `collectives`: point to point, allreduce and friends
+//! - `split`: communicators made from others (local, cross, by color)
+
+mod collectives;
+mod progress;
+mod split;
+mod tuning;
+
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub(crate) use progress::{Links, Shared};
+pub use tuning::Tuning;
+
+use crate::CommError;
+
+/// From this many bytes per buffer, results are written with non-temporal
+/// stores: two ranks' buffers no longer fit the last-level cache.
+const STREAM_BYTES: usize = 8 << 20;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A group of ranks that run collectives together. Every member must call
+/// the same collectives in the same order; ranks that call the collectives
+/// of different communicators in different orders get an error that names
+/// them ([`CommError::Mismatch`]), not wrong data.
+///
+/// Collectives take `&mut self`: a communicator is used by one thread at a
+/// time. It is `Send`, not `Sync`:
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<kolo_comm::Communicator>();
+/// ```
+pub struct Communicator {
+    pub(crate) shared: Arc<Shared>,
+    /// The same on every member; carried by every message.
+    pub(crate) id: u64,
+    /// Collectives called so far.
+    pub(crate) seq: u64,
+    /// Communicators split from this one so far.
+    pub(crate) splits: u64,
+    /// Point-to-point messages sent to and received from each member.
+    pub(crate) sent: Vec<u64>,
+    pub(crate) received: Vec<u64>,
+    pub(crate) _not_sync: PhantomData<std::cell::Cell<()>>,
+    /// Global rank of each member, in this communicator's rank order.
+    pub(crate) group: Vec<usize>,
+    pub(crate) rank: usize,
+    /// Node index of each member.
+    pub(crate) nodes: Vec<usize>,
+    /// (intra-node, inter-node) communicators for hierarchical algorithms.
+    pub(crate) hierarchy: Option<Box<(Communicator, Communicator)>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("name", &self.name())
+            .field("rank", &self.rank)
+            .field("size", &self.group.len())
+            .finish()
+    }
+}
+
+impl Communicator {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.len()
+    }
+
+    /// Number of distinct hosts among the members.
+    pub fn num_nodes(&self) -> usize {
+        let mut n = self.nodes.clone();
+        n.sort_unstable();
+        n.dedup();
+        n.len()
+    }
+
+    fn bad(&self, what: String) -> CommError {
+        CommError::BadArgs(what)
+    }
+
+    pub(crate) fn new(shared: Arc<Shared>, id: u64, group: Vec<usize>, rank: usize, nodes: Vec<usize>) -> Communicator {
+        let n = group.len();
+        Communicator {
+            shared,
+            id,
+            seq: 0,
+            splits: 0,
+            sent: vec![0; n],
+            received: vec![0; n],
+            _not_sync: PhantomData,
+            group,
+            rank,
+            nodes,
+            hierarchy: None,
+        }
+    }
+}
+
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X")),
+        Err(_) => false,
+    }
+}

@@ -1,0 +1,67 @@
+//! Which algorithm for which size and rank count.
+
+use crate::CommError;
+
+/// Algorithm choices, by size and rank count; overridable with
+/// environment variables.
+///
+/// Measured on the 2-core development machine (`kolo bench allreduce` with
+/// the variables below): with 2 ranks the ring beats recursive doubling
+/// from 16 KiB (1.8 vs 2.9 us) and at 64 KiB (5.3 vs 8.9 us); with 4 ranks
+/// recursive doubling wins up to 64 KiB (48 vs 113 us) and the ring beats
+/// Rabenseifner from 256 KiB. Rabenseifner pays off from 8 ranks, where
+/// its log2(n) steps save most over the ring's 2(n-1).
+#[derive(Clone, Debug)]
+pub struct Tuning {
+    /// Allreduce of at most this many bytes uses recursive doubling
+    /// (`KOLO_COMM_SMALL_BYTES`; default 8 KiB for 2 ranks, 64 KiB beyond).
+    pub small_bytes: Option<usize>,
+    /// Allreduce of at most this many bytes (and above the small size) uses
+    /// recursive halving-doubling (Rabenseifner); larger ones the ring
+    /// (`KOLO_COMM_MID_BYTES`; default 1 MiB from 8 ranks, none below).
+    pub mid_bytes: Option<usize>,
+    /// Hierarchical allreduce across hosts from this many bytes
+    /// (`KOLO_COMM_HIER_BYTES`).
+    pub hierarchical_bytes: usize,
+    /// Most bytes of shared-memory ring per direction (`KOLO_COMM_RING_BYTES`);
+    /// rings shrink as ranks per host grow.
+    pub ring_bytes: usize,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning { small_bytes: None, mid_bytes: None, hierarchical_bytes: 256 * 1024, ring_bytes: 2 << 20 }
+    }
+}
+
+impl Tuning {
+    /// Largest allreduce done by recursive doubling among `n` ranks.
+    pub fn small_for(&self, n: usize) -> usize {
+        self.small_bytes.unwrap_or(if n <= 2 { 8 << 10 } else { 64 << 10 })
+    }
+
+    /// Largest allreduce done by Rabenseifner among `n` ranks.
+    pub fn mid_for(&self, n: usize) -> usize {
+        self.mid_bytes.unwrap_or(if n >= 8 { 1 << 20 } else { 0 })
+    }
+
+    pub fn from_env() -> Result<Tuning, CommError> {
+        let mut t = Tuning::default();
+        let bytes = |name: &str| -> Result<Option<usize>, CommError> {
+            match std::env::var(name) {
+                Ok(v) => v.parse().map(Some).map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count"))),
+                Err(_) => Ok(None),
+            }
+        };
+        t.small_bytes = bytes("KOLO_COMM_SMALL_BYTES")?;
+        t.mid_bytes = bytes("KOLO_COMM_MID_BYTES")?;
+        for (name, field) in
+            [("KOLO_COMM_HIER_BYTES", &mut t.hierarchical_bytes), ("KOLO_COMM_RING_BYTES", &mut t.ring_bytes)]
+        {
+            if let Ok(v) = std::env::var(name) {
+                *field = v.parse().map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count")))?;
+            }
+        }
+        Ok(t)
+    }
+}
