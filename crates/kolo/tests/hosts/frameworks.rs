@@ -1,0 +1,180 @@
+//! PyTorch, JAX and kolo.Executor across the hosts, over ssh and
+//! under Slurm, with rank 0 away from the driver.
+
+use std::process::Output;
+use std::time::Duration;
+
+use super::*;
+use crate::common::*;
+
+/// Launched from h1 onto h2 and h3: rank 0 is on h2, and every rank must
+/// reach JAX_COORDINATOR_ADDRESS there (where JAX's process 0 opens its
+/// coordinator), not the driver's host.
+#[test]
+#[ignore = "needs the test hosts"]
+fn rank_zero_away_from_the_driver_is_reachable_at_the_jax_coordinator() {
+    let cfg = ssh_config();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/rank0_reachable.py");
+    let script = script.to_string_lossy().into_owned();
+    let out = kolo_in_h1(&["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "--", "python3", &script]);
+    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("rank 0 on h2 served 3 ranks at 10.77.0.12:"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("reached rank 0 at 10.77.0.12:")).count(), 3, "{text}");
+    assert_nothing_left();
+}
+
+/// Runs `script` on 4 ranks launched from h1 onto h2 and h3 (rank 0 on
+/// h2) with the Python that has `module`; its stdout, or `None` when that
+/// Python is missing (skipped).
+fn across_hosts(module: &str, script: &str, extra: &[&str]) -> Option<String> {
+    let python = python_with(module)?;
+    let (cfg, script) = (ssh_config(), repo_file(script));
+    let mut args = vec!["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg];
+    args.extend(extra);
+    args.extend(["--", &python, &script]);
+    let out = kolo_in_h1(&args);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_nothing_left();
+    Some(text)
+}
+
+/// PyTorch DDP from h1 onto h2 and h3: every rank, rank 0 (on h2) included,
+/// uses the store kolo serves on h1.
+#[test]
+#[ignore = "needs the test hosts"]
+fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
+    let Some(text) = across_hosts("torch", "examples/ddp.py", &[]) else { return };
+    assert!(text.contains("rank 0/4 on h2"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("store 10.77.0.11:")).count(), 4, "{text}");
+    let params: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
+    assert_eq!(params.len(), 1, "{text}");
+}
+
+/// JAX's no-argument initialize across hosts, process 0 on h2.
+#[test]
+#[ignore = "needs the test hosts"]
+fn jax_across_hosts_with_process_zero_away_from_the_driver() {
+    let Some(text) = across_hosts("jax", "examples/jax_check.py", &["-x", "JAX_PLATFORMS=cpu"]) else { return };
+    assert!(text.contains("process 0/4 on h2"), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains("gathered [0, 1, 2, 3]")).count(), 4, "{text}");
+}
+
+/// PyTorch DDP through the Slurm engine: the store is the driver's there too.
+#[test]
+#[ignore = "needs the test hosts"]
+fn pytorch_ddp_under_slurm() {
+    let Some(python) = python_with("torch") else { return };
+    let kolo = env!("CARGO_BIN_EXE_kolo");
+    let script = repo_file("examples/ddp.py");
+    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", kolo, "run", "--", &python, &script]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("store 10.77.0.11:")).count(), 4, "{text}");
+    assert_nothing_left();
+}
+
+/// The lines `examples/executor_ddp.py` prints: rank lines must show 4
+/// ranks with one set of parameters, on `hosts`, and rank 0's losses must
+/// have reached the driver's callback.
+fn check_executor_ddp(out: &Output, hosts: &[&str]) {
+    let text = stdout(out);
+    assert!(out.status.success(), "{text}{}", stderr(out));
+    let ranks: Vec<&str> = text.lines().filter(|l| l.starts_with("rank ")).collect();
+    assert_eq!(ranks.len(), 4, "{text}");
+    for (i, line) in ranks.iter().enumerate() {
+        assert!(line.starts_with(&format!("rank {i}/4 on ")), "{text}");
+    }
+    for host in hosts {
+        assert_eq!(ranks.iter().filter(|l| l.contains(&format!(" on {host} "))).count(), 2, "{text}");
+    }
+    let params: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("params ").nth(1)).collect();
+    assert_eq!(params.len(), 1, "{text}");
+    let steps: Vec<&str> = text.lines().filter(|l| l.starts_with("step ")).collect();
+    assert_eq!(steps.len(), 5, "{text}");
+    assert_nothing_left();
+}
+
+/// kolo.Executor from h1 over ssh onto h2 and h3, PyTorch DDP in
+/// `executor.run`; the key comes as `ssh_str` (the ssh config names none),
+/// and no copy of it is left behind.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_executor_ddp_over_ssh_with_the_key_given_as_text() {
+    let Some(python) = python_with("torch, kolo") else { return };
+    let t = testhosts();
+    let config = std::fs::read_to_string(t.join("ssh/ssh_config")).unwrap();
+    let keyless = std::env::temp_dir().join(format!("kolo-keyless-ssh-config-{}", std::process::id()));
+    let keyless_config: String =
+        config.lines().filter(|l| !l.contains("IdentityFile")).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&keyless, keyless_config).unwrap();
+    let key = t.join("ssh/id_ed25519").to_string_lossy().into_owned();
+    let keys_before = kolo_ssh_dirs();
+    let out = in_h1(&[
+        &python,
+        &repo_file("examples/executor_ddp.py"),
+        "--engine",
+        "ssh",
+        "--hosts",
+        "h2:2,h3:2",
+        "--ssh-config",
+        &keyless.to_string_lossy(),
+        "--ssh-key-text-of",
+        &key,
+    ]);
+    let _ = std::fs::remove_file(&keyless);
+    check_executor_ddp(&out, &["h2", "h3"]);
+    assert_eq!(kolo_ssh_dirs(), keys_before, "a copy of the key was left");
+}
+
+/// The private directories `ssh_str`'s key lives in during a start.
+fn kolo_ssh_dirs() -> Vec<String> {
+    let mut dirs: Vec<String> = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with("kolo-ssh-"))
+        .collect();
+    dirs.sort();
+    dirs
+}
+
+/// kolo.Executor inside a Slurm allocation of two nodes: it places its
+/// workers through Slurm with no engine named, as `kolo run` does.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_executor_ddp_under_slurm() {
+    let Some(python) = python_with("torch, kolo") else { return };
+    let script = repo_file("examples/executor_ddp.py");
+    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", &python, &script]);
+    let text = stdout(&out);
+    let nodes: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("rank ")?.split(" on ").nth(1)?.split(' ').next()).collect();
+    assert_eq!(nodes.len(), 2, "{text}{}", stderr(&out));
+    let nodes: Vec<&str> = nodes.into_iter().collect();
+    check_executor_ddp(&out, &nodes);
+}
+
+/// kolo.Executor's elastic mode inside `salloc -N3`: the worker on h2
+/// fails, the others go on in place on h1 and h3 and finish, and the
+/// allocation is given back.
+#[test]
+#[ignore = "needs the test hosts"]
+fn python_elastic_executor_inside_a_slurm_allocation() {
+    let Some(python) = python_with("numpy, kolo") else { return };
+    let script = repo_file("examples/elastic_executor.py");
+    let args = ["--fail-on", "h2:50", "--steps", "150"];
+    let out = in_h1(&[&["salloc", "-N3", "--ntasks-per-node=1", &python, &script][..], &args[..]].concat());
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("round 0: 3 processes on h1:1,h2:1,h3:1"), "{text}");
+    assert!(text.contains("host h2 is blacklisted for the rest of the job"), "{text}");
+    assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");
+    assert!(text.contains("step 140: loss") && text.contains("on 2 workers"), "{text}");
+    let finals: Vec<&str> = text.lines().filter(|l| l.starts_with("rank ") && l.contains(": step 150,")).collect();
+    assert_eq!(finals.len(), 2, "{text}");
+    assert!(finals[0].starts_with("rank 0 on h1") && finals[1].starts_with("rank 1 on h3"), "{text}");
+    wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
+}
