@@ -9,7 +9,8 @@
 //! and nothing outlives the two processes. Both sides reach the shared
 //! bytes through raw pointers only (never `&`/`&mut` over memory the other
 //! side writes), so the ring's logic runs as well over a heap buffer, where
-//! Miri checks it.
+//! Miri checks it, run by hand (`cargo +nightly miri test -p kolo-comm
+//! --lib shm`): CI does not run Miri.
 
 use std::fs::File;
 use std::io;

@@ -204,6 +204,18 @@ fn interruptible<T>(
     })
 }
 
+/// A driver's runtime: one thread of its own, so that heartbeats and
+/// output go on while Python is busy between calls, not only while it
+/// waits in one.
+fn driver_runtime() -> PyResult<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("kolo-driver")
+        .enable_all()
+        .build()
+        .map_err(error)
+}
+
 /// How often a driver waiting on the workers looks for Ctrl-C.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
@@ -270,14 +282,7 @@ impl Driver {
         let job = spec.check().map_err(exec_error)?;
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());
-        // one thread of its own: heartbeats and output go on while Python
-        // is busy between calls, not only while it waits in one
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("kolo-driver")
-            .enable_all()
-            .build()
-            .map_err(error)?;
+        let runtime = driver_runtime()?;
         let executor = match job.is_elastic() {
             // an elastic job's executors are made per world or cohort
             true => None,
@@ -376,12 +381,7 @@ impl Driver {
         let (config, discovery) = (job.elastic_config().map_err(exec_error)?, job.discovery().map_err(exec_error)?);
         let (factory, env) = (job.cohort_factory(), [job.env(), &env[..]].concat());
         // the job's own runtime: there is no executor to hold one
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("kolo-driver")
-            .enable_all()
-            .build()
-            .map_err(error)?;
+        let runtime = driver_runtime()?;
         let (results, stopped): (Vec<Vec<u8>>, Option<String>) = py.allow_threads(|| match mode {
             ElasticMode::InPlace => {
                 let run = ElasticJob::run(work, config, discovery, factory, env, listener, std::future::pending());

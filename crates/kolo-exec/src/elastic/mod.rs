@@ -25,7 +25,7 @@ use serde::de::DeserializeOwned;
 
 pub use discovery::{Discovery, HostSource};
 pub use in_place::{Cohort, CohortFactory, ElasticJob, ElasticOutcome, StopCause};
-pub use restart::{RestartJob, RestartOutcome, RestartWork, WorldEnd, WorldFailure};
+pub use restart::{CallWork, RestartJob, RestartOutcome, RestartWork, WorldEnd, WorldFailure};
 pub use work::{CommandWork, ElasticWork, Ends, FunctionWork, OnStarted, ProcessEnd, TaskWork};
 
 /// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`).

@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use kolo_topology::{Decision, ElasticConfig, ElasticEnv, Event, Membership, StopReason, World};
 use nix::sys::signal::Signal;
-use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
 use super::in_place::{Cohort, CohortFactory};
@@ -83,38 +82,29 @@ impl RestartWork for CommandWork {
     }
 }
 
-impl<E, T> RestartWork for TaskWork<E, T>
+/// Work that is a call in every worker (a task or a function): a world
+/// of it ends with every rank's result or the first failure.
+pub trait CallWork: ElasticWork {}
+
+impl<E, T> CallWork for TaskWork<E, T>
 where
+    TaskWork<E, T>: ElasticWork,
     E: Executable,
-    E::Args: Send + Sync,
-    T: Task<E> + Send + Sync + 'static,
-    T::Output: DeserializeOwned + Send + 'static,
+    T: Task<E>,
 {
-    type Output = T::Output;
-    async fn run_world(
-        &self,
-        executor: &mut Executor,
-        env: &[(String, String)],
-        reports: &mpsc::Sender<Report>,
-        stop: impl Future<Output = Signal> + Send,
-    ) -> Result<WorldEnd<T::Output>, ExecError> {
-        run_calls(self, executor, env, reports, stop).await
-    }
 }
 
-impl<F> RestartWork for FunctionWork<F>
-where
-    F: Function + Send + Sync + 'static,
-    F::Output: DeserializeOwned + Send + 'static,
-{
-    type Output = F::Output;
+impl<F: Function> CallWork for FunctionWork<F> where FunctionWork<F>: ElasticWork {}
+
+impl<W: CallWork> RestartWork for W {
+    type Output = W::Output;
     async fn run_world(
         &self,
         executor: &mut Executor,
         env: &[(String, String)],
         reports: &mpsc::Sender<Report>,
         stop: impl Future<Output = Signal> + Send,
-    ) -> Result<WorldEnd<F::Output>, ExecError> {
+    ) -> Result<WorldEnd<W::Output>, ExecError> {
         run_calls(self, executor, env, reports, stop).await
     }
 }
