@@ -1,4 +1,4 @@
-//! An elastic job of functions in place (`kolo_exec::elastic` driving,
+//! An elastic job of functions in place (`kolo_job::elastic` driving,
 //! `kolo_comm::elastic` in the workers): real worker processes (this test
 //! binary in worker mode, local engine, simulated hosts); a worker dies
 //! mid-training, the others go on from their last commit, the job's
@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use kolo_comm::elastic::{Elastic, State};
 use kolo_comm::{CommError, ReduceOp};
-use kolo_exec::elastic::{Cohort, CohortFactory, Discovery, ElasticEvent, ElasticJob, FunctionWork};
 use kolo_exec::{Executor, Function, LocalEngine, Registry, Settings, UserError, WorkerContext, WorkerRequest};
+use kolo_job::elastic::{Cohort, CohortFactory, Discovery, ElasticEvent, ElasticJob, FunctionWork};
 use kolo_topology::{ElasticConfig, HostSpec};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};

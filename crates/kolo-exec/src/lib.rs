@@ -46,11 +46,9 @@
 //! ```
 
 mod driver;
-pub mod elastic;
 mod engine;
 mod guard;
 mod hurry;
-pub mod job;
 mod nics;
 mod output;
 pub mod policy;
@@ -62,10 +60,10 @@ mod sockets;
 pub mod wait;
 mod worker;
 
-pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo};
+pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo, REPORTS_QUEUED};
 pub use engine::{
-    is_this_machine, Engine, EngineChoice, EngineOptions, LocalEngine, RayEngine, RayNodes, RayOptions, SlurmEngine,
-    SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
+    is_this_machine, Engine, EngineChoice, EngineOptions, HostSource, LocalEngine, RayEngine, RayNodes, RayOptions,
+    SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};
 pub use hurry::{hurried, hurry};

@@ -8,9 +8,9 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use kolo_exec::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
-use kolo_exec::job::{self, ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
 use kolo_exec::{lock, EngineOptions, Executor, RayOptions, Settings, WorkerRequest};
+use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
+use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
 
 use crate::worker::{registry, PyCall, PyWorker};
 use crate::{error, exec_error, JobStopped};
@@ -129,9 +129,9 @@ impl Job {
             }
         };
         let mut settings = Settings::default();
-        settings.start_timeout = job::seconds("timeout_s", timeout_s).map_err(exec_error)?;
+        settings.start_timeout = kolo_job::seconds("timeout_s", timeout_s).map_err(exec_error)?;
         settings.placement_timeout =
-            job::seconds("placement_group_timeout_s", placement_group_timeout_s).map_err(exec_error)?;
+            kolo_job::seconds("placement_group_timeout_s", placement_group_timeout_s).map_err(exec_error)?;
         settings.nics = nics;
         settings.ssh.config_file = ssh_config_file.map(Into::into);
         let elastic = match mode {
@@ -142,15 +142,15 @@ impl Job {
                 options.max_np = max_workers;
                 options.max_restarts = max_restarts;
                 options.reset_limit = reset_limit;
-                options.elastic_timeout = job::seconds("elastic_timeout", elastic_timeout).map_err(exec_error)?;
+                options.elastic_timeout = kolo_job::seconds("elastic_timeout", elastic_timeout).map_err(exec_error)?;
                 if let Some((lo, hi)) = cooldown_range {
-                    let lo = job::seconds("cooldown_range", lo).map_err(exec_error)?;
-                    let hi = job::seconds("cooldown_range", hi).map_err(exec_error)?;
+                    let lo = kolo_job::seconds("cooldown_range", lo).map_err(exec_error)?;
+                    let hi = kolo_job::seconds("cooldown_range", hi).map_err(exec_error)?;
                     options.cooldown = Some((lo, hi));
                 }
                 options.discovery_script = host_discovery_script.map(Into::into);
                 options.discovery_interval =
-                    job::seconds("discovery_interval", discovery_interval).map_err(exec_error)?;
+                    kolo_job::seconds("discovery_interval", discovery_interval).map_err(exec_error)?;
                 Some(options)
             }
         };
@@ -224,7 +224,7 @@ const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 pub(crate) struct Driver {
     inner: Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
     /// The job, for an elastic job's worlds and cohorts.
-    job: kolo_exec::job::Job,
+    job: kolo_job::Job,
 }
 
 impl Driver {

@@ -154,9 +154,9 @@ impl Comm {
 /// and its fields, and `message`, the line kolo would print.
 pub(crate) fn event_dict<'py>(
     py: Python<'py>,
-    event: &kolo_exec::elastic::ElasticEvent,
+    event: &kolo_job::elastic::ElasticEvent,
 ) -> PyResult<Bound<'py, PyDict>> {
-    use kolo_exec::elastic::ElasticEvent as E;
+    use kolo_job::elastic::ElasticEvent as E;
     let d = PyDict::new(py);
     d.set_item("message", event.to_string())?;
     match event {

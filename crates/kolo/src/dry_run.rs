@@ -2,8 +2,8 @@
 //! runs it.
 
 use anyhow::{bail, Result};
-use kolo_exec::job::Job;
 use kolo_exec::EngineChoice;
+use kolo_job::Job;
 use kolo_topology::{JobEnv, CHOSEN_AT_START, ENV_SECRET, IFACE_VARS};
 
 use crate::out::{say, Said};

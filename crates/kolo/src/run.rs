@@ -3,9 +3,9 @@
 //! said on stderr.
 
 use anyhow::Result;
-use kolo_exec::elastic::{CommandWork, ElasticEvent, ElasticJob, RestartJob, StopCause};
-use kolo_exec::job::{ElasticMode, Job};
 use kolo_exec::JobOutcome;
+use kolo_job::elastic::{CommandWork, ElasticEvent, ElasticJob, RestartJob, StopCause};
+use kolo_job::{ElasticMode, Job};
 use nix::sys::signal::Signal;
 
 use crate::cli::RunArgs;

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kolo_exec::job::{ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, Workers};
 use kolo_exec::{EngineChoice, EngineOptions, OutputOptions, RayOptions, Settings, SlurmOptions, SshOptions};
+use kolo_job::{ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, Workers};
 use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources, ENV_SECRET};
 
 use crate::cli::RunArgs;

@@ -248,7 +248,10 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
     for &pid in &everyone {
         let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
     }
-    for &pid in &everyone {
+    // the driver last: a stopped agent whose parent dies first is in an
+    // orphaned process group, which the kernel sends SIGHUP and SIGCONT,
+    // and the agent would clean up in the gap before its SIGKILL
+    for &pid in everyone.iter().rev() {
         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
     }
     child.wait().unwrap();

@@ -31,7 +31,7 @@ impl Report {
 
 /// Reports queued per call before the workers that make them wait: with
 /// values of up to `MAX_REPORT` this bounds what a call's reports hold.
-pub(crate) const REPORTS_QUEUED: usize = 8;
+pub const REPORTS_QUEUED: usize = 8;
 
 impl Executor {
     /// Runs `task` on every worker's executable; results in rank order.
@@ -99,6 +99,26 @@ impl Executor {
         function: &F,
     ) -> Result<Vec<CallHandle<F::Output>>, ExecError> {
         self.call_all(CallKind::Function, F::NAME, function, None, None).await
+    }
+
+    /// As `run_remote`, with what the workers report meanwhile sent to
+    /// `reports` (bounded: a slow reader holds the workers back).
+    pub async fn run_remote_reporting<E: Executable, T: Task<E>>(
+        &self,
+        task: &T,
+        reports: &mpsc::Sender<Report>,
+    ) -> Result<Vec<CallHandle<T::Output>>, ExecError> {
+        self.call_all(CallKind::Task, T::NAME, task, None, Some(reports)).await
+    }
+
+    /// As `run_remote_function`, with what the workers report meanwhile
+    /// sent to `reports`.
+    pub async fn run_remote_function_reporting<F: Function>(
+        &self,
+        function: &F,
+        reports: &mpsc::Sender<Report>,
+    ) -> Result<Vec<CallHandle<F::Output>>, ExecError> {
+        self.call_all(CallKind::Function, F::NAME, function, None, Some(reports)).await
     }
 
     pub(crate) async fn call_all<A: serde::Serialize, O: DeserializeOwned>(

@@ -16,7 +16,7 @@ mod peers;
 mod progress;
 mod start;
 
-pub use calls::{CallHandle, Report};
+pub use calls::{CallHandle, Report, REPORTS_QUEUED};
 pub use command::{Failure, JobOutcome};
 pub use link::{RankError, RankEvent};
 

@@ -75,6 +75,13 @@ pub trait Engine: Send + Sync {
     fn kill_all(&mut self);
 }
 
+/// Hosts from a source other than a script or a list (a Ray cluster's
+/// nodes: `RayNodes`), for an elastic job's discovery. Blocking: called
+/// off the runtime.
+pub trait HostSource: Send + Sync + std::fmt::Debug {
+    fn hosts(&self) -> Result<Vec<HostSpec>, ExecError>;
+}
+
 /// Which engine places the workers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EngineChoice {
@@ -86,6 +93,32 @@ pub enum EngineChoice {
     Slurm,
     /// Workers placed on a Ray cluster (never chosen by `Auto`).
     Ray,
+}
+
+/// Every engine by its name: the one table both ways.
+const ENGINE_NAMES: [(&str, EngineChoice); 5] = [
+    ("auto", EngineChoice::Auto),
+    ("local", EngineChoice::Local),
+    ("ssh", EngineChoice::Ssh),
+    ("slurm", EngineChoice::Slurm),
+    ("ray", EngineChoice::Ray),
+];
+
+impl std::str::FromStr for EngineChoice {
+    type Err = ExecError;
+    fn from_str(name: &str) -> Result<Self, ExecError> {
+        match ENGINE_NAMES.iter().find(|(n, _)| *n == name) {
+            Some((_, choice)) => Ok(*choice),
+            None => Err(ExecError::BadSettings(format!("engine must be auto, local, ssh, slurm or ray, got '{name}'"))),
+        }
+    }
+}
+
+impl std::fmt::Display for EngineChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = ENGINE_NAMES.iter().find(|(_, c)| c == self).map_or("auto", |(n, _)| n);
+        f.write_str(name)
+    }
 }
 
 /// How each engine reaches its machines.
@@ -154,7 +187,7 @@ impl EngineChoice {
         self,
         options: &EngineOptions,
         resources: kolo_topology::WorkerResources,
-    ) -> Option<std::sync::Arc<dyn crate::elastic::HostSource>> {
+    ) -> Option<std::sync::Arc<dyn HostSource>> {
         match self {
             EngineChoice::Ray => Some(std::sync::Arc::new(RayNodes::new(options.ray.clone(), resources))),
             _ => None,
@@ -196,4 +229,24 @@ fn local_addresses() -> Vec<IpAddr> {
             .collect()
         })
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engines_are_named_once() {
+        for (name, choice) in [
+            ("auto", EngineChoice::Auto),
+            ("local", EngineChoice::Local),
+            ("ssh", EngineChoice::Ssh),
+            ("slurm", EngineChoice::Slurm),
+            ("ray", EngineChoice::Ray),
+        ] {
+            assert_eq!(name.parse::<EngineChoice>().unwrap(), choice);
+            assert_eq!(choice.to_string(), name);
+        }
+        assert!("mpi".parse::<EngineChoice>().unwrap_err().to_string().contains("engine must be auto, local"));
+    }
 }

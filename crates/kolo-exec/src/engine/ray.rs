@@ -440,7 +440,7 @@ impl RayNodes {
     }
 }
 
-impl crate::elastic::HostSource for RayNodes {
+impl super::HostSource for RayNodes {
     fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
         let mut held = crate::lock(&self.bridge);
         if held.as_mut().is_none_or(Bridge::exited) {

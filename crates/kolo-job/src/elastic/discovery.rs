@@ -7,16 +7,11 @@ use std::time::Duration;
 
 use kolo_topology::{parse_discovery, Decision, Event, HostSpec, Membership};
 
-use crate::ExecError;
+use kolo_exec::ExecError;
+pub use kolo_exec::HostSource;
 
 /// The longest a discovery script may run.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Hosts from a source other than a script or a list (a Ray cluster's
-/// nodes: `RayNodes`). Blocking: called off the runtime.
-pub trait HostSource: Send + Sync + std::fmt::Debug {
-    fn hosts(&self) -> Result<Vec<HostSpec>, ExecError>;
-}
 
 /// Where the hosts come from and how often to ask.
 #[derive(Clone, Debug)]

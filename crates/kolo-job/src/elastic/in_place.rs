@@ -26,7 +26,7 @@ use tokio::task::JoinHandle;
 use super::rounds::{Action, End, Ended as ProcEnded, Rounds};
 use super::work::{BoxFuture, Ends, ProcessEnd};
 use super::{Discovery, ElasticEvent, ElasticWork};
-use crate::{ExecError, Executor, Report, SharedJob};
+use kolo_exec::{ExecError, Executor, Report, SharedJob};
 
 /// What a cohort's (or a restarted world's) executor is made for.
 #[derive(Clone, Debug)]
@@ -73,7 +73,7 @@ pub enum StopCause {
 
 impl StopCause {
     /// Why the job stopped, naming the limits as the user gave them.
-    pub fn explain(&self, names: &crate::job::OptionNames) -> String {
+    pub fn explain(&self, names: &crate::OptionNames) -> String {
         match self {
             StopCause::Limit(reason) => names.explain(reason),
             StopCause::FailedWhileFinishing { host, reason } => {
@@ -142,7 +142,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         tokio::pin!(interrupt);
         let (ends_tx, mut ends) = mpsc::unbounded_channel();
         // bounded: a listener slower than the reports holds the processes back
-        let (reports_tx, mut reports) = mpsc::channel(crate::driver::calls::REPORTS_QUEUED);
+        let (reports_tx, mut reports) = mpsc::channel(kolo_exec::REPORTS_QUEUED);
         // in place nothing else bounds failures: Horovod's rule
         let mut config = config;
         config.blacklist_failed_hosts = true;
@@ -152,7 +152,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             factory,
             discovery,
             extra_env,
-            secret: crate::Settings::generate_secret(),
+            secret: kolo_exec::Settings::generate_secret(),
             membership: Membership::new(config),
             cohorts: Vec::new(),
             rounds: Rounds::default(),
@@ -289,7 +289,7 @@ impl<W: ElasticWork> ElasticJob<W> {
         let job_reports = self.reports.clone();
         // cohorts start one at a time and take the next index if they come up
         let index = self.cohorts.len();
-        let (reports, mut cohort_reports) = mpsc::channel(crate::driver::calls::REPORTS_QUEUED);
+        let (reports, mut cohort_reports) = mpsc::channel(kolo_exec::REPORTS_QUEUED);
         tokio::spawn(async move {
             let Some(job_reports) = job_reports else { return };
             while let Some(report) = cohort_reports.recv().await {

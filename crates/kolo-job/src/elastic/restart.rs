@@ -15,9 +15,8 @@ use tokio::sync::mpsc;
 use super::in_place::{Cohort, CohortFactory};
 use super::work::{CommandWork, ElasticWork, FunctionWork, ProcessEnd, TaskWork};
 use super::{Discovery, ElasticEvent};
-use crate::policy::Cause;
-use crate::registry::{Executable, Function, Task};
-use crate::{ExecError, Executor, JobOutcome, Report};
+use kolo_exec::Cause;
+use kolo_exec::{ExecError, Executable, Executor, Function, JobOutcome, Report, Task};
 
 /// The rank of a world that failed first.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -199,7 +198,7 @@ impl RestartJob {
         let mut decision = membership.on(Event::Discovered(&first), started.elapsed());
         let mut last: Option<WorldEnd<W::Output>> = None;
         // what ranks report, as events (channel bounded: slow listeners hold ranks back)
-        let (reports_tx, mut reports) = mpsc::channel::<Report>(crate::driver::calls::REPORTS_QUEUED);
+        let (reports_tx, mut reports) = mpsc::channel::<Report>(kolo_exec::REPORTS_QUEUED);
         loop {
             for (host, duration) in membership.take_blacklisted_news(started.elapsed()) {
                 on_event(ElasticEvent::Blacklisted { host, duration });
@@ -231,7 +230,7 @@ impl RestartJob {
             let cohort = Cohort {
                 hosts: world.host_specs(),
                 np: world.size().into(),
-                secret: crate::Settings::generate_secret(),
+                secret: kolo_exec::Settings::generate_secret(),
                 first_process: 0,
                 elastic: ElasticEnv::Restart { restarts: world.restarts, max_restarts },
                 shared: None,

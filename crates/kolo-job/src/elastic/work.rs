@@ -5,13 +5,10 @@ use std::future::Future;
 use std::pin::Pin;
 
 use serde::de::DeserializeOwned;
-use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::policy::Cause;
-use crate::proto::CallKind;
-use crate::registry::{Executable, Function, Task};
-use crate::{CallHandle, ExecError, Executor, Report};
+use kolo_exec::Cause;
+use kolo_exec::{CallHandle, ExecError, Executable, Executor, Function, Report, Task};
 
 /// How one process of a cohort ended.
 pub enum ProcessEnd<O> {
@@ -122,7 +119,7 @@ where
     ) -> BoxFuture<'a, Result<Ends<T::Output>, ExecError>> {
         Box::pin(async move {
             executor.start::<E>(&self.args, env).await?;
-            call_everywhere(executor, CallKind::Task, T::NAME, &self.task, reports).await
+            Ok(ends_of(executor.run_remote_reporting::<E, T>(&self.task, reports).await?))
         })
     }
 }
@@ -146,21 +143,9 @@ where
     ) -> BoxFuture<'a, Result<Ends<F::Output>, ExecError>> {
         Box::pin(async move {
             executor.start_workers(env).await?;
-            call_everywhere(executor, CallKind::Function, F::NAME, &self.function, reports).await
+            Ok(ends_of(executor.run_remote_function_reporting(&self.function, reports).await?))
         })
     }
-}
-
-/// Calls `name` with `payload` in every worker; each one's end, as it comes.
-async fn call_everywhere<O: DeserializeOwned + Send + 'static, P: Serialize>(
-    executor: &Executor,
-    kind: CallKind,
-    name: &str,
-    payload: &P,
-    reports: &mpsc::Sender<Report>,
-) -> Result<Ends<O>, ExecError> {
-    let handles = executor.call_all(kind, name, payload, None, Some(reports)).await?;
-    Ok(ends_of(handles))
 }
 
 fn ends_of<O: DeserializeOwned + Send + 'static>(handles: Vec<CallHandle<O>>) -> Ends<O> {

@@ -5,15 +5,15 @@
 //! cohort of an in-place one.
 
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kolo_topology::{total_slots, Cooldown, ElasticConfig, HostSpec, StopReason, TopologyError, WorkerResources};
 
 use crate::elastic::{Cohort, CohortFactory, Discovery};
-use crate::engine::{Engine, EngineChoice, EngineOptions, LocalEngine, SlurmEngine};
-use crate::{ExecError, Executor, Settings, WorkerRequest};
+use kolo_exec::{
+    Engine, EngineChoice, EngineOptions, ExecError, Executor, LocalEngine, Settings, SlurmEngine, WorkerRequest,
+};
 
 /// How a front end spells the options its messages name (`--min-np` on
 /// the command line, `min_workers` in Python).
@@ -174,32 +174,6 @@ pub fn seconds(what: &str, seconds: f64) -> Result<Duration, ExecError> {
         Ok(Duration::from_secs_f64(seconds))
     } else {
         Err(bad(format!("{what} must be a positive number of seconds, got {seconds}")))
-    }
-}
-
-/// Every engine by its name: the one table both ways.
-const ENGINE_NAMES: [(&str, EngineChoice); 5] = [
-    ("auto", EngineChoice::Auto),
-    ("local", EngineChoice::Local),
-    ("ssh", EngineChoice::Ssh),
-    ("slurm", EngineChoice::Slurm),
-    ("ray", EngineChoice::Ray),
-];
-
-impl FromStr for EngineChoice {
-    type Err = ExecError;
-    fn from_str(name: &str) -> Result<Self, ExecError> {
-        match ENGINE_NAMES.iter().find(|(n, _)| *n == name) {
-            Some((_, choice)) => Ok(*choice),
-            None => Err(bad(format!("engine must be auto, local, ssh, slurm or ray, got '{name}'"))),
-        }
-    }
-}
-
-impl std::fmt::Display for EngineChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let name = ENGINE_NAMES.iter().find(|(_, c)| c == self).map_or("auto", |(n, _)| n);
-        f.write_str(name)
     }
 }
 
@@ -576,20 +550,5 @@ mod tests {
         let job = JobSpec { elastic: Some(in_place), ..spec(Workers::Pack(Some(2)), None) };
         let config = job.check().unwrap().elastic_config().unwrap();
         assert!(config.blacklist_failed_hosts && config.fixed_hosts && config.max_restarts.is_none());
-    }
-
-    #[test]
-    fn engines_are_named_once() {
-        for (name, choice) in [
-            ("auto", EngineChoice::Auto),
-            ("local", EngineChoice::Local),
-            ("ssh", EngineChoice::Ssh),
-            ("slurm", EngineChoice::Slurm),
-            ("ray", EngineChoice::Ray),
-        ] {
-            assert_eq!(name.parse::<EngineChoice>().unwrap(), choice);
-            assert_eq!(choice.to_string(), name);
-        }
-        assert!("mpi".parse::<EngineChoice>().unwrap_err().to_string().contains("engine must be auto, local"));
     }
 }
