@@ -8,7 +8,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kolo_topology::{total_slots, Cooldown, ElasticConfig, HostSpec, StopReason, TopologyError, WorkerResources};
+use kolo_topology::{
+    total_slots, Cooldown, ElasticConfig, HostSpec, Placement, StopReason, TopologyError, WorkerResources,
+};
 
 use crate::elastic::{Cohort, CohortFactory, Discovery};
 use kolo_exec::{
@@ -199,32 +201,23 @@ impl JobSpec {
             None if allocation => SlurmEngine::allocation_hosts()?,
             None => Vec::new(),
         };
-        let np: u32 = match self.workers {
+        let placement = match self.workers {
             Workers::Pack(Some(0)) => return Err(bad(format!("{} must be at least 1, got 0", names.np))),
-            Workers::Pack(Some(np)) => np,
+            Workers::Pack(Some(np)) => Placement::from_counts(Some(np), None, None)?,
             // every slot of the hosts given, or of the allocation
             Workers::Pack(None) if !hosts.is_empty() => {
                 let slots = total_slots(&hosts);
-                u32::try_from(slots).map_err(|_| TopologyError::TooManyProcesses(slots))?
+                let np = u32::try_from(slots).map_err(|_| TopologyError::TooManyProcesses(slots))?;
+                Placement::from_counts(Some(np), None, None)?
             }
             // an elastic job on no hosts given starts with its fewest
             Workers::Pack(None) => match self.elastic.as_ref().and_then(|e| e.min_np) {
-                Some(min_np) => min_np,
+                Some(min_np) => Placement::from_counts(Some(min_np), None, None)?,
                 None => return Err(bad(format!("give the number of processes with {}", names.np))),
             },
-            Workers::Colocated { hosts, per_host } if hosts == 0 || per_host == 0 => {
-                return Err(
-                    TopologyError::BadRequest("num_hosts and num_workers_per_host must be at least 1".into()).into()
-                )
-            }
-            Workers::Colocated { hosts, per_host } => {
-                let n = u64::from(hosts) * u64::from(per_host);
-                u32::try_from(n).map_err(|_| TopologyError::TooManyProcesses(n))?
-            }
+            Workers::Colocated { hosts, per_host } => Placement::from_counts(None, Some(hosts), Some(per_host))?,
         };
-        if np > kolo_topology::MAX_PROCESSES {
-            return Err(TopologyError::TooManyProcesses(np.into()).into());
-        }
+        let np = placement.num_workers();
         // the hosts given bound the job (Horovod's check); an allocation
         // and a Ray cluster are checked when they place it
         if self.slots == Slots::Processes
@@ -237,12 +230,7 @@ impl JobSpec {
                 return Err(TopologyError::NotEnoughSlots { requested: np.into(), available }.into());
             }
         }
-        let request = match self.workers {
-            Workers::Colocated { hosts, per_host } => WorkerRequest::colocated(hosts, per_host),
-            Workers::Pack(_) => WorkerRequest::pack(np),
-        }
-        .cpus_per_worker(self.resources.cpus)
-        .gpus_per_worker(self.resources.gpus);
+        let request = WorkerRequest { placement, resources: self.resources };
         if let Some(elastic) = &self.elastic {
             if matches!(self.workers, Workers::Colocated { .. }) {
                 return Err(bad(format!(
@@ -294,11 +282,6 @@ impl Job {
         &self.spec.settings
     }
 
-    /// What each world asks for (with the job's size).
-    pub fn request(&self) -> WorkerRequest {
-        self.request
-    }
-
     /// The processes of the job (of its first world, if elastic).
     pub fn np(&self) -> u32 {
         self.request.num_workers()
@@ -325,11 +308,6 @@ impl Job {
             .await
             .map_err(|e| ExecError::Io { what: "choosing the engine".into(), source: std::io::Error::other(e) })??;
         Executor::with_engine(self.spec.settings.clone(), self.request, engine)
-    }
-
-    /// The engine this job resolves to (`Auto` made concrete).
-    pub fn engine_choice(&self) -> EngineChoice {
-        self.spec.engine.resolve(&self.hosts)
     }
 
     /// Membership's limits for an elastic job (none for a fixed one).
@@ -430,19 +408,17 @@ impl Job {
 /// The engine of a fixed job: blocking (names are looked up).
 fn fixed_engine(spec: &JobSpec, hosts: Vec<HostSpec>, request: &WorkerRequest) -> Result<Box<dyn Engine>, ExecError> {
     let choice = spec.engine.resolve(&hosts);
-    if spec.hosts.is_none() && hosts.is_empty() && matches!(choice, EngineChoice::Local | EngineChoice::Ssh) {
-        // no host list and no allocation: this machine
-        let engine = match spec.slots {
-            Slots::Cpus => LocalEngine::this_machine(),
-            Slots::Processes => LocalEngine::with_hosts(vec![HostSpec::new("localhost", request.num_workers())]),
-        };
-        if choice == EngineChoice::Local {
-            return Ok(Box::new(engine));
+    let this_machine = spec.hosts.is_none() && hosts.is_empty();
+    match (this_machine, choice, spec.slots) {
+        // no host list and no allocation: this machine, its cores its slots
+        (true, EngineChoice::Local, Slots::Cpus) => Ok(Box::new(LocalEngine::this_machine())),
+        // or a slot for each process (horovodrun's)
+        (true, EngineChoice::Local | EngineChoice::Ssh, _) => {
+            let here = HostSpec::new("localhost", request.num_workers());
+            choice.engine(vec![here], request, spec.engine_options.clone())
         }
-        let here = HostSpec::new("localhost", request.num_workers());
-        return choice.engine(vec![here], request, spec.engine_options.clone());
+        _ => choice.engine(hosts, request, spec.engine_options.clone()),
     }
-    choice.engine(hosts, request, spec.engine_options.clone())
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use kolo_exec::JobOutcome;
-use kolo_job::elastic::{CommandWork, ElasticEvent, ElasticJob, RestartJob, StopCause};
+use kolo_job::elastic::{CommandWork, ElasticEvent, ElasticJob, RestartJob};
 use kolo_job::{ElasticMode, Job};
 use nix::sys::signal::Signal;
 
@@ -85,17 +85,13 @@ async fn run_in_place(job: &Job, command: &[std::ffi::OsString]) -> Result<i32> 
     )
     .await?;
     if let Some(cause) = &outcome.stopped {
-        tell(&format!("kolo: elastic job stopped: {}", explain(cause)));
+        tell(&format!("kolo: elastic job stopped: {}", cause.explain(&CLI_NAMES)));
     }
     Ok(match (&outcome.stopped, outcome.interrupted_by) {
         (_, Some(signal)) => 128 + signal as i32,
         (Some(_), None) => 1,
         (None, None) => 0,
     })
-}
-
-fn explain(cause: &StopCause) -> String {
-    cause.explain(&CLI_NAMES)
 }
 
 /// Restart mode: torchrun's elastic semantics for any command.
