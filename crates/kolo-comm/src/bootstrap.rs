@@ -52,6 +52,28 @@ pub struct Config {
     pub tuning: Tuning,
     /// Asked while the bootstrap and the collectives wait (elastic jobs).
     pub interrupt: Option<Interrupt>,
+    /// Where the ranks swap addresses: kolo's rendezvous store (`store`)
+    /// when `None`.
+    pub book: Option<Book>,
+}
+
+/// A key-value store the caller already has, for the bootstrap's address
+/// swap instead of kolo's rendezvous store: torch.distributed hands its
+/// process groups one. Keys are written once; values are small.
+pub trait AddressBook: Send + Sync {
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String>;
+    /// The value once a rank has put it; `None` when `timeout` passed first.
+    fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String>;
+}
+
+/// An [`AddressBook`] in a [`Config`].
+#[derive(Clone)]
+pub struct Book(pub Arc<dyn AddressBook>);
+
+impl std::fmt::Debug for Book {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AddressBook")
+    }
 }
 
 /// Ends the waits of a communicator when its round is over: asked every
@@ -123,7 +145,15 @@ impl Config {
             listen: IpAddr::from([127, 0, 0, 1]),
             tuning: Tuning::default(),
             interrupt: None,
+            book: None,
         })
+    }
+
+    /// Swaps addresses through `book` instead of kolo's rendezvous store
+    /// (`store` is then unused).
+    pub fn with_book(mut self, book: Arc<dyn AddressBook>) -> Config {
+        self.book = Some(Book(book));
+        self
     }
 
     /// Waits of the bootstrap and of every collective end when `interrupt` says so.
@@ -190,6 +220,89 @@ impl Config {
             .with_listen(listen_address(iface.as_deref())?)
             .with_tuning(Tuning::from_env()?))
     }
+}
+
+/// How a group made through an [`AddressBook`] (torch.distributed's
+/// store) finds what `kolo run` would have set.
+impl Config {
+    /// Rank `rank` of `size`, swapping addresses through `book`. Inside a
+    /// kolo job the job's secret, host id, interface, transport and tuning
+    /// come from its variables; elsewhere rank 0 makes a secret and hands
+    /// it out through `book` (so links are as private as that store), the
+    /// host id is the host name, and links listen on the address that
+    /// reaches `toward` (the store's host; loopback when that is local).
+    pub fn from_book(
+        rank: usize,
+        size: usize,
+        book: Arc<dyn AddressBook>,
+        timeout: Duration,
+        toward: Option<&str>,
+    ) -> Result<Config, CommError> {
+        let in_job = std::env::var_os("KOLO_SECRET").is_some_and(|s| !s.is_empty());
+        let secret = if in_job {
+            Secret::from_env("KOLO_SECRET").map_err(CommError::Secret)?
+        } else {
+            book_secret(rank, book.as_ref(), timeout)?
+        };
+        let node_id = match std::env::var("KOLO_NODE_ID") {
+            Ok(id) if !id.is_empty() => id,
+            _ => nix::unistd::gethostname()
+                .map(|h| h.to_string_lossy().into_owned())
+                .map_err(|e| CommError::EnvSys { what: "cannot read the host name".into(), source: e.into() })?,
+        };
+        let listen = match std::env::var("KOLO_IFACES").ok().and_then(|l| l.split(',').next().map(String::from)) {
+            Some(iface) if !iface.is_empty() => listen_address(Some(&iface))?,
+            _ => toward.map_or(Ok(IpAddr::from([127, 0, 0, 1])), address_toward)?,
+        };
+        let transport = match std::env::var("KOLO_COMM_TRANSPORT").as_deref() {
+            Ok("tcp") => Transport::Tcp,
+            _ => Transport::Auto,
+        };
+        let timeout = match std::env::var("KOLO_COMM_TIMEOUT_SECONDS") {
+            Ok(_) => Duration::from_secs_f64(number::<f64>("KOLO_COMM_TIMEOUT_SECONDS")?.max(0.001)),
+            Err(_) => timeout,
+        };
+        let job = std::env::var("KOLO_JOB_ID").unwrap_or_else(|_| "group".into());
+        Ok(Config::new(rank, size, node_id, "", secret, job)?
+            .with_timeout(timeout)
+            .with_transport(transport)
+            .with_listen(listen)
+            .with_tuning(Tuning::from_env()?)
+            .with_book(book))
+    }
+}
+
+/// Outside a kolo job: rank 0's fresh secret, through the book.
+fn book_secret(rank: usize, book: &dyn AddressBook, timeout: Duration) -> Result<Secret, CommError> {
+    let failed = |e: String| CommError::Bootstrap(format!("address book: {e}"));
+    let text = if rank == 0 {
+        let hex: String = kolo_auth::nonce().iter().map(|b| format!("{b:02x}")).collect();
+        book.put("kolo-comm/secret", hex.as_bytes()).map_err(failed)?;
+        hex
+    } else {
+        let v = book.wait("kolo-comm/secret", timeout).map_err(failed)?.ok_or_else(|| {
+            CommError::Bootstrap(format!("rank 0 did not show up within {:.1} s", timeout.as_secs_f64()))
+        })?;
+        String::from_utf8_lossy(&v).into_owned()
+    };
+    Secret::new(text).map_err(CommError::Secret)
+}
+
+/// The local address the kernel picks to reach `host` (no packet is sent).
+fn address_toward(host: &str) -> Result<IpAddr, CommError> {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let err = |source| CommError::EnvSys { what: format!("cannot find a route to {host}"), source };
+    let target = (host, 9)
+        .to_socket_addrs()
+        .map_err(err)?
+        .find(|a| a.is_ipv4())
+        .ok_or_else(|| CommError::Env(format!("{host} has no IPv4 address")))?;
+    if target.ip().is_loopback() {
+        return Ok(IpAddr::from([127, 0, 0, 1]));
+    }
+    let socket = UdpSocket::bind(("0.0.0.0", 0)).map_err(err)?;
+    socket.connect(target).map_err(err)?;
+    Ok(socket.local_addr().map_err(err)?.ip())
 }
 
 /// The IPv4 address of the interface kolo chose (loopback for `lo`).
@@ -569,6 +682,9 @@ fn exchange_addresses(
     unix: &str,
     deadline: Instant,
 ) -> Result<Vec<Peer>, CommError> {
+    if let Some(Book(book)) = &config.book {
+        return exchange_in_book(config, book.as_ref(), addr, unix, deadline);
+    }
     let mut client = store_client(config);
     let scope = format!("kolo-comm-{}", config.job_id);
     let record = format!("{}\t{addr}\t{}\t{unix}", config.node_id, std::process::id());
@@ -610,6 +726,68 @@ fn exchange_addresses(
     };
     // our record is read (rank 0 read them all before the table existed)
     let _ = client.delete(&scope, &config.rank.to_string());
+    parse_table(&table, config.size)
+}
+
+/// [`exchange_addresses`] through the caller's [`AddressBook`]: the same
+/// records and table, under the keys `kolo-comm/<rank>` and `kolo-comm/table`.
+fn exchange_in_book(
+    config: &Config,
+    book: &dyn AddressBook,
+    addr: &SocketAddr,
+    unix: &str,
+    deadline: Instant,
+) -> Result<Vec<Peer>, CommError> {
+    let failed = |e: String| CommError::Bootstrap(format!("address book: {e}"));
+    let record = format!("{}\t{addr}\t{}\t{unix}", config.node_id, std::process::id());
+    book.put(&format!("kolo-comm/{}", config.rank), record.as_bytes()).map_err(failed)?;
+    // short slices, so that an interrupt (an elastic round moving on) is seen
+    let wait = |key: &str| -> Result<Option<Vec<u8>>, CommError> {
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let slice = if config.interrupt.is_some() { remaining.min(Duration::from_millis(200)) } else { remaining };
+            if let Some(v) = book.wait(key, slice).map_err(failed)? {
+                return Ok(Some(v));
+            }
+            check_interrupt(&config.interrupt)?;
+            if slice >= remaining {
+                return Ok(None);
+            }
+        }
+    };
+    let table = if config.rank == 0 {
+        let mut records = Vec::with_capacity(config.size);
+        for r in 0..config.size {
+            match wait(&format!("kolo-comm/{r}"))? {
+                Some(v) => records.push(String::from_utf8_lossy(&v).into_owned()),
+                None => {
+                    let mut missing = vec![r];
+                    for m in r + 1..config.size {
+                        if book.wait(&format!("kolo-comm/{m}"), Duration::ZERO).map_err(failed)?.is_none() {
+                            missing.push(m);
+                        }
+                    }
+                    return Err(CommError::Bootstrap(format!(
+                        "ranks {missing:?} did not show up within {:.1} s",
+                        config.timeout.as_secs_f64()
+                    )));
+                }
+            }
+        }
+        let table = records.join("\n");
+        book.put("kolo-comm/table", table.as_bytes()).map_err(failed)?;
+        table
+    } else {
+        match wait("kolo-comm/table")? {
+            Some(v) => String::from_utf8_lossy(&v).into_owned(),
+            None => {
+                return Err(CommError::Bootstrap(format!(
+                    "no address table from rank 0 within {:.1} s: rank 0 or another rank did not show up",
+                    config.timeout.as_secs_f64()
+                )))
+            }
+        }
+    };
     parse_table(&table, config.size)
 }
 

@@ -26,7 +26,7 @@ mod link;
 mod schedule;
 mod shm;
 
-pub use bootstrap::{Config, Interrupt, Transport};
+pub use bootstrap::{AddressBook, Config, Interrupt, Transport};
 pub use comm::{Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
 /// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
@@ -74,6 +74,10 @@ pub enum CommError {
     /// not the one expected.
     #[error("rank {rank} sent a message of {theirs} while this rank is in {ours}: every rank must call the collectives of its communicators in the same order")]
     Mismatch { rank: usize, ours: String, theirs: String },
+    /// Ranks called the same collective with different sizes, types, ops
+    /// or roots.
+    #[error("rank {rank} called {theirs} while this rank called {ours}: every rank must call each collective with the same size, type, op and root")]
+    Disagree { rank: usize, ours: String, theirs: String },
     #[error("{0}")]
     BadArgs(String),
     /// The job's membership changed (an elastic job's driver started round

@@ -68,9 +68,11 @@ impl Abort for Rx {
     }
 }
 
-/// Every message opens with this many bytes: the communicator's id and
-/// the sequence number of the call it belongs to.
-pub(crate) const HEAD: usize = 16;
+/// Every message opens with this many bytes: the communicator's id, the
+/// sequence number of the call it belongs to, and what that call is
+/// (kind, type, op, root, size), so that ranks that disagree fail, naming
+/// it, instead of mixing up data.
+pub(crate) const HEAD: usize = 32;
 
 impl Tx {
     /// Sends more of `head` followed by `data` (padded to 8), `done` bytes

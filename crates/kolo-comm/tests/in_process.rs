@@ -338,3 +338,119 @@ mod elastic {
         runtime.block_on(Arc::try_unwrap(server).ok().unwrap().stop());
     }
 }
+
+#[test]
+fn alltoall_gather_and_scatter_move_every_part_to_its_rank() {
+    let (runtime, server) = store();
+    for (job, transport) in [("a2a-shm", Transport::Auto), ("a2a-tcp", Transport::Tcp)] {
+        let configs = (0..3).map(|r| config(&server, r, 3, "s", job).with_transport(transport)).collect();
+        let results = ranks(configs, |r, comm| {
+            let mut comm = comm.unwrap();
+            // rank r sends r+1+p elements of value 10r+p to rank p
+            let send_counts: Vec<usize> = (0..3).map(|p| r + 1 + p).collect();
+            let send: Vec<i64> =
+                (0..3).flat_map(|p| std::iter::repeat_n((10 * r + p) as i64, send_counts[p])).collect();
+            let recv_counts: Vec<usize> = (0..3).map(|p| p + 1 + r).collect();
+            let mut recv = vec![-1i64; recv_counts.iter().sum()];
+            comm.alltoallv(&send, &send_counts, &mut recv, &recv_counts).unwrap();
+            // gather: rank p's p+1 values of p, at rank 1
+            let mine = vec![r as f32; r + 1];
+            let mut gathered = vec![-1.0f32; if r == 1 { 6 } else { 0 }];
+            comm.gatherv(&mine, &mut gathered, &[1, 2, 3], 1).unwrap();
+            // scatter from rank 2: rank p gets p+1 values of 100+p
+            let whole: Vec<u8> = if r == 2 { vec![100, 101, 101, 102, 102, 102] } else { vec![] };
+            let mut part = vec![0u8; r + 1];
+            comm.scatterv(&whole, &mut part, &[1, 2, 3], 2).unwrap();
+            (recv, gathered, part)
+        });
+        for (r, (recv, gathered, part)) in results.into_iter().enumerate() {
+            let expected: Vec<i64> = (0..3).flat_map(|p| std::iter::repeat_n((10 * p + r) as i64, p + 1 + r)).collect();
+            assert_eq!(recv, expected, "{job}: alltoall at rank {r}");
+            if r == 1 {
+                assert_eq!(gathered, vec![0.0, 1.0, 1.0, 2.0, 2.0, 2.0], "{job}: gather");
+            }
+            assert_eq!(part, vec![100 + r as u8; r + 1], "{job}: scatter at rank {r}");
+        }
+    }
+    runtime.block_on(server.stop());
+}
+
+#[test]
+fn ranks_that_disagree_on_a_collectives_size_or_op_fail_naming_both() {
+    let (runtime, server) = store();
+    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree")).collect();
+    let errors = ranks(configs, |r, comm| {
+        let mut comm = comm.unwrap();
+        let mut v = vec![1.0f32; 1000 + r * 24];
+        comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+    });
+    assert!(
+        errors[0]
+            .contains("rank 1 called allreduce(sum) of 1024 f32 while this rank called allreduce(sum) of 1000 f32"),
+        "{}",
+        errors[0]
+    );
+    assert!(errors[1].contains("rank 0 called allreduce(sum) of 1000 f32"), "{}", errors[1]);
+
+    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree-op")).collect();
+    let errors = ranks(configs, |r, comm| {
+        let mut comm = comm.unwrap();
+        let mut v = vec![1i64; 8];
+        let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Min };
+        comm.allreduce_in_place(&mut v, op).unwrap_err().to_string()
+    });
+    assert!(
+        errors[0].contains("called allreduce(min) of 8 i64 while this rank called allreduce(max)"),
+        "{}",
+        errors[0]
+    );
+    runtime.block_on(server.stop());
+}
+
+/// A store the caller brings (torch.distributed's, in kolo's backend): here a map.
+struct MapBook(std::sync::Mutex<std::collections::HashMap<String, Vec<u8>>>, std::sync::Condvar);
+
+impl kolo_comm::AddressBook for MapBook {
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        self.0.lock().unwrap().insert(key.to_string(), value.to_vec());
+        self.1.notify_all();
+        Ok(())
+    }
+    fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
+        let map = self.0.lock().unwrap();
+        let (map, _) = self.1.wait_timeout_while(map, timeout, |m| !m.contains_key(key)).unwrap();
+        Ok(map.get(key).cloned())
+    }
+}
+
+#[test]
+fn ranks_bootstrap_through_an_address_book_of_their_own_and_name_the_missing() {
+    let book = std::sync::Arc::new(MapBook(Default::default(), Default::default()));
+    let configs: Vec<Config> = (0..3)
+        .map(|r| {
+            Config::new(r, 3, "this-host", "unused:0", Secret::new("s").unwrap(), "book")
+                .unwrap()
+                .with_timeout(Duration::from_secs(3))
+                .with_book(book.clone())
+        })
+        .collect();
+    let sums = ranks(configs, |r, comm| {
+        let mut v = [r as i32 + 1];
+        comm.unwrap().allreduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+        v[0]
+    });
+    assert_eq!(sums, vec![6; 3]);
+
+    // rank 2 never comes: rank 0 names it
+    let book = std::sync::Arc::new(MapBook(Default::default(), Default::default()));
+    let configs: Vec<Config> = (0..2)
+        .map(|r| {
+            Config::new(r, 3, "this-host", "unused:0", Secret::new("s").unwrap(), "book-missing")
+                .unwrap()
+                .with_timeout(Duration::from_millis(500))
+                .with_book(book.clone())
+        })
+        .collect();
+    let errors = ranks(configs, |_, comm| comm.unwrap_err().to_string());
+    assert!(errors[0].contains("ranks [2] did not show up"), "{}", errors[0]);
+}

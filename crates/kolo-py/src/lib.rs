@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 mod driver;
 mod elastic;
+mod torch;
 mod worker;
 
 /// Runs kolo's command line (`argv[0]` is the program's name) and returns
@@ -95,5 +96,6 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WorkerLost", m.py().get_type::<WorkerLost>())?;
     m.add("JobStopped", m.py().get_type::<JobStopped>())?;
     elastic::register(m)?;
+    torch::register(m)?;
     Ok(())
 }

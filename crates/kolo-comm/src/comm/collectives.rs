@@ -1,8 +1,8 @@
 //! Point to point and the collectives: allreduce (recursive doubling,
 //! halving-doubling, ring, hierarchical, by size), reduce-scatter,
-//! allgather, broadcast, reduce and barrier.
+//! allgather, broadcast, reduce, all-to-all, gather, scatter and barrier.
 
-use super::progress::{Io, Sink, Tag, P2P};
+use super::progress::{Call, Io, Kind, Sink, Tag, P2P};
 use super::{lock, Communicator, STREAM_BYTES};
 use crate::dtype::{divide, reduce_into, DType, Element, ReduceOp};
 use crate::schedule::{self, split_counts};
@@ -51,7 +51,8 @@ impl Communicator {
     pub fn send<T: Element>(&mut self, buf: &[T], peer: usize) -> Result<(), CommError> {
         self.check_peer(peer)?;
         self.sent[peer] += 1;
-        let tag = Tag { comm: self.id, seq: P2P | self.sent[peer] };
+        let tag =
+            Tag { comm: self.id, seq: P2P | self.sent[peer], call: Call::of(Kind::PointToPoint, T::DTYPE, buf.len()) };
         let mut links = lock(&self.shared.links);
         self.send_recv(&mut Io { links: &mut links, tag }, Some((peer, as_bytes(buf))), None)
     }
@@ -60,7 +61,11 @@ impl Communicator {
     pub fn recv<T: Element>(&mut self, buf: &mut [T], peer: usize) -> Result<(), CommError> {
         self.check_peer(peer)?;
         self.received[peer] += 1;
-        let tag = Tag { comm: self.id, seq: P2P | self.received[peer] };
+        let tag = Tag {
+            comm: self.id,
+            seq: P2P | self.received[peer],
+            call: Call::of(Kind::PointToPoint, T::DTYPE, buf.len()),
+        };
         let b = as_bytes_mut(buf);
         let mut links = lock(&self.shared.links);
         self.send_recv(&mut Io { links: &mut links, tag }, None, Some((peer, b.len(), Sink::Copy(b))))
@@ -77,7 +82,7 @@ impl Communicator {
 
     /// Every rank waits until all have arrived.
     pub fn barrier(&mut self) -> Result<(), CommError> {
-        self.collective(|c, io| {
+        self.collective(Call::new(Kind::Barrier), |c, io| {
             let (n, r) = (c.size(), c.rank);
             let token = [0u8; 8];
             let mut sink = [0u8; 8];
@@ -95,12 +100,14 @@ impl Communicator {
         if send.len() != recv.len() {
             return Err(self.bad(format!("allreduce: send has {} elements, recv {}", send.len(), recv.len())));
         }
-        self.collective(|c, io| c.allreduce_bytes(io, Some(as_bytes(send)), as_bytes_mut(recv), T::DTYPE, op))
+        let call = Call::of(Kind::Allreduce, T::DTYPE, send.len()).op(op);
+        self.collective(call, |c, io| c.allreduce_bytes(io, Some(as_bytes(send)), as_bytes_mut(recv), T::DTYPE, op))
     }
 
     /// `buf = op over all ranks' buf`, in place.
     pub fn allreduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        self.collective(|c, io| c.allreduce_bytes(io, None, as_bytes_mut(buf), T::DTYPE, op))
+        let call = Call::of(Kind::Allreduce, T::DTYPE, buf.len()).op(op);
+        self.collective(call, |c, io| c.allreduce_bytes(io, None, as_bytes_mut(buf), T::DTYPE, op))
     }
 
     pub(crate) fn allreduce_bytes(
@@ -302,7 +309,8 @@ impl Communicator {
         }
         let recv = as_bytes_mut(recv);
         let reduce_op = op.combining();
-        self.collective(|c, io| c.reduce_scatter_bytes(io, as_bytes(send), recv, counts, T::DTYPE, reduce_op))?;
+        let call = Call::of(Kind::ReduceScatter, T::DTYPE, send.len()).op(op);
+        self.collective(call, |c, io| c.reduce_scatter_bytes(io, as_bytes(send), recv, counts, T::DTYPE, reduce_op))?;
         if op == ReduceOp::Avg {
             divide(T::DTYPE, recv, self.size());
         }
@@ -374,7 +382,8 @@ impl Communicator {
         let at = offsets(counts, std::mem::size_of::<T>());
         let recv = as_bytes_mut(recv);
         recv[at[self.rank]..at[self.rank + 1]].copy_from_slice(as_bytes(send));
-        self.collective(|c, io| c.ring_allgather_chunks(io, recv, &at, c.rank))
+        let call = Call::of(Kind::Allgather, T::DTYPE, recv.len());
+        self.collective(call, |c, io| c.ring_allgather_chunks(io, recv, &at, c.rank))
     }
 
     /// Rank `root`'s bytes, of a length only it knows, to every rank: the
@@ -394,8 +403,9 @@ impl Communicator {
         if root >= n {
             return Err(self.bad(format!("broadcast: root {root} is not a rank of this {n}-rank communicator")));
         }
+        let call = Call::of(Kind::Broadcast, T::DTYPE, buf.len()).root(root);
         let buf = as_bytes_mut(buf);
-        self.collective(|c, io| {
+        self.collective(call, |c, io| {
             let vr = (c.rank + n - root) % n;
             let real = |v: usize| (v + root) % n;
             let mut mask = 1;
@@ -440,7 +450,8 @@ impl Communicator {
         let vr = (self.rank + n - root) % n;
         let real = |v: usize| (v + root) % n;
         let is_root = self.rank == root;
-        self.collective(|c, io| {
+        let call = Call::of(Kind::Reduce, dtype, send.len() / dtype.size()).op(op).root(root);
+        self.collective(call, |c, io| {
             let run = |io: &mut Io<'_>, acc: &mut [u8]| -> Result<(), CommError> {
                 acc.copy_from_slice(send);
                 let len = acc.len();
@@ -467,6 +478,122 @@ impl Communicator {
             } else {
                 c.with_scratch(io, send.len(), run)
             }
+        })
+    }
+
+    /// Each rank sends `send_counts[p]` elements to rank p (the parts of
+    /// `send` in rank order) and receives `recv_counts[p]` elements from
+    /// rank p into `recv` (in rank order): a shifted pairwise exchange,
+    /// one send and one receive in flight per step.
+    pub fn alltoallv<T: Element>(
+        &mut self,
+        send: &[T],
+        send_counts: &[usize],
+        recv: &mut [T],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        if send_counts.len() != n
+            || recv_counts.len() != n
+            || send_counts.iter().sum::<usize>() != send.len()
+            || recv_counts.iter().sum::<usize>() != recv.len()
+            || send_counts[r] != recv_counts[r]
+        {
+            return Err(self.bad(format!(
+                "alltoall: send counts {send_counts:?} and recv counts {recv_counts:?} must have one entry per rank ({n}), sum to the send ({}) and recv ({}) lengths, and agree on this rank's own part",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let esize = std::mem::size_of::<T>();
+        let (sat, rat) = (offsets(send_counts, esize), offsets(recv_counts, esize));
+        let (send, recv) = (as_bytes(send), as_bytes_mut(recv));
+        recv[rat[r]..rat[r + 1]].copy_from_slice(&send[sat[r]..sat[r + 1]]);
+        self.collective(Call::of(Kind::Alltoall, T::DTYPE, 0), |c, io| {
+            for k in 1..n {
+                let (to, from) = ((r + k) % n, (r + n - k) % n);
+                let dst = &mut recv[rat[from]..rat[from + 1]];
+                let len = dst.len();
+                c.send_recv(io, Some((to, &send[sat[to]..sat[to + 1]])), Some((from, len, Sink::Copy(dst))))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Rank `root` gets every rank's `send` in rank order (`counts[p]`
+    /// elements from rank p) in `recv`; `recv` is left alone elsewhere.
+    pub fn gatherv<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        if root >= n || counts.len() != n || counts[r] != send.len() {
+            return Err(self.bad(format!(
+                "gather: root {root} must be a rank of this {n}-rank communicator, counts {counts:?} have one entry per rank and this rank's equal its send length ({})",
+                send.len()
+            )));
+        }
+        if r == root && counts.iter().sum::<usize>() != recv.len() {
+            return Err(
+                self.bad(format!("gather: counts {counts:?} must sum to the root's recv length ({})", recv.len()))
+            );
+        }
+        let at = offsets(counts, std::mem::size_of::<T>());
+        let send = as_bytes(send);
+        let call = Call::of(Kind::Gather, T::DTYPE, 0).root(root);
+        if r != root {
+            return self.collective(call, |c, io| c.send_recv(io, Some((root, send)), None));
+        }
+        let recv = as_bytes_mut(recv);
+        recv[at[r]..at[r + 1]].copy_from_slice(send);
+        self.collective(call, |c, io| {
+            for p in (0..n).filter(|&p| p != root) {
+                let dst = &mut recv[at[p]..at[p + 1]];
+                let len = dst.len();
+                c.send_recv(io, None, Some((p, len, Sink::Copy(dst))))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Each rank gets its part of rank `root`'s `send` (`counts[p]`
+    /// elements for rank p, in rank order) in `recv`.
+    pub fn scatterv<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        counts: &[usize],
+        root: usize,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        if root >= n || counts.len() != n || counts[r] != recv.len() {
+            return Err(self.bad(format!(
+                "scatter: root {root} must be a rank of this {n}-rank communicator, counts {counts:?} have one entry per rank and this rank's equal its recv length ({})",
+                recv.len()
+            )));
+        }
+        if r == root && counts.iter().sum::<usize>() != send.len() {
+            return Err(
+                self.bad(format!("scatter: counts {counts:?} must sum to the root's send length ({})", send.len()))
+            );
+        }
+        let at = offsets(counts, std::mem::size_of::<T>());
+        let recv = as_bytes_mut(recv);
+        let call = Call::of(Kind::Scatter, T::DTYPE, 0).root(root);
+        if r != root {
+            let len = recv.len();
+            return self.collective(call, |c, io| c.send_recv(io, None, Some((root, len, Sink::Copy(recv)))));
+        }
+        let send = as_bytes(send);
+        recv.copy_from_slice(&send[at[r]..at[r + 1]]);
+        self.collective(call, |c, io| {
+            for p in (0..n).filter(|&p| p != root) {
+                c.send_recv(io, Some((p, &send[at[p]..at[p + 1]])), None)?;
+            }
+            Ok(())
         })
     }
 }

@@ -43,12 +43,129 @@ pub(crate) struct Io<'a> {
     pub(super) tag: Tag,
 }
 
-/// (communicator id, sequence number): every message carries the tag of
-/// the call it belongs to, and a receiver checks it.
+/// (communicator id, sequence number, what the call is): every message
+/// carries the tag of the call it belongs to, and a receiver checks it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Tag {
     pub(super) comm: u64,
     pub(super) seq: u64,
+    pub(super) call: Call,
+}
+
+/// What a call is, as every rank must agree on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Call {
+    pub(crate) kind: Kind,
+    pub(crate) dtype: Option<DType>,
+    pub(crate) op: Option<ReduceOp>,
+    pub(crate) root: u32,
+    /// Elements every rank passes (0 where they may differ, as in allgatherv).
+    pub(crate) count: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Kind {
+    Unknown = 0,
+    Barrier,
+    Allreduce,
+    ReduceScatter,
+    Allgather,
+    Broadcast,
+    Reduce,
+    Alltoall,
+    Gather,
+    Scatter,
+    PointToPoint,
+}
+
+impl Kind {
+    const ALL: [Kind; 11] = [
+        Kind::Unknown,
+        Kind::Barrier,
+        Kind::Allreduce,
+        Kind::ReduceScatter,
+        Kind::Allgather,
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::Alltoall,
+        Kind::Gather,
+        Kind::Scatter,
+        Kind::PointToPoint,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Unknown => "an unknown call",
+            Kind::Barrier => "barrier",
+            Kind::Allreduce => "allreduce",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::Allgather => "allgather",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+            Kind::Alltoall => "alltoall",
+            Kind::Gather => "gather",
+            Kind::Scatter => "scatter",
+            Kind::PointToPoint => "send/recv",
+        }
+    }
+}
+
+impl Call {
+    pub(crate) fn new(kind: Kind) -> Call {
+        Call { kind, dtype: None, op: None, root: 0, count: 0 }
+    }
+
+    pub(crate) fn of(kind: Kind, dtype: DType, count: usize) -> Call {
+        Call { dtype: Some(dtype), count: count as u64, ..Call::new(kind) }
+    }
+
+    pub(crate) fn op(self, op: ReduceOp) -> Call {
+        Call { op: Some(op), ..self }
+    }
+
+    pub(crate) fn root(self, root: usize) -> Call {
+        Call { root: root as u32, ..self }
+    }
+
+    fn bytes(self) -> [u8; 16] {
+        let code = |i: Option<usize>| i.map_or(0, |i| i as u8 + 1);
+        let mut b = [0u8; 16];
+        b[0] = self.kind as u8;
+        b[1] = code(self.dtype.and_then(|d| DType::ALL.iter().position(|x| *x == d)));
+        b[2] = code(self.op.and_then(|o| ReduceOp::ALL.iter().position(|x| *x == o)));
+        b[4..8].copy_from_slice(&self.root.to_le_bytes());
+        b[8..].copy_from_slice(&self.count.to_le_bytes());
+        b
+    }
+
+    fn from_bytes(b: &[u8]) -> Call {
+        let pick = |code: u8| (code as usize).checked_sub(1);
+        Call {
+            kind: Kind::ALL.get(b[0] as usize).copied().unwrap_or(Kind::Unknown),
+            dtype: pick(b[1]).and_then(|i| DType::ALL.get(i).copied()),
+            op: pick(b[2]).and_then(|i| ReduceOp::ALL.get(i).copied()),
+            root: u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")),
+            count: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+        }
+    }
+}
+
+impl std::fmt::Display for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.kind.name())?;
+        if let Some(op) = self.op {
+            write!(f, "({})", op.name())?;
+        }
+        if matches!(self.kind, Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter) {
+            write!(f, " with root {}", self.root)?;
+        }
+        match (self.count, self.dtype) {
+            (0, Some(d)) => write!(f, " of {}", d.name()),
+            (n, Some(d)) => write!(f, " of {n} {}", d.name()),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Sequence numbers of point-to-point messages have this bit set: they
@@ -59,14 +176,16 @@ impl Tag {
     pub(super) fn bytes(self) -> [u8; HEAD] {
         let mut b = [0u8; HEAD];
         b[..8].copy_from_slice(&self.comm.to_le_bytes());
-        b[8..].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..].copy_from_slice(&self.call.bytes());
         b
     }
 
     pub(super) fn from_bytes(b: &[u8; HEAD]) -> Tag {
         Tag {
             comm: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
-            seq: u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
+            seq: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            call: Call::from_bytes(&b[16..]),
         }
     }
 }
@@ -235,6 +354,13 @@ impl Communicator {
 
     /// Names what each side was in when their messages did not match.
     pub(super) fn mismatch(&self, peer: usize, ours: Tag, theirs: Tag) -> CommError {
+        if (ours.comm, ours.seq) == (theirs.comm, theirs.seq) {
+            return CommError::Disagree {
+                rank: self.group.iter().position(|&g| g == peer).unwrap_or(peer),
+                ours: ours.call.to_string(),
+                theirs: theirs.call.to_string(),
+            };
+        }
         let names = lock(&self.shared.names);
         let describe = |t: Tag| {
             let comm = match names.get(&t.comm) {
@@ -312,10 +438,11 @@ impl Communicator {
     /// throughout (internal hierarchical steps run under the same hold).
     pub(super) fn collective<R>(
         &mut self,
+        call: Call,
         f: impl FnOnce(&Self, &mut Io<'_>) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         self.seq += 1;
-        let tag = Tag { comm: self.id, seq: self.seq };
+        let tag = Tag { comm: self.id, seq: self.seq, call };
         let mut links = lock(&self.shared.links);
         f(self, &mut Io { links: &mut links, tag })
     }

@@ -1,0 +1,303 @@
+//! kolo-comm for torch.distributed's `kolo` backend (`kolo.torch`): a
+//! communicator bootstrapped through the process group's own store, and
+//! collectives that read and write tensors' memory in place.
+//!
+//! The Python side passes each tensor as (address, element count, dtype)
+//! of contiguous memory it keeps alive for the call; the collectives run
+//! with the GIL released.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use half::{bf16, f16};
+use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+pyo3::create_exception!(
+    _kolo,
+    CollectiveError,
+    PyRuntimeError,
+    "A collective failed: a peer died or disagreed, or the group was closed."
+);
+
+fn failed(e: CommError) -> PyErr {
+    CollectiveError::new_err(e.to_string())
+}
+
+/// The process group's store, as kolo-comm's address book: a Python object
+/// with `put(key, value)` and `wait(key, timeout_s) -> bytes | None`.
+struct PyBook(Py<PyAny>);
+
+impl AddressBook for PyBook {
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        Python::with_gil(|py| {
+            self.0.call_method1(py, "put", (key, PyBytes::new(py, value))).map(drop).map_err(|e| e.to_string())
+        })
+    }
+
+    fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
+        Python::with_gil(|py| {
+            let got = self.0.call_method1(py, "wait", (key, timeout.as_secs_f64())).map_err(|e| e.to_string())?;
+            got.extract::<Option<Vec<u8>>>(py).map_err(|e| e.to_string())
+        })
+    }
+}
+
+fn dtype_of(name: &str) -> PyResult<DType> {
+    name.parse().map_err(PyValueError::new_err)
+}
+
+fn op_of(name: &str) -> PyResult<ReduceOp> {
+    name.parse().map_err(PyValueError::new_err)
+}
+
+/// Runs `$body` with `$t` the Rust type of `$dtype`.
+macro_rules! typed {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+
+/// `count` elements at `addr`.
+///
+/// # Safety
+/// `addr` is the start of `count` live, aligned elements of `T` that
+/// nothing else touches during the call (kolo.torch passes contiguous
+/// tensors it holds).
+unsafe fn view<'a, T>(addr: usize, count: usize) -> &'a mut [T] {
+    if count == 0 {
+        return &mut [];
+    }
+    // SAFETY: as the caller promised
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut T, count) }
+}
+
+/// One torch process group's communicator.
+#[pyclass(module = "kolo._kolo")]
+pub struct TorchComm {
+    inner: Arc<Mutex<Option<Communicator>>>,
+    #[pyo3(get)]
+    rank: usize,
+    #[pyo3(get)]
+    size: usize,
+}
+
+impl TorchComm {
+    /// Runs `f` on the communicator with the GIL released.
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Communicator) -> Result<R, CommError> + Send,
+    ) -> PyResult<R> {
+        let inner = self.inner.clone();
+        py.allow_threads(move || {
+            let mut guard = kolo_exec::lock(&inner);
+            let comm = guard.as_mut().ok_or_else(|| CommError::BadArgs("the process group was shut down".into()))?;
+            f(comm)
+        })
+        .map_err(failed)
+    }
+}
+
+#[pymethods]
+impl TorchComm {
+    /// Joins rank `rank` of `size` through `book` (collective: every rank
+    /// of the group calls it). `toward`: the store's host, to pick the
+    /// interface outside a kolo job.
+    #[staticmethod]
+    #[pyo3(signature = (book, rank, size, timeout_s, toward=None))]
+    fn connect(
+        py: Python<'_>,
+        book: Py<PyAny>,
+        rank: usize,
+        size: usize,
+        timeout_s: f64,
+        toward: Option<String>,
+    ) -> PyResult<TorchComm> {
+        if size == 0 || rank >= size {
+            return Err(PyValueError::new_err(format!("rank {rank} is not below the group size {size}")));
+        }
+        let timeout = Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9));
+        let book: Arc<dyn AddressBook> = Arc::new(PyBook(book));
+        let comm = py
+            .allow_threads(|| Communicator::connect(Config::from_book(rank, size, book, timeout, toward.as_deref())?))
+            .map_err(failed)?;
+        Ok(TorchComm { inner: Arc::new(Mutex::new(Some(comm))), rank, size })
+    }
+
+    /// In place: `count` elements at `addr` reduced over every rank.
+    fn allreduce(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, op: &str) -> PyResult<()> {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        // SAFETY (every view below): kolo.torch passes live contiguous tensors
+        self.with(py, move |c| typed!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)))
+    }
+
+    /// In place: rank `root`'s elements, on every rank.
+    fn broadcast(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, root: usize) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        self.with(py, move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)))
+    }
+
+    /// `counts[p]` elements from rank p, in rank order, into `recv`.
+    fn allgather(&self, py: Python<'_>, send: usize, recv: usize, counts: Vec<usize>, dtype: &str) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
+        self.with(py, move |c| {
+            typed!(dtype, T => c.allgatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts))
+        })
+    }
+
+    /// This rank's part (`counts[rank]` elements) of the reduction of
+    /// every rank's `send` (`sum(counts)` elements).
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        dtype: &str,
+        op: &str,
+    ) -> PyResult<()> {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
+        self.with(py, move |c| {
+            typed!(dtype, T => c.reduce_scatter_counts(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, op))
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn alltoall(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        send_counts: Vec<usize>,
+        recv: usize,
+        recv_counts: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
+        self.with(py, move |c| {
+            typed!(dtype, T => c.alltoallv(unsafe { view::<T>(send, sn) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts))
+        })
+    }
+
+    /// At `root`: `recv` = op over every rank's `send` (`count` elements
+    /// each; `send` may be `recv`).
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        count: usize,
+        dtype: &str,
+        op: &str,
+        root: usize,
+    ) -> PyResult<()> {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        let is_root = self.rank == root;
+        self.with(py, move |c| {
+            typed!(dtype, T => {
+                // in place: the input is copied first, as the two may not alias
+                let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
+                let out = if is_root { unsafe { view::<T>(recv, count) } } else { &mut [] };
+                c.reduce(&input, out, op, root)
+            })
+        })
+    }
+
+    /// At `root`: `counts[p]` elements from rank p, in rank order.
+    fn gather(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        dtype: &str,
+        root: usize,
+    ) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        let mine = counts.get(self.rank).copied().unwrap_or(0);
+        let total = if self.rank == root { counts.iter().sum() } else { 0 };
+        self.with(py, move |c| {
+            typed!(dtype, T => c.gatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts, root))
+        })
+    }
+
+    /// From `root`'s `send`: `counts[rank]` elements into this rank's `recv`.
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        dtype: &str,
+        root: usize,
+    ) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        let mine = counts.get(self.rank).copied().unwrap_or(0);
+        let total = if self.rank == root { counts.iter().sum() } else { 0 };
+        self.with(py, move |c| {
+            typed!(dtype, T => c.scatterv(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, root))
+        })
+    }
+
+    fn send(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        self.with(py, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
+    }
+
+    fn recv(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<()> {
+        let dtype = dtype_of(dtype)?;
+        self.with(py, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
+    }
+
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |c| c.barrier())
+    }
+
+    /// Closes the links (peers still in a collective with this rank fail
+    /// at once); later calls raise.
+    fn shutdown(&self, py: Python<'_>) {
+        let inner = self.inner.clone();
+        py.allow_threads(move || drop(kolo_exec::lock(&inner).take()));
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<TorchComm>()?;
+    m.add("CollectiveError", m.py().get_type::<CollectiveError>())?;
+    Ok(())
+}

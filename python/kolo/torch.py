@@ -1,0 +1,428 @@
+"""torch.distributed's `kolo` backend: kolo-comm's collectives for CPU
+tensors, reading and writing the tensors' memory in place.
+
+    import torch.distributed as dist
+    dist.init_process_group("kolo")      # in any kolo job, or with a store,
+                                         # rank and world_size as usual
+    dist.all_reduce(t)                   # DDP, new_group, ... unchanged
+
+torch 2.14+ finds the backend through the `torch.distributed.backends`
+entry point; older versions need `import kolo.torch` first. Collectives run
+on the calling thread and are complete when they return (the work and its
+future come back done), in the order every rank issues them. What kolo
+cannot do raises `TypeError`/`ValueError` naming what it can.
+"""
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+from . import _kolo
+
+CollectiveError = _kolo.CollectiveError
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+}
+_SUPPORTED = "float32, float64, float16, bfloat16, int32, int64 and uint8"
+_RED = dist.ReduceOp.RedOpType
+_OPS = {_RED.SUM: "sum", _RED.AVG: "avg", _RED.MIN: "min", _RED.MAX: "max", _RED.PRODUCT: "prod"}
+
+
+def _dtype(t) -> str:
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(f"the kolo backend reduces {_SUPPORTED} tensors, not {t.dtype}") from None
+
+
+def _check(t):
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"the kolo backend takes CPU tensors, not {t.device}: use 'cpu:kolo,cuda:nccl' to send CUDA tensors to NCCL"
+        )
+    if t.is_sparse:
+        raise ValueError("the kolo backend takes dense tensors")
+
+
+def _op(reduce_op) -> str:
+    op = reduce_op.op if hasattr(reduce_op, "op") else reduce_op
+    try:
+        return _OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"the kolo backend reduces with SUM, AVG, MIN, MAX or PRODUCT, not {op}") from None
+
+
+def _raw(t):
+    """(address, elements, dtype) of a contiguous tensor; types without a
+    reduction travel as bytes."""
+    return t.data_ptr(), t.numel(), _DTYPES.get(t.dtype) or "u8"
+
+
+class _Contiguous:
+    """A tensor's memory for a collective: the tensor itself when it is
+    contiguous, else a contiguous copy written back on `done`."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, t, read=True):
+        _check(t)
+        if t.is_contiguous():
+            self.tensor, self.work = t, t
+        else:
+            if 0 in t.stride() and t.numel() > 1:
+                raise ValueError("the kolo backend cannot write into an expanded tensor (a stride of 0)")
+            self.tensor, self.work = t, (t.contiguous() if read else torch.empty_like(t, memory_format=torch.contiguous_format))
+
+    def done(self):
+        if self.work is not self.tensor:
+            self.tensor.copy_(self.work)
+
+
+def _typed(t):
+    """A contiguous tensor as itself, or as bytes for types kolo-comm does
+    not reduce (bool, int8, int16, complex...)."""
+    return t if t.dtype in _DTYPES else _bytes(t)
+
+
+def _bytes(t):
+    """A contiguous tensor's memory as a flat uint8 tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _done(result):
+    fut = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+class _StoreBook:
+    """The group's torch Store as kolo-comm's address book."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def put(self, key, value):
+        self._store.set(key, value)
+
+    def wait(self, key, timeout_s):
+        if timeout_s <= 0:
+            return self._store.get(key) if self._store.check([key]) else None
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception as e:  # torch raises DistStoreError (or RuntimeError) on timeout
+            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+                return None
+            raise
+        return self._store.get(key)
+
+
+def _store_host(store):
+    """The host of the TCPStore under any prefixes, if there is one."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return getattr(store, "host", None)
+
+
+class ProcessGroupKolo(dist.ProcessGroup):
+    """A process group on kolo-comm. Made by torch through the `kolo`
+    backend; `ProcessGroupKolo(store, rank, size, timeout)` makes one
+    directly."""
+
+    def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+        super().__init__(rank, size)
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+        self._comm = _kolo.TorchComm.connect(_StoreBook(store), rank, size, seconds, _store_host(store))
+        self._group_name = None
+        self._group_desc = ""
+
+    # ---- names torch asks for -------------------------------------------
+    def getBackendName(self):
+        return "kolo"
+
+    def name(self):
+        return "kolo"
+
+    def getRank(self):
+        return self._comm.rank
+
+    def getSize(self):
+        return self._comm.size
+
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return self._group_name
+
+    @property
+    def group_name(self):
+        return self._group_name
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def getGroupDesc(self):
+        return self._group_desc
+
+    def shutdown(self):
+        self._comm.shutdown()
+
+    def abort(self):
+        self._comm.shutdown()
+
+    def __repr__(self):
+        return f"ProcessGroupKolo(rank={self._comm.rank}, size={self._comm.size})"
+
+    # ---- collectives ----------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        comm = self._comm
+        for t in tensors:
+            if t.is_contiguous() and t.device.type == "cpu":
+                comm.allreduce(t.data_ptr(), t.numel(), _dtype(t), op)
+            else:
+                c = _Contiguous(t)
+                comm.allreduce(c.work.data_ptr(), c.work.numel(), _dtype(t), op)
+                c.done()
+        return _done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts):
+        root = opts.rootRank
+        for t in tensors:
+            c = _Contiguous(t)
+            addr, n, dtype = _raw(_typed(c.work))
+            self._comm.broadcast(addr, n, dtype, root)
+            c.done()
+        return _done(tensors)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        for outs, t in zip(output_lists, inputs):
+            if len(outs) != self.size():
+                raise ValueError(f"all_gather needs one output tensor per rank ({self.size()}), got {len(outs)}")
+            for o in outs:
+                if o.dtype != t.dtype:
+                    raise TypeError(f"all_gather: an output is {o.dtype}, the input {t.dtype}")
+            _check(t)
+            src = _bytes(t.contiguous())
+            counts = [o.numel() * o.element_size() for o in outs]
+            flat = torch.empty(sum(counts), dtype=torch.uint8)
+            self._comm.allgather(src.data_ptr(), flat.data_ptr(), counts, "u8")
+            for o, part in zip(outs, flat.split(counts)):
+                o.copy_(part.view(o.dtype).view(o.shape))
+        return _done(output_lists)
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self.allgather(output_lists, inputs, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        if output.dtype != input.dtype:
+            raise TypeError(f"all_gather_into_tensor: the output is {output.dtype}, the input {input.dtype}")
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, "
+                f"not {self.size()} x {input.numel()} (the input's)"
+            )
+        out = _Contiguous(output, read=False)
+        src = _bytes(input.contiguous())
+        dst = _bytes(out.work)
+        self._comm.allgather(src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8")
+        out.done()
+        return _done([output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.all_gather_single(o, i, opts)
+        return _done(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        if output.dtype != input.dtype:
+            raise TypeError(f"reduce_scatter_tensor: the output is {output.dtype}, the input {input.dtype}")
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, "
+                f"not {self.size()} x {output.numel()} (the output's)"
+            )
+        out = _Contiguous(output, read=False)
+        src = input.contiguous()
+        _check(src)
+        self._comm.reduce_scatter(
+            src.data_ptr(), out.work.data_ptr(), [output.numel()] * self.size(), _dtype(input), op
+        )
+        out.done()
+        return _done([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        for o, i in zip(outputs, inputs):
+            self.reduce_scatter_single(o, i, opts)
+        return _done(outputs)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        for output, inputs in zip(outputs, input_lists):
+            if len(inputs) != self.size():
+                raise ValueError(f"reduce_scatter needs one input tensor per rank ({self.size()}), got {len(inputs)}")
+            _check(output)
+            counts = [i.numel() for i in inputs]
+            if counts[self.rank()] != output.numel():
+                raise ValueError(
+                    f"reduce_scatter: this rank's input has {counts[self.rank()]} elements, the output {output.numel()}"
+                )
+            flat = torch.cat([i.reshape(-1) for i in inputs])
+            out = _Contiguous(output, read=False)
+            self._comm.reduce_scatter(flat.data_ptr(), out.work.data_ptr(), counts, _dtype(output), op)
+            out.done()
+        return _done(outputs)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self.size()
+        if output.dtype != input.dtype:
+            raise TypeError(f"all_to_all_single: the output is {output.dtype}, the input {input.dtype}")
+        row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 1
+        row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 1
+        send = _splits(input_split_sizes, input, n, "input")
+        recv = _splits(output_split_sizes, output, n, "output")
+        out = _Contiguous(output, read=False)
+        src = _bytes(input.contiguous())
+        dst = _bytes(out.work)
+        size = input.element_size()
+        self._comm.alltoall(
+            src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"
+        )
+        out.done()
+        return _done([output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs, inputs, opts=None):
+        n = self.size()
+        if len(inputs) != n or len(outputs) != n:
+            raise ValueError(f"all_to_all needs one input and one output tensor per rank ({n})")
+        dtype = inputs[0].dtype
+        if any(t.dtype != dtype for t in list(inputs) + list(outputs)):
+            raise TypeError("all_to_all: every input and output tensor must have the same dtype")
+        for t in list(inputs) + list(outputs):
+            _check(t)
+        send = torch.cat([_bytes(i.contiguous()).reshape(-1) for i in inputs])
+        recv_counts = [o.numel() * o.element_size() for o in outputs]
+        flat = torch.empty(sum(recv_counts), dtype=torch.uint8)
+        self._comm.alltoall(
+            send.data_ptr(), [_bytes(i.contiguous()).numel() for i in inputs], flat.data_ptr(), recv_counts, "u8"
+        )
+        for o, part in zip(outputs, flat.split(recv_counts)):
+            o.copy_(part.view(o.dtype).view(o.shape))
+        return _done(outputs)
+
+    def reduce(self, tensors, opts):
+        op = _op(opts.reduceOp)
+        for t in tensors:
+            c = _Contiguous(t)
+            addr, n, dtype = c.work.data_ptr(), c.work.numel(), _dtype(t)
+            self._comm.reduce(addr, addr, n, dtype, op, opts.rootRank)
+            if self.rank() == opts.rootRank:
+                c.done()
+        return _done(tensors)
+
+    def gather(self, output_lists, inputs, opts):
+        root = opts.rootRank
+        (t,) = inputs
+        _check(t)
+        src = _bytes(t.contiguous())
+        counts = [src.numel()] * self.size()
+        if self.rank() == root:
+            (outs,) = output_lists
+            if len(outs) != self.size():
+                raise ValueError(f"gather needs one output tensor per rank ({self.size()}) at the root, got {len(outs)}")
+            flat = torch.empty(sum(counts), dtype=torch.uint8)
+            self._comm.gather(src.data_ptr(), flat.data_ptr(), counts, "u8", root)
+            for o, part in zip(outs, flat.split(counts)):
+                o.copy_(part.view(o.dtype).view(o.shape))
+        else:
+            self._comm.gather(src.data_ptr(), 0, counts, "u8", root)
+        return _done(output_lists)
+
+    def scatter(self, outputs, input_lists, opts):
+        root = opts.rootRank
+        (out,) = outputs
+        c = _Contiguous(out, read=False)
+        dst = _bytes(c.work)
+        counts = [dst.numel()] * self.size()
+        if self.rank() == root:
+            (ins,) = input_lists
+            if len(ins) != self.size():
+                raise ValueError(f"scatter needs one input tensor per rank ({self.size()}) at the root, got {len(ins)}")
+            flat = torch.cat([_bytes(i.contiguous()).reshape(-1) for i in ins])
+            self._comm.scatter(flat.data_ptr(), dst.data_ptr(), counts, "u8", root)
+        else:
+            self._comm.scatter(0, dst.data_ptr(), counts, "u8", root)
+        c.done()
+        return _done(outputs)
+
+    def barrier(self, opts=None):
+        self._comm.barrier()
+        return _done([])
+
+    def send(self, tensors, dst, tag=0):
+        for t in tensors:
+            _check(t)
+            src = _bytes(t.contiguous())
+            self._comm.send(src.data_ptr(), src.numel(), "u8", dst)
+        return _done(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        for t in tensors:
+            c = _Contiguous(t, read=False)
+            dst = _bytes(c.work)
+            self._comm.recv(dst.data_ptr(), dst.numel(), "u8", src)
+            c.done()
+        return _done(tensors)
+
+
+def _splits(sizes, t, n, what):
+    """Rows per rank of an all_to_all_single: given, or equal."""
+    rows = t.shape[0] if t.dim() > 0 else t.numel()
+    if not sizes:
+        if rows % n:
+            raise ValueError(f"all_to_all_single: the {what}'s {rows} rows do not split equally over {n} ranks")
+        return [rows // n] * n
+    sizes = list(sizes)
+    if len(sizes) != n or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single: {what} split sizes {sizes} must have {n} entries summing to {rows}")
+    return sizes
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupKolo(store, rank, size, timeout)
+
+
+def register():
+    """Registers the `kolo` backend with torch.distributed (for CPU
+    tensors); idempotent. torch 2.14+ calls it through the entry point."""
+    if "kolo" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("kolo", _create, devices=["cpu"])
+
+
+register()
+
+__all__ = ["CollectiveError", "ProcessGroupKolo", "register"]
