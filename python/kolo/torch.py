@@ -55,11 +55,12 @@ def _check(t):
 
 
 def _op(reduce_op) -> str:
-    op = reduce_op.op if hasattr(reduce_op, "op") else reduce_op
-    try:
-        return _OPS[op]
-    except (KeyError, TypeError):
-        raise ValueError(f"the kolo backend reduces with SUM, AVG, MIN, MAX or PRODUCT, not {op}") from None
+    # a ReduceOp carries its RedOpType in `.op`
+    op = getattr(reduce_op, "op", reduce_op)
+    name = _OPS.get(op)
+    if name is None:
+        raise ValueError(f"the kolo backend reduces with SUM, AVG, MIN, MAX or PRODUCT, not {op}")
+    return name
 
 
 def _raw(t):
@@ -184,31 +185,80 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return f"ProcessGroupKolo(rank={self._comm.rank}, size={self._comm.size})"
 
     # ---- collectives ----------------------------------------------------
-    def allreduce(self, tensors, opts=None):
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        comm = self._comm
-        for t in tensors:
-            if t.is_contiguous() and t.device.type == "cpu":
-                comm.allreduce(t.data_ptr(), t.numel(), _dtype(t), op)
+    # Each builds its kolo-comm calls, `(method, args)`, the result (what
+    # the work's future holds), and what runs after the calls (copies out
+    # of temporaries). `_run` runs them now, or queues them when torch asks
+    # for an asynchronous call (`opts.asyncOp`: DDP's buckets), so that
+    # backward goes on computing while they move.
+
+    def _run(self, opts, calls, result, finish=None, keep=()):
+        if not getattr(opts, "asyncOp", False):
+            for method, args in calls:
+                method(*args)
+            if finish is not None:
+                finish()
+            return _done(result)
+        source = torch.futures.Future()
+        error = []
+
+        def then(failure, _keep=keep):  # on kolo's thread, with the GIL
+            if failure is None and finish is not None:
+                try:
+                    finish()
+                except Exception as e:
+                    failure = f"{type(e).__name__}: {e}"
+            error.append(failure)
+            source.set_result(None)
+
+        def check(_):
+            # a failure fails the future for real (set_exception would not)
+            if error[0] is not None:
+                raise CollectiveError(error[0])
+            return result
+
+        future = source.then(check)
+        if not calls:
+            then(None)
+        for i, (method, args) in enumerate(calls):
+            if i + 1 < len(calls):
+                method(*args, later=True)
             else:
-                c = _Contiguous(t)
-                comm.allreduce(c.work.data_ptr(), c.work.numel(), _dtype(t), op)
-                c.done()
-        return _done(tensors)
+                method(*args, then=then)
+        return _Work(future)
+
+    def allreduce(self, tensors, opts=None):
+        op = _OPS.get(opts.reduceOp.op) if opts is not None else "sum"
+        if op is None:
+            _op(opts.reduceOp)  # raises, naming it
+        comm = self._comm
+        if opts is not None and not opts.asyncOp and len(tensors) == 1:
+            # the hot path of dist.all_reduce: no copy, few checks
+            t = tensors[0]
+            dtype = _DTYPES.get(t.dtype)
+            if dtype is not None and t.is_contiguous() and t.is_cpu:
+                comm.allreduce(t.data_ptr(), t.numel(), dtype, op)
+                return _done(tensors)
+        calls, copies = [], []
+        for t in tensors:
+            c = _Contiguous(t)
+            calls.append((comm.allreduce, (c.work.data_ptr(), c.work.numel(), _dtype(t), op)))
+            copies.append(c)
+        return self._run(opts, calls, tensors, lambda: [c.done() for c in copies], copies)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
-        root = opts.rootRank
+        calls, copies = [], []
         for t in tensors:
             c = _Contiguous(t)
             addr, n, dtype = _raw(_typed(c.work))
-            self._comm.broadcast(addr, n, dtype, root)
-            c.done()
-        return _done(tensors)
+            calls.append((self._comm.broadcast, (addr, n, dtype, opts.rootRank)))
+            copies.append(c)
+        return self._run(opts, calls, tensors, lambda: [c.done() for c in copies], copies)
 
     def allgather(self, output_lists, inputs, opts=None):
+        calls, keep, outs_flat = [], [], []
         for outs, t in zip(output_lists, inputs):
             if len(outs) != self.size():
                 raise ValueError(f"all_gather needs one output tensor per rank ({self.size()}), got {len(outs)}")
@@ -219,10 +269,16 @@ class ProcessGroupKolo(dist.ProcessGroup):
             src = _bytes(t.contiguous())
             counts = [o.numel() * o.element_size() for o in outs]
             flat = torch.empty(sum(counts), dtype=torch.uint8)
-            self._comm.allgather(src.data_ptr(), flat.data_ptr(), counts, "u8")
-            for o, part in zip(outs, flat.split(counts)):
-                o.copy_(part.view(o.dtype).view(o.shape))
-        return _done(output_lists)
+            calls.append((self._comm.allgather, (src.data_ptr(), flat.data_ptr(), counts, "u8")))
+            keep += [src, flat]
+            outs_flat.append((outs, flat, counts))
+
+        def finish():
+            for outs, flat, counts in outs_flat:
+                for o, part in zip(outs, flat.split(counts)):
+                    o.copy_(part.view(o.dtype).view(o.shape))
+
+        return self._run(opts, calls, output_lists, finish, keep)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         return self.allgather(output_lists, inputs, opts)
@@ -235,18 +291,17 @@ class ProcessGroupKolo(dist.ProcessGroup):
                 f"all_gather_into_tensor: the output has {output.numel()} elements, "
                 f"not {self.size()} x {input.numel()} (the input's)"
             )
+        _check(input)
         out = _Contiguous(output, read=False)
-        src = _bytes(input.contiguous())
-        dst = _bytes(out.work)
-        self._comm.allgather(src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8")
-        out.done()
-        return _done([output])
+        src, dst = _bytes(input.contiguous()), _bytes(out.work)
+        call = (self._comm.allgather, (src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8"))
+        return self._run(opts, [call], [output], out.done, (out, src))
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            self.all_gather_single(o, i, opts)
+            self.all_gather_single(o, i, None)
         return _done(outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -260,26 +315,25 @@ class ProcessGroupKolo(dist.ProcessGroup):
                 f"reduce_scatter_tensor: the input has {input.numel()} elements, "
                 f"not {self.size()} x {output.numel()} (the output's)"
             )
+        _check(input)
         out = _Contiguous(output, read=False)
         src = input.contiguous()
-        _check(src)
-        self._comm.reduce_scatter(
-            src.data_ptr(), out.work.data_ptr(), [output.numel()] * self.size(), _dtype(input), op
-        )
-        out.done()
-        return _done([output])
+        counts = [output.numel()] * self.size()
+        call = (self._comm.reduce_scatter, (src.data_ptr(), out.work.data_ptr(), counts, _dtype(input), op))
+        return self._run(opts, [call], [output], out.done, (out, src))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            self.reduce_scatter_single(o, i, opts)
+            self.reduce_scatter_single(o, i, None)
         return _done(outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        calls, copies, keep = [], [], []
         for output, inputs in zip(outputs, input_lists):
             if len(inputs) != self.size():
                 raise ValueError(f"reduce_scatter needs one input tensor per rank ({self.size()}), got {len(inputs)}")
@@ -291,27 +345,28 @@ class ProcessGroupKolo(dist.ProcessGroup):
                 )
             flat = torch.cat([i.reshape(-1) for i in inputs])
             out = _Contiguous(output, read=False)
-            self._comm.reduce_scatter(flat.data_ptr(), out.work.data_ptr(), counts, _dtype(output), op)
-            out.done()
-        return _done(outputs)
+            calls.append((self._comm.reduce_scatter, (flat.data_ptr(), out.work.data_ptr(), counts, _dtype(output), op)))
+            copies.append(out)
+            keep.append(flat)
+        return self._run(opts, calls, outputs, lambda: [c.done() for c in copies], (copies, keep))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self.size()
         if output.dtype != input.dtype:
             raise TypeError(f"all_to_all_single: the output is {output.dtype}, the input {input.dtype}")
+        _check(input)
         row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 1
         row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 1
         send = _splits(input_split_sizes, input, n, "input")
         recv = _splits(output_split_sizes, output, n, "output")
         out = _Contiguous(output, read=False)
-        src = _bytes(input.contiguous())
-        dst = _bytes(out.work)
+        src, dst = _bytes(input.contiguous()), _bytes(out.work)
         size = input.element_size()
-        self._comm.alltoall(
-            src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"
+        call = (
+            self._comm.alltoall,
+            (src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"),
         )
-        out.done()
-        return _done([output])
+        return self._run(opts, [call], [output], out.done, (out, src))
 
     alltoall_base = all_to_all_single
 
@@ -324,25 +379,28 @@ class ProcessGroupKolo(dist.ProcessGroup):
             raise TypeError("all_to_all: every input and output tensor must have the same dtype")
         for t in list(inputs) + list(outputs):
             _check(t)
-        send = torch.cat([_bytes(i.contiguous()).reshape(-1) for i in inputs])
+        parts = [_bytes(i.contiguous()) for i in inputs]
+        send = torch.cat(parts)
         recv_counts = [o.numel() * o.element_size() for o in outputs]
         flat = torch.empty(sum(recv_counts), dtype=torch.uint8)
-        self._comm.alltoall(
-            send.data_ptr(), [_bytes(i.contiguous()).numel() for i in inputs], flat.data_ptr(), recv_counts, "u8"
-        )
-        for o, part in zip(outputs, flat.split(recv_counts)):
-            o.copy_(part.view(o.dtype).view(o.shape))
-        return _done(outputs)
+        call = (self._comm.alltoall, (send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "u8"))
+
+        def finish():
+            for o, part in zip(outputs, flat.split(recv_counts)):
+                o.copy_(part.view(o.dtype).view(o.shape))
+
+        return self._run(opts, [call], outputs, finish, (send, flat))
 
     def reduce(self, tensors, opts):
         op = _op(opts.reduceOp)
+        calls, copies = [], []
         for t in tensors:
             c = _Contiguous(t)
-            addr, n, dtype = c.work.data_ptr(), c.work.numel(), _dtype(t)
-            self._comm.reduce(addr, addr, n, dtype, op, opts.rootRank)
-            if self.rank() == opts.rootRank:
-                c.done()
-        return _done(tensors)
+            addr = c.work.data_ptr()
+            calls.append((self._comm.reduce, (addr, addr, c.work.numel(), _dtype(t), op, opts.rootRank)))
+            copies.append(c)
+        is_root = self.rank() == opts.rootRank
+        return self._run(opts, calls, tensors, (lambda: [c.done() for c in copies]) if is_root else None, copies)
 
     def gather(self, output_lists, inputs, opts):
         root = opts.rootRank
@@ -350,17 +408,19 @@ class ProcessGroupKolo(dist.ProcessGroup):
         _check(t)
         src = _bytes(t.contiguous())
         counts = [src.numel()] * self.size()
-        if self.rank() == root:
-            (outs,) = output_lists
-            if len(outs) != self.size():
-                raise ValueError(f"gather needs one output tensor per rank ({self.size()}) at the root, got {len(outs)}")
-            flat = torch.empty(sum(counts), dtype=torch.uint8)
-            self._comm.gather(src.data_ptr(), flat.data_ptr(), counts, "u8", root)
+        if self.rank() != root:
+            return self._run(opts, [(self._comm.gather, (src.data_ptr(), 0, counts, "u8", root))], output_lists, None, src)
+        (outs,) = output_lists
+        if len(outs) != self.size():
+            raise ValueError(f"gather needs one output tensor per rank ({self.size()}) at the root, got {len(outs)}")
+        flat = torch.empty(sum(counts), dtype=torch.uint8)
+
+        def finish():
             for o, part in zip(outs, flat.split(counts)):
                 o.copy_(part.view(o.dtype).view(o.shape))
-        else:
-            self._comm.gather(src.data_ptr(), 0, counts, "u8", root)
-        return _done(output_lists)
+
+        call = (self._comm.gather, (src.data_ptr(), flat.data_ptr(), counts, "u8", root))
+        return self._run(opts, [call], output_lists, finish, (src, flat))
 
     def scatter(self, outputs, input_lists, opts):
         root = opts.rootRank
@@ -368,20 +428,17 @@ class ProcessGroupKolo(dist.ProcessGroup):
         c = _Contiguous(out, read=False)
         dst = _bytes(c.work)
         counts = [dst.numel()] * self.size()
+        flat = None
         if self.rank() == root:
             (ins,) = input_lists
             if len(ins) != self.size():
                 raise ValueError(f"scatter needs one input tensor per rank ({self.size()}) at the root, got {len(ins)}")
-            flat = torch.cat([_bytes(i.contiguous()).reshape(-1) for i in ins])
-            self._comm.scatter(flat.data_ptr(), dst.data_ptr(), counts, "u8", root)
-        else:
-            self._comm.scatter(0, dst.data_ptr(), counts, "u8", root)
-        c.done()
-        return _done(outputs)
+            flat = torch.cat([_bytes(i.contiguous()) for i in ins])
+        call = (self._comm.scatter, (0 if flat is None else flat.data_ptr(), dst.data_ptr(), counts, "u8", root))
+        return self._run(opts, [call], outputs, c.done, (c, flat))
 
     def barrier(self, opts=None):
-        self._comm.barrier()
-        return _done([])
+        return self._run(opts, [(self._comm.barrier, ())], [])
 
     def send(self, tensors, dst, tag=0):
         for t in tensors:
@@ -397,6 +454,33 @@ class ProcessGroupKolo(dist.ProcessGroup):
             self._comm.recv(dst.data_ptr(), dst.numel(), "u8", src)
             c.done()
         return _done(tensors)
+
+
+class _Work(dist.Work):
+    """An asynchronous call's work: `wait` raises if the call failed."""
+
+    def __init__(self, future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None):
+        self._future.wait()
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def is_success(self):
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def get_future(self):
+        return self._future
 
 
 def _splits(sizes, t, n, what):

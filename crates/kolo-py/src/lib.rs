@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 mod driver;
 mod elastic;
+mod ordered;
 mod torch;
 mod worker;
 

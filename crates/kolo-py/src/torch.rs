@@ -6,7 +6,7 @@
 //! of contiguous memory it keeps alive for the call; the collectives run
 //! with the GIL released.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use half::{bf16, f16};
@@ -14,6 +14,8 @@ use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+
+use crate::ordered::{Done, Ordered};
 
 pyo3::create_exception!(
     _kolo,
@@ -103,30 +105,52 @@ unsafe fn view<'a, T>(addr: usize, count: usize) -> &'a mut [T] {
     unsafe { std::slice::from_raw_parts_mut(addr as *mut T, count) }
 }
 
-/// One torch process group's communicator.
+/// One torch process group's communicator, behind its queue.
 #[pyclass(module = "kolo._kolo")]
 pub struct TorchComm {
-    inner: Arc<Mutex<Option<Communicator>>>,
+    ordered: Arc<Ordered>,
     #[pyo3(get)]
     rank: usize,
     #[pyo3(get)]
     size: usize,
 }
 
+/// A call queued with `later=True`: wait for it, or ask if it ended.
+#[pyclass(module = "kolo._kolo")]
+pub struct Pending {
+    done: Arc<Done>,
+}
+
+#[pymethods]
+impl Pending {
+    /// Blocks until the call ended; raises `CollectiveError` if it failed.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let done = self.done.clone();
+        py.allow_threads(move || done.wait()).map_err(CollectiveError::new_err)
+    }
+
+    fn done(&self) -> bool {
+        self.done.is_done()
+    }
+}
+
 impl TorchComm {
-    /// Runs `f` on the communicator with the GIL released.
-    fn with<R: Send>(
+    /// Runs `run` now (GIL released), or queues it when `later` (or a
+    /// `then` callback) is given: the caller goes on, `then(error or
+    /// None)` is called once it ended.
+    fn issue(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut Communicator) -> Result<R, CommError> + Send,
-    ) -> PyResult<R> {
-        let inner = self.inner.clone();
-        py.allow_threads(move || {
-            let mut guard = kolo_exec::lock(&inner);
-            let comm = guard.as_mut().ok_or_else(|| CommError::BadArgs("the process group was shut down".into()))?;
-            f(comm)
-        })
-        .map_err(failed)
+        later: bool,
+        then: Option<Py<PyAny>>,
+        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
+    ) -> PyResult<Option<Pending>> {
+        if later || then.is_some() {
+            return Ok(Some(Pending { done: self.ordered.later(run, then) }));
+        }
+        let ordered = self.ordered.clone();
+        py.allow_threads(move || ordered.now(run)).map_err(CollectiveError::new_err)?;
+        Ok(None)
     }
 }
 
@@ -153,33 +177,75 @@ impl TorchComm {
         let comm = py
             .allow_threads(|| Communicator::connect(Config::from_book(rank, size, book, timeout, toward.as_deref())?))
             .map_err(failed)?;
-        Ok(TorchComm { inner: Arc::new(Mutex::new(Some(comm))), rank, size })
+        let ordered = Ordered::start(comm)
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the collectives thread: {e}")))?;
+        Ok(TorchComm { ordered, rank, size })
     }
 
     /// In place: `count` elements at `addr` reduced over every rank.
-    fn allreduce(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, op: &str) -> PyResult<()> {
+    #[pyo3(signature = (addr, count, dtype, op, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        count: usize,
+        dtype: &str,
+        op: &str,
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         // SAFETY (every view below): kolo.torch passes live contiguous tensors
-        self.with(py, move |c| typed!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)))
+        self.issue(
+            py,
+            later,
+            then,
+            move |c| typed!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
+        )
     }
 
     /// In place: rank `root`'s elements, on every rank.
-    fn broadcast(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, root: usize) -> PyResult<()> {
+    #[pyo3(signature = (addr, count, dtype, root, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        count: usize,
+        dtype: &str,
+        root: usize,
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.with(py, move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)))
+        self.issue(py, later, then, move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)))
     }
 
     /// `counts[p]` elements from rank p, in rank order, into `recv`.
-    fn allgather(&self, py: Python<'_>, send: usize, recv: usize, counts: Vec<usize>, dtype: &str) -> PyResult<()> {
+    #[pyo3(signature = (send, recv, counts, dtype, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allgather(
+        &self,
+        py: Python<'_>,
+        send: usize,
+        recv: usize,
+        counts: Vec<usize>,
+        dtype: &str,
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => c.allgatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts))
         })
     }
 
     /// This rank's part (`counts[rank]` elements) of the reduction of
     /// every rank's `send` (`sum(counts)` elements).
+    #[pyo3(signature = (send, recv, counts, dtype, op, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
         py: Python<'_>,
@@ -188,14 +254,17 @@ impl TorchComm {
         counts: Vec<usize>,
         dtype: &str,
         op: &str,
-    ) -> PyResult<()> {
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => c.reduce_scatter_counts(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, op))
         })
     }
 
+    #[pyo3(signature = (send, send_counts, recv, recv_counts, dtype, later=false, then=None))]
     #[allow(clippy::too_many_arguments)]
     fn alltoall(
         &self,
@@ -205,16 +274,19 @@ impl TorchComm {
         recv: usize,
         recv_counts: Vec<usize>,
         dtype: &str,
-    ) -> PyResult<()> {
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => c.alltoallv(unsafe { view::<T>(send, sn) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts))
         })
     }
 
     /// At `root`: `recv` = op over every rank's `send` (`count` elements
     /// each; `send` may be `recv`).
+    #[pyo3(signature = (send, recv, count, dtype, op, root, later=false, then=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
@@ -225,10 +297,12 @@ impl TorchComm {
         dtype: &str,
         op: &str,
         root: usize,
-    ) -> PyResult<()> {
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let is_root = self.rank == root;
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => {
                 // in place: the input is copied first, as the two may not alias
                 let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
@@ -239,6 +313,8 @@ impl TorchComm {
     }
 
     /// At `root`: `counts[p]` elements from rank p, in rank order.
+    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
     fn gather(
         &self,
         py: Python<'_>,
@@ -247,16 +323,20 @@ impl TorchComm {
         counts: Vec<usize>,
         dtype: &str,
         root: usize,
-    ) -> PyResult<()> {
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => c.gatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts, root))
         })
     }
 
     /// From `root`'s `send`: `counts[rank]` elements into this rank's `recv`.
+    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
     fn scatter(
         &self,
         py: Python<'_>,
@@ -265,39 +345,66 @@ impl TorchComm {
         counts: Vec<usize>,
         dtype: &str,
         root: usize,
-    ) -> PyResult<()> {
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.with(py, move |c| {
+        self.issue(py, later, then, move |c| {
             typed!(dtype, T => c.scatterv(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, root))
         })
     }
 
-    fn send(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<()> {
+    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn send(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        count: usize,
+        dtype: &str,
+        peer: usize,
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.with(py, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(py, later, then, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
     }
 
-    fn recv(&self, py: Python<'_>, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<()> {
+    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn recv(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        count: usize,
+        dtype: &str,
+        peer: usize,
+        later: bool,
+        then: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.with(py, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(py, later, then, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
     }
 
-    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |c| c.barrier())
+    #[pyo3(signature = (later=false, then=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn barrier(&self, py: Python<'_>, later: bool, then: Option<Py<PyAny>>) -> PyResult<Option<Pending>> {
+        self.issue(py, later, then, |c| c.barrier())
     }
 
     /// Closes the links (peers still in a collective with this rank fail
     /// at once); later calls raise.
     fn shutdown(&self, py: Python<'_>) {
-        let inner = self.inner.clone();
-        py.allow_threads(move || drop(kolo_exec::lock(&inner).take()));
+        let ordered = self.ordered.clone();
+        py.allow_threads(move || ordered.shutdown());
     }
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TorchComm>()?;
+    m.add_class::<Pending>()?;
     m.add("CollectiveError", m.py().get_type::<CollectiveError>())?;
     Ok(())
 }

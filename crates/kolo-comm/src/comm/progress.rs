@@ -325,7 +325,7 @@ impl Communicator {
             let since = *idle_since.get_or_insert(now);
             // yielding (not sleeping) for the first milliseconds keeps two
             // ranks that share a core handing it back and forth quickly
-            if now.duration_since(since) < Duration::from_millis(5) {
+            if now.duration_since(since) < shared.tuning.yield_window {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(50));

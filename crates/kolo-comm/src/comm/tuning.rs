@@ -26,11 +26,20 @@ pub struct Tuning {
     /// Most bytes of shared-memory ring per direction (`KOLO_COMM_RING_BYTES`);
     /// rings shrink as ranks per host grow.
     pub ring_bytes: usize,
+    /// How long a rank without progress yields its core before it naps
+    /// (`KOLO_COMM_YIELD_US`, default 5 ms).
+    pub yield_window: std::time::Duration,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { small_bytes: None, mid_bytes: None, hierarchical_bytes: 256 * 1024, ring_bytes: 2 << 20 }
+        Tuning {
+            small_bytes: None,
+            mid_bytes: None,
+            hierarchical_bytes: 256 * 1024,
+            ring_bytes: 2 << 20,
+            yield_window: std::time::Duration::from_millis(5),
+        }
     }
 }
 
@@ -61,6 +70,9 @@ impl Tuning {
             if let Ok(v) = std::env::var(name) {
                 *field = v.parse().map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count")))?;
             }
+        }
+        if let Some(us) = bytes("KOLO_COMM_YIELD_US")? {
+            t.yield_window = std::time::Duration::from_micros(us as u64);
         }
         Ok(t)
     }

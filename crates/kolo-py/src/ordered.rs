@@ -1,0 +1,168 @@
+//! A communicator behind a queue: collectives run in the order they were
+//! issued, either at once on the calling thread (when nothing is queued,
+//! the fast path of a synchronous call) or on the communicator's own
+//! thread (an asynchronous call: DDP's buckets, Horovod's handles), so that
+//! the caller computes while they move. Every rank issues the same calls
+//! in the same order; the queue keeps that order.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+
+use kolo_comm::{CommError, Communicator};
+use kolo_exec::lock;
+use pyo3::prelude::*;
+
+type Run = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
+
+struct Job {
+    run: Run,
+    done: Arc<Done>,
+}
+
+/// What an issued call became.
+pub(crate) struct Done {
+    result: Mutex<Option<Result<(), String>>>,
+    ready: Condvar,
+    /// Called (with the GIL) once the call has ended: `None`, or the error.
+    then: Option<Py<PyAny>>,
+}
+
+impl Done {
+    fn finish(&self, result: Result<(), String>) {
+        let error = result.as_ref().err().cloned();
+        *lock(&self.result) = Some(result);
+        self.ready.notify_all();
+        if let Some(then) = &self.then {
+            Python::with_gil(|py| {
+                if let Err(e) = then.call1(py, (error,)) {
+                    e.print(py);
+                }
+            });
+        }
+    }
+
+    /// Blocks (without the GIL, the caller releases it) until the call ended.
+    pub(crate) fn wait(&self) -> Result<(), String> {
+        let mut result = lock(&self.result);
+        loop {
+            if let Some(r) = result.as_ref() {
+                return r.clone();
+            }
+            result = self.ready.wait(result).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    pub(crate) fn is_done(&self) -> bool {
+        lock(&self.result).is_some()
+    }
+}
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    /// The thread is running a job.
+    busy: bool,
+    closed: bool,
+}
+
+pub(crate) struct Ordered {
+    comm: Mutex<Option<Communicator>>,
+    queue: Mutex<Queue>,
+    wake: Condvar,
+}
+
+impl Ordered {
+    pub(crate) fn start(comm: Communicator) -> std::io::Result<Arc<Ordered>> {
+        let ordered = Arc::new(Ordered {
+            comm: Mutex::new(Some(comm)),
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false }),
+            wake: Condvar::new(),
+        });
+        let worker = ordered.clone();
+        std::thread::Builder::new().name("kolo-collectives".into()).spawn(move || worker.work())?;
+        Ok(ordered)
+    }
+
+    fn work(&self) {
+        loop {
+            let job = {
+                let mut q = lock(&self.queue);
+                q.busy = false;
+                loop {
+                    if let Some(job) = q.jobs.pop_front() {
+                        q.busy = true;
+                        break job;
+                    }
+                    if q.closed {
+                        return;
+                    }
+                    q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = self.run_now(job.run);
+            // the next job may start while this one's callback runs
+            job.done.finish(result.map_err(|e| e.to_string()));
+        }
+    }
+
+    fn run_now(&self, run: Run) -> Result<(), CommError> {
+        let mut comm = lock(&self.comm);
+        let comm = comm.as_mut().ok_or_else(|| CommError::BadArgs("the process group was shut down".into()))?;
+        run(comm)
+    }
+
+    /// Runs `run` in order: on this thread when nothing is queued or
+    /// running, else after what is. Call without the GIL.
+    pub(crate) fn now(
+        &self,
+        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
+    ) -> Result<(), String> {
+        let q = lock(&self.queue);
+        if q.jobs.is_empty() && !q.busy {
+            // holding the comm before letting go of the queue: a job queued
+            // meanwhile waits for this one, as its order says
+            let mut comm = lock(&self.comm);
+            drop(q);
+            let comm = comm.as_mut().ok_or_else(|| "the process group was shut down".to_string())?;
+            return run(comm).map_err(|e| e.to_string());
+        }
+        drop(q);
+        self.queued(Box::new(run), None).wait()
+    }
+
+    /// Queues `run`; `then` is called once it has ended.
+    pub(crate) fn later(
+        &self,
+        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
+        then: Option<Py<PyAny>>,
+    ) -> Arc<Done> {
+        self.queued(Box::new(run), then)
+    }
+
+    fn queued(&self, run: Run, then: Option<Py<PyAny>>) -> Arc<Done> {
+        let done = Arc::new(Done { result: Mutex::new(None), ready: Condvar::new(), then });
+        let mut q = lock(&self.queue);
+        if q.closed {
+            drop(q);
+            done.finish(Err("the process group was shut down".into()));
+            return done;
+        }
+        q.jobs.push_back(Job { run, done: done.clone() });
+        drop(q);
+        self.wake.notify_one();
+        done
+    }
+
+    /// Ends the queue (queued calls fail) and closes the links.
+    pub(crate) fn shutdown(&self) {
+        let dropped: Vec<Job> = {
+            let mut q = lock(&self.queue);
+            q.closed = true;
+            q.jobs.drain(..).collect()
+        };
+        self.wake.notify_all();
+        for job in dropped {
+            job.done.finish(Err("the process group was shut down".into()));
+        }
+        drop(lock(&self.comm).take());
+    }
+}

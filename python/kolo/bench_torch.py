@@ -1,0 +1,155 @@
+"""`python -m kolo.bench_torch allreduce|ddp [--np 2 4]`: torch.distributed
+on the `kolo` backend against `gloo`, the same ranks, the same processes,
+alternating (started with `kolo run`; each figure the slowest rank's).
+
+- allreduce: `dist.all_reduce` of float32 at 4 KiB, 1 MiB and 64 MiB, the
+  time of a call.
+- ddp: the step time of an all_reduce-bound model (an MLP of ~16.8 M
+  parameters, batch 8) under DistributedDataParallel, and the same model
+  through `kolo.horovod.torch.DistributedOptimizer` on kolo.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = [4 << 10, 1 << 20, 64 << 20]
+
+
+def _slowest(dist, seconds):
+    import torch
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _time_calls(dist, call, calls):
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return _slowest(dist, (time.perf_counter() - started) / calls)
+
+
+def rank_allreduce(repeats):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("kolo")
+    gloo = dist.new_group(backend="gloo")
+    rows = []
+    for nbytes in SIZES:
+        t = torch.ones(nbytes // 4)
+        calls = max(3, min(2000, int(200e6 / nbytes)))
+        times = {"gloo": [], "kolo": []}
+        for _ in range(repeats):
+            for name, group in (("gloo", gloo), ("kolo", None)):
+                dist.all_reduce(t, group=group)  # warm
+                times[name].append(_time_calls(dist, lambda g=group: dist.all_reduce(t, group=g), calls))
+        rows.append({"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}})
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+    dist.destroy_process_group()
+
+
+def _mlp(torch):
+    torch.manual_seed(0)
+    width = 2048
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU()) for _ in range(4)])
+
+
+def rank_ddp(steps, repeats):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("kolo")
+    gloo = dist.new_group(backend="gloo")
+    x, y = torch.randn(8, 2048), torch.randn(8, 2048)
+
+    def ddp_step(group):
+        model = torch.nn.parallel.DistributedDataParallel(_mlp(torch), process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        return step
+
+    def hvd_step():
+        import kolo.horovod.torch as hvd
+
+        hvd.init()
+        model = _mlp(torch)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters())
+
+        def step():
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+        return step
+
+    steps_of = {"gloo": ddp_step(gloo), "kolo": ddp_step(None)}
+    try:
+        steps_of["hvd"] = hvd_step()
+    except ImportError:
+        pass
+    times = {k: [] for k in steps_of}
+    for _ in range(repeats):
+        for name, step in steps_of.items():
+            step()  # warm
+            times[name].append(_time_calls(dist, step, steps))
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}), flush=True)
+    dist.destroy_process_group()
+
+
+def _launch(n, args):
+    kolo = os.path.join(os.path.dirname(sys.executable), "kolo")
+    out = subprocess.run(
+        [kolo, "run", "-np", str(n), "--", sys.executable, "-m", "kolo.bench_torch", *args],
+        capture_output=True,
+        text=True,
+    )
+    for line in out.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise SystemExit(f"the {n}-rank benchmark failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(prog="python -m kolo.bench_torch", description=__doc__)
+    parser.add_argument("what", choices=["allreduce", "ddp", "_rank_allreduce", "_rank_ddp"])
+    parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if args.what == "_rank_allreduce":
+        return rank_allreduce(args.repeats)
+    if args.what == "_rank_ddp":
+        return rank_ddp(args.steps, args.repeats)
+    if args.what == "allreduce":
+        print(f"{'np':>3} {'bytes':>10} {'gloo_us':>10} {'kolo_us':>10} {'gloo/kolo':>10}")
+        for n in args.np:
+            for row in _launch(n, ["_rank_allreduce", "--repeats", str(args.repeats)]):
+                g, k = row["gloo"] * 1e6, row["kolo"] * 1e6
+                print(f"{n:>3} {row['bytes']:>10} {g:>10.1f} {k:>10.1f} {g / k:>10.2f}", flush=True)
+    else:
+        print(f"{'np':>3} {'gloo_ms':>9} {'kolo_ms':>9} {'kolo/gloo':>10} {'hvd_ms':>9} {'hvd/kolo':>9}")
+        for n in args.np:
+            r = _launch(n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)])
+            g, k = r["gloo"] * 1e3, r["kolo"] * 1e3
+            h = r.get("hvd")
+            hvd = f"{h * 1e3:>9.1f} {h * 1e3 / k:>9.2f}" if h else f"{'-':>9} {'-':>9}"
+            print(f"{n:>3} {g:>9.1f} {k:>9.1f} {k / g:>10.2f} {hvd}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
