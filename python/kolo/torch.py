@@ -219,11 +219,13 @@ class ProcessGroupKolo(dist.ProcessGroup):
         future = source.then(check)
         if not calls:
             then(None)
+        # kolo holds `hold` until each call ends: the memory they use
+        hold = (keep, result)
         for i, (method, args) in enumerate(calls):
             if i + 1 < len(calls):
-                method(*args, later=True)
+                method(*args, later=True, keep=hold)
             else:
-                method(*args, then=then)
+                method(*args, then=then, keep=hold)
         return _Work(future)
 
     def allreduce(self, tensors, opts=None):

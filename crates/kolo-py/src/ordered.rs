@@ -25,6 +25,9 @@ pub(crate) struct Done {
     ready: Condvar,
     /// Called (with the GIL) once the call has ended: `None`, or the error.
     then: Option<Py<PyAny>>,
+    /// What owns the memory the call reads and writes (the tensors), held
+    /// until it has ended whatever the caller does meanwhile.
+    keep: Mutex<Option<Py<PyAny>>>,
 }
 
 impl Done {
@@ -39,6 +42,7 @@ impl Done {
                 }
             });
         }
+        drop(lock(&self.keep).take());
     }
 
     /// Blocks (without the GIL, the caller releases it) until the call ended.
@@ -126,7 +130,7 @@ impl Ordered {
             return run(comm).map_err(|e| e.to_string());
         }
         drop(q);
-        self.queued(Box::new(run), None).wait()
+        self.queued(Box::new(run), None, None).wait()
     }
 
     /// Queues `run`; `then` is called once it has ended.
@@ -134,12 +138,13 @@ impl Ordered {
         &self,
         run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> Arc<Done> {
-        self.queued(Box::new(run), then)
+        self.queued(Box::new(run), then, keep)
     }
 
-    fn queued(&self, run: Run, then: Option<Py<PyAny>>) -> Arc<Done> {
-        let done = Arc::new(Done { result: Mutex::new(None), ready: Condvar::new(), then });
+    fn queued(&self, run: Run, then: Option<Py<PyAny>>, keep: Option<Py<PyAny>>) -> Arc<Done> {
+        let done = Arc::new(Done { result: Mutex::new(None), ready: Condvar::new(), then, keep: Mutex::new(keep) });
         let mut q = lock(&self.queue);
         if q.closed {
             drop(q);

@@ -6,7 +6,7 @@
 //! of contiguous memory it keeps alive for the call; the collectives run
 //! with the GIL released.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use half::{bf16, f16};
@@ -44,6 +44,21 @@ impl AddressBook for PyBook {
             let got = self.0.call_method1(py, "wait", (key, timeout.as_secs_f64())).map_err(|e| e.to_string())?;
             got.extract::<Option<Vec<u8>>>(py).map_err(|e| e.to_string())
         })
+    }
+}
+
+/// An address book within this process (a one-rank communicator's).
+#[derive(Default)]
+struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
+
+impl AddressBook for LocalBook {
+    fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
+        kolo_exec::lock(&self.0).insert(key.to_string(), value.to_vec());
+        Ok(())
+    }
+
+    fn wait(&self, key: &str, _: Duration) -> Result<Option<Vec<u8>>, String> {
+        Ok(kolo_exec::lock(&self.0).get(key).cloned())
     }
 }
 
@@ -135,6 +150,13 @@ impl Pending {
 }
 
 impl TorchComm {
+    fn started(comm: Communicator) -> PyResult<TorchComm> {
+        let (rank, size) = (comm.rank(), comm.size());
+        let ordered = Ordered::start(comm)
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the collectives thread: {e}")))?;
+        Ok(TorchComm { ordered, rank, size })
+    }
+
     /// Runs `run` now (GIL released), or queues it when `later` (or a
     /// `then` callback) is given: the caller goes on, `then(error or
     /// None)` is called once it ended.
@@ -143,10 +165,16 @@ impl TorchComm {
         py: Python<'_>,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
         run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
     ) -> PyResult<Option<Pending>> {
         if later || then.is_some() {
-            return Ok(Some(Pending { done: self.ordered.later(run, then) }));
+            if keep.is_none() {
+                return Err(PyValueError::new_err(
+                    "a queued call needs keep=: what owns the memory it uses, held until it ends",
+                ));
+            }
+            return Ok(Some(Pending { done: self.ordered.later(run, then, keep) }));
         }
         let ordered = self.ordered.clone();
         py.allow_threads(move || ordered.now(run)).map_err(CollectiveError::new_err)?;
@@ -177,13 +205,39 @@ impl TorchComm {
         let comm = py
             .allow_threads(|| Communicator::connect(Config::from_book(rank, size, book, timeout, toward.as_deref())?))
             .map_err(failed)?;
-        let ordered = Ordered::start(comm)
-            .map_err(|e| PyRuntimeError::new_err(format!("cannot start the collectives thread: {e}")))?;
-        Ok(TorchComm { ordered, rank, size })
+        TorchComm::started(comm)
+    }
+
+    /// The kolo job's communicator, from the variables kolo sets its ranks
+    /// (Horovod's `init()`); `generation` tells apart the communicators of
+    /// successive inits of the same processes (every rank counts them alike).
+    #[staticmethod]
+    fn from_env(py: Python<'_>, generation: u64) -> PyResult<TorchComm> {
+        let comm = py
+            .allow_threads(|| {
+                let mut config = Config::from_env()?;
+                config.job_id = format!("{}-g{generation}", config.job_id);
+                Communicator::connect(config)
+            })
+            .map_err(failed)?;
+        TorchComm::started(comm)
+    }
+
+    /// A communicator of one rank: a process outside any job.
+    #[staticmethod]
+    fn single(py: Python<'_>) -> PyResult<TorchComm> {
+        let book: Arc<dyn AddressBook> = Arc::new(LocalBook::default());
+        let comm = py
+            .allow_threads(|| {
+                let secret = kolo_comm::Secret::new("single").map_err(CommError::Secret)?;
+                Communicator::connect(Config::new(0, 1, "this-host", "", secret, "single")?.with_book(book))
+            })
+            .map_err(failed)?;
+        TorchComm::started(comm)
     }
 
     /// In place: `count` elements at `addr` reduced over every rank.
-    #[pyo3(signature = (addr, count, dtype, op, later=false, then=None))]
+    #[pyo3(signature = (addr, count, dtype, op, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn allreduce(
         &self,
@@ -194,6 +248,7 @@ impl TorchComm {
         op: &str,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         // SAFETY (every view below): kolo.torch passes live contiguous tensors
@@ -201,12 +256,13 @@ impl TorchComm {
             py,
             later,
             then,
+            keep,
             move |c| typed!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
         )
     }
 
     /// In place: rank `root`'s elements, on every rank.
-    #[pyo3(signature = (addr, count, dtype, root, later=false, then=None))]
+    #[pyo3(signature = (addr, count, dtype, root, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn broadcast(
         &self,
@@ -217,13 +273,20 @@ impl TorchComm {
         root: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.issue(py, later, then, move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)))
+        self.issue(
+            py,
+            later,
+            then,
+            keep,
+            move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)),
+        )
     }
 
     /// `counts[p]` elements from rank p, in rank order, into `recv`.
-    #[pyo3(signature = (send, recv, counts, dtype, later=false, then=None))]
+    #[pyo3(signature = (send, recv, counts, dtype, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn allgather(
         &self,
@@ -234,17 +297,18 @@ impl TorchComm {
         dtype: &str,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => c.allgatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts))
         })
     }
 
     /// This rank's part (`counts[rank]` elements) of the reduction of
     /// every rank's `send` (`sum(counts)` elements).
-    #[pyo3(signature = (send, recv, counts, dtype, op, later=false, then=None))]
+    #[pyo3(signature = (send, recv, counts, dtype, op, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -256,15 +320,16 @@ impl TorchComm {
         op: &str,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => c.reduce_scatter_counts(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, op))
         })
     }
 
-    #[pyo3(signature = (send, send_counts, recv, recv_counts, dtype, later=false, then=None))]
+    #[pyo3(signature = (send, send_counts, recv, recv_counts, dtype, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn alltoall(
         &self,
@@ -276,17 +341,18 @@ impl TorchComm {
         dtype: &str,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => c.alltoallv(unsafe { view::<T>(send, sn) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts))
         })
     }
 
     /// At `root`: `recv` = op over every rank's `send` (`count` elements
     /// each; `send` may be `recv`).
-    #[pyo3(signature = (send, recv, count, dtype, op, root, later=false, then=None))]
+    #[pyo3(signature = (send, recv, count, dtype, op, root, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce(
         &self,
@@ -299,10 +365,11 @@ impl TorchComm {
         root: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let is_root = self.rank == root;
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => {
                 // in place: the input is copied first, as the two may not alias
                 let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
@@ -313,7 +380,7 @@ impl TorchComm {
     }
 
     /// At `root`: `counts[p]` elements from rank p, in rank order.
-    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None))]
+    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn gather(
         &self,
@@ -325,17 +392,18 @@ impl TorchComm {
         root: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => c.gatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts, root))
         })
     }
 
     /// From `root`'s `send`: `counts[rank]` elements into this rank's `recv`.
-    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None))]
+    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn scatter(
         &self,
@@ -347,16 +415,17 @@ impl TorchComm {
         root: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.issue(py, later, then, move |c| {
+        self.issue(py, later, then, keep, move |c| {
             typed!(dtype, T => c.scatterv(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, root))
         })
     }
 
-    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None))]
+    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn send(
         &self,
@@ -367,12 +436,13 @@ impl TorchComm {
         peer: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.issue(py, later, then, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(py, later, then, keep, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
     }
 
-    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None))]
+    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
     fn recv(
         &self,
@@ -383,15 +453,22 @@ impl TorchComm {
         peer: usize,
         later: bool,
         then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.issue(py, later, then, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(py, later, then, keep, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
     }
 
-    #[pyo3(signature = (later=false, then=None))]
+    #[pyo3(signature = (later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]
-    fn barrier(&self, py: Python<'_>, later: bool, then: Option<Py<PyAny>>) -> PyResult<Option<Pending>> {
-        self.issue(py, later, then, |c| c.barrier())
+    fn barrier(
+        &self,
+        py: Python<'_>,
+        later: bool,
+        then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
+        self.issue(py, later, then, keep, |c| c.barrier())
     }
 
     /// Closes the links (peers still in a collective with this rank fail

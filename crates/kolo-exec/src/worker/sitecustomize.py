@@ -6,8 +6,10 @@
 # only from the cluster environments it knows (Slurm, Open MPI, ...). This
 # registers one more, for kolo jobs (present only when KOLO_JOB_ID is set),
 # when JAX loads its cluster module, without importing JAX itself. No other
-# launcher's variables are faked. Then it runs the sitecustomize this file
-# hides, if there is one.
+# launcher's variables are faked. And where Horovod is not installed,
+# `import horovod.torch` gives kolo's Horovod API (kolo.horovod), importing
+# kolo only then. Then it runs the sitecustomize this file hides, if there
+# is one.
 import os
 import sys
 
@@ -70,6 +72,22 @@ def _kolo_watch_jax():
     sys.meta_path.insert(0, Finder())
 
 
+def _kolo_alias_horovod():
+    # `import horovod.torch` gives kolo's Horovod API when Horovod is not
+    # installed; kolo is imported only when a script imports horovod
+    class Finder:
+        def find_spec(self, name, path=None, target=None):
+            if name != "horovod" and not name.startswith("horovod."):
+                return None
+            try:
+                from kolo._hooks import ALIAS
+            except ImportError:  # a Python without kolo: nothing to give
+                return None
+            return ALIAS.find_spec(name, path, target)
+
+    sys.meta_path.insert(0, Finder())
+
+
 def _kolo_chain():
     import importlib.machinery
     import importlib.util
@@ -97,4 +115,5 @@ def _kolo_forget_bytecode():
 _kolo_forget_bytecode()
 if "KOLO_JOB_ID" in os.environ and os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
     _kolo_watch_jax()
+    _kolo_alias_horovod()
 _kolo_chain()

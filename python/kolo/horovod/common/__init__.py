@@ -1,0 +1,1 @@
+"""`horovod.common` as kolo answers it: the exceptions."""

@@ -1,0 +1,180 @@
+"""`DistributedOptimizer` (`horovod/torch/optimizer.py`): gradients are
+reduced over every rank as backward produces them, while it goes on."""
+
+import contextlib
+import os
+import warnings
+
+import torch
+
+from .compression import Compression
+from .ops import Adasum, Average, _op_of, allreduce_async_, global_process_set, size, synchronize
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.process_set = process_set
+        self.sparse_as_dense = sparse_as_dense
+        if op == Adasum:
+            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [
+                (f"allreduce.noname.{i}.{j}", p)
+                for i, group in enumerate(self.param_groups)
+                for j, p in enumerate(group["params"])
+            ]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                             "model.named_parameters().")
+        names = [k for k, _ in named_parameters]
+        duplicates = sorted({k for k in names if names.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}")
+        named_ids = {id(v) for _, v in named_parameters}
+        unnamed = [p for p in all_params if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                             "Python object ids: " + ", ".join(str(id(p)) for p in unnamed))
+        self._parameter_names = {id(v): k for k, v in named_parameters}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {id(p): backward_passes_per_step for p in all_params}
+        self._handles = {}
+        self._hooks = []
+        self._synchronized = False
+        self._should_synchronize = True
+        # `groups` fuse reductions upstream; kolo's queue sends each
+        # gradient as soon as it is ready, in the same order on every rank
+        if groups is not None and not isinstance(groups, (int, list)):
+            raise ValueError("groups must be an int or a list of lists of parameters")
+        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            self._register_hooks()
+
+    def _register_hooks(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def _make_hook(self):
+        def hook(p):
+            key = id(p)
+            if key in self._handles and self._handles[key][0] is not None and self._allreduce_delay[key] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[key] > 0
+            handle, ctx = None, None
+            self._allreduce_delay[key] -= 1
+            if self._allreduce_delay[key] == 0:
+                handle, ctx = self._allreduce_grad_async(p)
+            self._handles[key] = (handle, ctx, p)
+
+        return hook
+
+    def _scale(self):
+        if self.op == Average:
+            # upstream splits the average over pre- and postscale; the
+            # division by size is the op's
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        name = self._parameter_names.get(id(p))
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                raise NotImplementedError("kolo's Horovod reduces dense gradients: pass sparse_as_dense=True")
+            tensor = p.grad = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        pre, post = self._scale()
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
+                                  process_set=self.process_set)
+        return handle, (ctx, compressed)
+
+    def synchronize(self):
+        """Waits for every gradient's reduction (starting those of
+        parameters that got none) and puts the results in `p.grad`."""
+        if size() == 1 and not self._hooks:
+            self._synchronized = True
+            return
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        for p in params:
+            entry = self._handles.get(id(p))
+            if entry is None or entry[0] is None:
+                handle, ctx = self._allreduce_grad_async(p)
+                self._handles[id(p)] = (handle, ctx, p)
+        for key, (handle, (ctx, compressed), p) in list(self._handles.items()):
+            output = synchronize(handle)
+            self._allreduce_delay[key] = self.backward_passes_per_step
+            if compressed is not p.grad:
+                p.grad.copy_(self._compression.decompress(output, ctx))
+        self._handles.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Within it, `step()` does not synchronize (call `synchronize()`
+        yourself first, e.g. to clip the reduced gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without a loss.backward() since the last synchronize(); "
+                              "gradients are reduced again. Use `with optimizer.skip_synchronize():` after calling "
+                              "synchronize() yourself.")
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                                 "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    def load_state_dict(self, *args, **kwargs):
+        self._handles.clear()
+        self._synchronized = False
+        for key in self._allreduce_delay:
+            self._allreduce_delay[key] = self.backward_passes_per_step
+        return super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """`optimizer`, its gradients reduced over every rank (averaged by
+    default) as backward produces them. An instance of a subclass of the
+    optimizer's class (isinstance holds), sharing its param_groups."""
+    op = _op_of(None, op)
+    if num_groups and groups:
+        raise ValueError("pass num_groups or groups, not both")
+    methods = dict(_DistributedOptimizer.__dict__, _kolo_distributed=True)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
+    opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+              gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set)
+    # the state of an optimizer made before (e.g. loaded from a checkpoint)
+    opt.state = optimizer.state
+    return opt
+
+
+__all__ = ["DistributedOptimizer"]

@@ -1,0 +1,194 @@
+"""A rank of kolo's Horovod API tests, started by `kolo run`: `python
+hvd_ranks.py SCENARIO`. Prints `ok <scenario>`; each checks against a
+single-process reference. `import horovod.torch` is kolo's here (Horovod
+itself is not installed): the rank's Python hook gives it."""
+
+import sys
+
+import torch
+
+import horovod.torch as hvd
+
+
+def check(a, b, what):
+    if a.dtype in (torch.float16, torch.bfloat16):
+        ok = torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    else:
+        ok = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if not ok:
+        raise AssertionError(f"{what}: got {a.flatten()[:6].tolist()} {a.dtype} {tuple(a.shape)}, "
+                             f"expected {b.flatten()[:6].tolist()} {b.dtype} {tuple(b.shape)}")
+
+
+def values(r, shape, dtype, salt=0):
+    g = torch.Generator().manual_seed(100 * r + salt)
+    return torch.randint(1, 4, shape, generator=g).to(dtype)
+
+
+def ops():
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.local_rank() == r and hvd.local_size() == n and hvd.cross_size() == 1, (hvd.local_rank(), hvd.local_size())
+    assert hvd.mpi_enabled() is False and hvd.gloo_built() is True and isinstance(hvd.nccl_built(), int)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        everyone = [values(p, (5, 3), dtype) for p in range(n)]
+        mine = everyone[r]
+        total = torch.stack([e.double() for e in everyone]).sum(0)
+        # default op: Average (integers truncate toward zero)
+        avg = total / n
+        check(hvd.allreduce(mine), (avg.trunc() if not dtype.is_floating_point else avg).to(dtype), f"average {dtype}")
+        check(hvd.allreduce(mine, op=hvd.Sum), total.to(dtype), f"sum {dtype}")
+        check(hvd.allreduce(mine, average=False), total.to(dtype), f"average=False {dtype}")
+        check(hvd.allreduce(mine, op=hvd.Min), torch.stack(everyone).double().amin(0).to(dtype), f"min {dtype}")
+        check(hvd.allreduce(mine, op=hvd.Max), torch.stack(everyone).double().amax(0).to(dtype), f"max {dtype}")
+        check(hvd.allreduce(mine, op=hvd.Product), torch.stack(everyone).double().prod(0).to(dtype), f"product {dtype}")
+        if dtype.is_floating_point:
+            got = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+            check(got, total.to(dtype), f"scaled {dtype}")
+        t = mine.clone()
+        assert hvd.allreduce_(t, op=hvd.Sum) is t
+        check(t, total.to(dtype), f"allreduce_ {dtype}")
+        h = hvd.allreduce_async(mine, op=hvd.Max, name=f"max.{dtype}")
+        check(hvd.synchronize(h), torch.stack(everyone).double().amax(0).to(dtype), f"async {dtype}")
+        outs = hvd.grouped_allreduce([mine, mine * 2], op=hvd.Sum)
+        check(outs[1], (total * 2).to(dtype), f"grouped {dtype}")
+        # allgather with a dim 0 that differs per rank
+        rows = values(r, (r + 1, 2), dtype, salt=1)
+        check(hvd.allgather(rows), torch.cat([values(p, (p + 1, 2), dtype, salt=1) for p in range(n)]), f"allgather {dtype}")
+        check(hvd.broadcast(mine, root_rank=n - 1), everyone[n - 1], f"broadcast {dtype}")
+        t = mine.clone()
+        hvd.broadcast_(t, root_rank=0)
+        check(t, everyone[0], f"broadcast_ {dtype}")
+        # reducescatter: the first dim0 % n ranks get one more row
+        big = values(r, (2 * n + 1, 2), dtype, salt=2)
+        whole = torch.stack([values(p, (2 * n + 1, 2), dtype, salt=2).double() for p in range(n)]).sum(0)
+        start = r * 2 + min(r, 1)
+        mine_rows = 3 if r == 0 else 2
+        got = hvd.reducescatter(big, op=hvd.Sum)
+        check(got, whole[start:start + mine_rows].to(dtype), f"reducescatter {dtype}")
+    for dtype in (torch.uint8, torch.int8, torch.int16):
+        t = values(r, (4,), dtype)
+        check(hvd.allgather(t), torch.cat([values(p, (4,), dtype) for p in range(n)]), f"allgather {dtype}")
+        check(hvd.broadcast(t, 0), values(0, (4,), dtype), f"broadcast {dtype}")
+    # alltoall, equal and by splits
+    t = torch.arange(2 * n) + 100 * r
+    got = hvd.alltoall(t)
+    check(got, torch.cat([torch.arange(2 * r, 2 * r + 2) + 100 * p for p in range(n)]), "alltoall")
+    splits = [p + 1 for p in range(n)]
+    t = torch.cat([torch.full((p + 1,), 10 * r + p) for p in range(n)])
+    out, received = hvd.alltoall(t, splits=splits)
+    check(out, torch.cat([torch.full((r + 1,), 10 * p + r) for p in range(n)]), "alltoall splits")
+    check(received, torch.full((n,), r + 1, dtype=torch.int64), "received splits")
+    # handles
+    h = hvd.allreduce_async_(torch.ones(1000), name="poll")
+    while not hvd.poll(h):
+        pass
+    check(hvd.synchronize(h), torch.ones(1000), "poll")
+    # objects, barrier, join
+    assert hvd.broadcast_object({"from": r}, root_rank=1) == {"from": 1}
+    assert hvd.allgather_object(r * 10) == [p * 10 for p in range(n)]
+    hvd.barrier()
+    assert 0 <= hvd.join() < n
+    # gradients flow through allreduce (Average: the grad averaged)
+    x = torch.ones(3, requires_grad=True)
+    (hvd.allreduce(x * (r + 1), op=hvd.Sum) * torch.arange(3.0)).sum().backward()
+    check(x.grad, torch.arange(3.0) * n * (r + 1), "allreduce backward")
+
+
+def errors():
+    r = hvd.rank()
+    expect(lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), ValueError, "Tensor type torch.bool is not supported.")
+    expect(lambda: hvd.allreduce(torch.ones(2, dtype=torch.int8)), ValueError, "Tensor type torch.int8 is not supported.")
+    expect(lambda: hvd.allreduce(torch.ones(4, 4).t()), ValueError, "Tensor is required to be contiguous.")
+    expect(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError, "Adasum")
+    expect(lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum), ValueError, "supersedes average")
+    expect(lambda: hvd.broadcast_parameters((p for p in [torch.ones(1)]), 0), ValueError, "generator")
+    expect(lambda: hvd.alltoall(torch.ones(hvd.size() + 1)), ValueError, "does not split equally")
+    h = hvd.allreduce_async(torch.ones(2), name="twice")
+    expect(lambda: hvd.allreduce_async(torch.ones(2), name="twice"), ValueError, "still in flight")
+    hvd.synchronize(h)
+    # ranks that disagree: an error naming the other rank and both calls
+    expect(lambda: hvd.allreduce(torch.ones(10 + r)), hvd.HorovodInternalError,
+           f"rank {1 - r if hvd.size() == 2 else ''}")
+
+
+def expect(call, kind, text):
+    try:
+        call()
+    except kind as e:
+        if text not in str(e):
+            raise AssertionError(f"{kind.__name__} without '{text}': {e}")
+        return
+    raise AssertionError(f"no {kind.__name__} ('{text}')")
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+
+
+def optimizer():
+    """DistributedOptimizer: the weights of one process on the whole batch,
+    with backward_passes_per_step 1 and 2, and a parameter without a
+    gradient."""
+    r, n = hvd.rank(), hvd.size()
+    for passes in (1, 2):
+        net, ref = model(), model()
+        unused = torch.nn.Parameter(torch.ones(2))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(list(net.parameters()) + [unused], lr=0.1),
+            named_parameters=list(net.named_parameters()) + [("unused", unused)],
+            backward_passes_per_step=passes,
+        )
+        assert isinstance(opt, torch.optim.SGD)
+        hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for _ in range(passes):
+                x, y = torch.randn(4 * n, 6, generator=g), torch.randn(4 * n, 1, generator=g)
+                mine = slice(4 * r, 4 * (r + 1))
+                torch.nn.functional.mse_loss(net(x[mine]), y[mine]).backward()
+                torch.nn.functional.mse_loss(ref(x), y).backward()
+            opt.step()
+            ref_opt.step()
+        for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+            if not torch.allclose(p, q, atol=1e-5):
+                raise AssertionError(f"passes {passes}: {name} differs by {(p - q).abs().max()}")
+    # skip_synchronize: synchronize, clip, then step
+    net = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    net(torch.ones(2, 6)).sum().backward()
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    with opt.skip_synchronize():
+        opt.step()
+    # zero_grad with reductions in flight is refused
+    net(torch.ones(2, 6)).sum().backward()
+    expect(opt.zero_grad, AssertionError, "before optimizer.step()")
+    opt.synchronize()
+
+
+def state():
+    """broadcast_optimizer_state: Adam's state and options from rank 0."""
+    r = hvd.rank()
+    net = model()
+    adam = torch.optim.Adam(net.parameters(), lr=0.01 * (r + 1))
+    if r == 0:  # rank 0 has trained a step; the others are new
+        net(torch.ones(3, 6)).sum().backward()
+        adam.step()
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(adam, root_rank=0)
+    assert adam.param_groups[0]["lr"] == 0.01, adam.param_groups[0]["lr"]
+    sums = hvd.allgather_object([float(s["exp_avg"].sum()) for s in adam.state.values()])
+    assert all(s == sums[0] for s in sums), sums
+
+
+if __name__ == "__main__":
+    scenario = sys.argv[1]
+    assert hvd.__name__ == "kolo.horovod.torch", hvd.__name__
+    hvd.init()
+    globals()[scenario]()
+    hvd.shutdown()
+    print(f"ok {scenario}", flush=True)

@@ -1,0 +1,108 @@
+"""Horovod's PyTorch API on kolo with real torch: every op against a
+single-process reference, the exceptions, DistributedOptimizer training
+to the weights of one process on the whole batch, optimizer state, `import
+horovod.torch` in kolo run ranks and Executor workers (and not where it
+should not be). The ranks are `hvd_ranks.py`."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddp_step import torch_or_skip
+
+torch_or_skip()
+
+import kolo  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANKS = os.path.join(HERE, "hvd_ranks.py")
+KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
+
+
+def kolo_run(n, *args, env=None):
+    return subprocess.run(
+        [KOLO, "run", "-np", str(n), "--", sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
+def passed(out, n, scenario):
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    oks = [l for l in out.stdout.splitlines() if l.endswith(f":ok {scenario}")]
+    assert len(oks) == n, out.stdout
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_op_matches_a_single_process_reference(n):
+    passed(kolo_run(n, RANKS, "ops"), n, "ops")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_distributed_optimizer_trains_the_weights_of_one_process_on_the_whole_batch(n):
+    passed(kolo_run(n, RANKS, "optimizer"), n, "optimizer")
+
+
+def test_bad_input_and_disagreeing_ranks_raise_horovods_exceptions():
+    passed(kolo_run(2, RANKS, "errors"), 2, "errors")
+
+
+def test_broadcast_optimizer_state_gives_every_rank_rank_0s_adam():
+    passed(kolo_run(3, RANKS, "state"), 3, "state")
+
+
+def test_horovod_is_kolos_only_inside_a_kolo_job_and_only_when_hooks_are_on():
+    probe = "import horovod.torch as hvd; print('horovod is', hvd.__name__)"
+    out = kolo_run(1, "-c", probe)
+    assert out.returncode == 0 and "horovod is kolo.horovod.torch" in out.stdout, out.stdout + out.stderr
+    outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert outside.returncode != 0 and "No module named 'horovod'" in outside.stderr, outside.stderr
+    off = kolo_run(1, "-c", probe, env={**os.environ, "KOLO_PYTHON_HOOKS": "0"})
+    assert off.returncode != 0 and "No module named 'horovod'" in off.stderr, off.stdout + off.stderr
+
+
+def test_an_installed_horovod_wins(tmp_path):
+    # a package named horovod on the ranks' path stands for a real Horovod
+    (tmp_path / "horovod").mkdir()
+    (tmp_path / "horovod" / "__init__.py").write_text("REAL = True\n")
+    (tmp_path / "horovod" / "torch.py").write_text("REAL = True\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = kolo_run(1, "-c", "import horovod.torch as hvd; print('real', hvd.REAL)", env=env)
+    assert out.returncode == 0 and "real True" in out.stdout, out.stdout + out.stderr
+
+
+def horovod_train():
+    """A horovod.ray train function, unchanged: init inside, DistributedOptimizer."""
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    torch.manual_seed(hvd.rank())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    return hvd.rank(), hvd.size(), [round(v, 6) for v in model.weight.detach().flatten().tolist()]
+
+
+def test_a_horovod_train_function_runs_twice_on_the_same_executor_workers():
+    executor = kolo.Executor(kolo.Settings(), num_workers=2, hosts="localhost:2")
+    executor.start()
+    try:
+        for _ in range(2):
+            results = executor.run(horovod_train)
+            assert [r[:2] for r in results] == [(0, 2), (1, 2)], results
+            # every rank holds the same weights: the gradients were averaged
+            assert results[0][2] == results[1][2], results
+    finally:
+        executor.shutdown()
