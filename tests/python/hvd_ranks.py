@@ -185,6 +185,39 @@ def state():
     assert all(s == sums[0] for s in sums), sums
 
 
+def syncbn():
+    """SyncBatchNorm: outputs, input and parameter gradients and running
+    statistics of BatchNorm on the whole batch."""
+    r, n = hvd.rank(), hvd.size()
+    for shape in ((4, 3), (2, 3, 5, 5)):
+        g = torch.Generator().manual_seed(7)
+        whole = torch.randn((shape[0] * n, *shape[1:]), generator=g) * 3 + 1
+        weights = torch.randn((shape[0] * n, *shape[1:]), generator=g)
+        mine = slice(shape[0] * r, shape[0] * (r + 1))
+        sync = hvd.SyncBatchNorm(3, momentum=0.3)
+        plain = (torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d)(3, momentum=0.3)
+        with torch.no_grad():
+            sync.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+            plain.weight.copy_(sync.weight)
+            sync.bias.fill_(0.1)
+            plain.bias.fill_(0.1)
+        x = whole[mine].clone().requires_grad_()
+        y = sync(x)
+        (y * weights[mine]).sum().backward()
+        x_ref = whole.clone().requires_grad_()
+        y_ref = plain(x_ref)
+        (y_ref * weights).sum().backward()
+        assert torch.allclose(y, y_ref[mine], atol=1e-5), f"{shape}: outputs differ by {(y - y_ref[mine]).abs().max()}"
+        assert torch.allclose(x.grad, x_ref.grad[mine], atol=1e-4), f"{shape}: input grads differ"
+        weight_grad = hvd.allreduce(sync.weight.grad, op=hvd.Sum)
+        assert torch.allclose(weight_grad, plain.weight.grad, atol=1e-4), f"{shape}: weight grads differ"
+        assert torch.allclose(sync.running_mean, plain.running_mean, atol=1e-5), f"{shape}: running mean"
+        assert torch.allclose(sync.running_var, plain.running_var, atol=1e-4), f"{shape}: running var"
+        sync.eval()
+        assert torch.allclose(sync(x.detach()), plain.eval()(x.detach()), atol=1e-5), f"{shape}: eval"
+
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     assert hvd.__name__ == "kolo.horovod.torch", hvd.__name__

@@ -6,7 +6,7 @@ CPU tensors go through kolo-comm, in place in their memory. Every rank
 must issue the same operations in the same order (kolo does not negotiate
 by name as Horovod's coordinator does; a rank that calls something else
 gets `HorovodInternalError` naming the rank and both calls). Beyond
-upstream: bfloat16 and uint8 reductions. Not built (raising
+upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built (raising
 `NotImplementedError` when used): Adasum, process sets other than the
 global one, the timeline, CUDA tensors."""
 
@@ -71,3 +71,4 @@ from .ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
