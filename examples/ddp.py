@@ -1,8 +1,10 @@
 """A torchrun-style PyTorch DDP script, unchanged for kolo: process group from
-the environment (gloo, CPU), a checked all_reduce, a few DDP steps of a small
-model, and a check that every rank ends with the same parameters.
+the environment (gloo by default, or kolo's own backend: `ddp.py kolo`,
+CPU), a checked all_reduce, a few DDP steps of a small model, and a check
+that every rank ends with the same parameters.
 
     kolo run -np 4 -- python3 examples/ddp.py
+    kolo run -np 4 -- python3 examples/ddp.py kolo
 
 Each rank prints one line: its rank, how long init_process_group took, and
 a checksum of the final parameters (identical on every rank)."""
@@ -19,7 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record
 def main():
     entered = time.time()
-    dist.init_process_group("gloo")
+    backend = sys.argv[1] if len(sys.argv) > 1 else "gloo"
+    dist.init_process_group(backend)
+    assert dist.get_backend() == backend, dist.get_backend()
     init_s = time.time() - entered
     rank, size = dist.get_rank(), dist.get_world_size()
     assert rank == int(os.environ["RANK"]) and size == int(os.environ["WORLD_SIZE"])
@@ -44,7 +48,7 @@ def main():
     dist.all_gather(gathered, flat)
     assert all(torch.equal(g, flat) for g in gathered), "parameters differ between ranks"
     print(
-        f"rank {rank}/{size} on {socket.gethostname()}: init {init_s:.3f} s (from {entered:.3f}), "
+        f"rank {rank}/{size} on {socket.gethostname()} ({backend}): init {init_s:.3f} s (from {entered:.3f}), "
         f"params {flat.sum().item():.6f}, store {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         flush=True,
     )

@@ -15,12 +15,12 @@ def torch_or_skip():
     return pytest.importorskip("torch")
 
 
-def train():
+def train(backend="gloo"):
     """Three DDP steps on rank-seeded data; every rank's parameter sum."""
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    dist.init_process_group(backend)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     torch.manual_seed(dist.get_rank())
@@ -33,3 +33,25 @@ def train():
     total = sum(p.detach().sum().item() for p in model.parameters())
     dist.destroy_process_group()
     return total
+
+
+def train_horovod():
+    """A horovod.ray train function, unchanged: `import horovod.torch`
+    (kolo's), init inside, DistributedOptimizer; rank, size and a weight
+    checksum (the same on every rank)."""
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    torch.manual_seed(hvd.rank())
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    return hvd.rank(), hvd.size(), round(sum(p.detach().sum().item() for p in model.parameters()), 6)

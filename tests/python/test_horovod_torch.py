@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddp_step import torch_or_skip
+from ddp_step import torch_or_skip, train_horovod
 
 torch_or_skip()
 
@@ -80,32 +80,12 @@ def test_an_installed_horovod_wins(tmp_path):
     assert out.returncode == 0 and "real True" in out.stdout, out.stdout + out.stderr
 
 
-def horovod_train():
-    """A horovod.ray train function, unchanged: init inside, DistributedOptimizer."""
-    import torch
-
-    import horovod.torch as hvd
-
-    hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    torch.manual_seed(hvd.rank())
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(8, 4)).pow(2).mean().backward()
-        opt.step()
-    return hvd.rank(), hvd.size(), [round(v, 6) for v in model.weight.detach().flatten().tolist()]
-
-
 def test_a_horovod_train_function_runs_twice_on_the_same_executor_workers():
     executor = kolo.Executor(kolo.Settings(), num_workers=2, hosts="localhost:2")
     executor.start()
     try:
         for _ in range(2):
-            results = executor.run(horovod_train)
+            results = executor.run(train_horovod)
             assert [r[:2] for r in results] == [(0, 2), (1, 2)], results
             # every rank holds the same weights: the gradients were averaged
             assert results[0][2] == results[1][2], results

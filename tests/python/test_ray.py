@@ -176,6 +176,18 @@ def test_pytorch_ddp_through_the_ray_engine(cluster, settings, nothing_left):
     assert len(results) == 4 and len(set(results)) == 1, results
 
 
+def test_the_kolo_backend_and_horovods_api_through_the_ray_engine(cluster, settings, nothing_left):
+    ddp_step.torch_or_skip()
+
+    with RayExecutor(settings, num_workers=4, engine="ray") as ex:
+        ex.start()
+        ddp = ex.run(ddp_step.train, args=["kolo"])
+        hvd = ex.run(ddp_step.train_horovod)
+    assert len(ddp) == 4 and len(set(ddp)) == 1, ddp
+    assert sorted(r[:2] for r in hvd) == [(r, 4) for r in range(4)], hvd
+    assert len({r[2] for r in hvd}) == 1, hvd
+
+
 def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     out = subprocess.run(

@@ -28,11 +28,17 @@ fn rank_zero_away_from_the_driver_is_reachable_at_the_jax_coordinator() {
 /// h2) with the Python that has `module`; its stdout, or `None` when that
 /// Python is missing (skipped).
 fn across_hosts(module: &str, script: &str, extra: &[&str]) -> Option<String> {
+    across_hosts_with(module, script, extra, &[])
+}
+
+/// [`across_hosts`], with arguments for the script.
+fn across_hosts_with(module: &str, script: &str, extra: &[&str], script_args: &[&str]) -> Option<String> {
     let python = python_with(module)?;
     let (cfg, script) = (ssh_config(), repo_file(script));
     let mut args = vec!["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg];
     args.extend(extra);
     args.extend(["--", &python, &script]);
+    args.extend(script_args);
     let out = kolo_in_h1(&args);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
@@ -51,6 +57,47 @@ fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
     let params: std::collections::HashSet<&str> =
         text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
     assert_eq!(params.len(), 1, "{text}");
+}
+
+/// DDP on kolo's own torch.distributed backend across hosts: kolo-comm
+/// links between the hosts over the interface kolo chose, set up through
+/// torch's store on h1.
+#[test]
+#[ignore = "needs the test hosts"]
+fn pytorch_ddp_on_the_kolo_backend_across_hosts() {
+    let Some(text) = across_hosts_with("torch, kolo", "examples/ddp.py", &[], &["kolo"]) else { return };
+    assert!(text.contains("rank 0/4 on h2 (kolo)"), "{text}");
+    let params: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
+    assert_eq!(text.lines().filter(|l| l.contains("(kolo)")).count(), 4, "{text}");
+    assert_eq!(params.len(), 1, "{text}");
+}
+
+/// A Horovod script (SyncBatchNorm, DistributedOptimizer) across hosts
+/// over ssh: `import horovod.torch` is kolo's there.
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_horovod_script_across_hosts() {
+    let Some(text) = across_hosts("torch, kolo", "examples/horovod_train.py", &[]) else { return };
+    let ranks: Vec<&str> = text.lines().filter(|l| l.contains("/4 on h")).collect();
+    assert_eq!(ranks.len(), 4, "{text}");
+    assert!(ranks.iter().any(|l| l.contains("rank 0/4 on h2")), "{text}");
+    let weights: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("weights ").nth(1)).collect();
+    assert_eq!(weights.len(), 1, "{text}");
+}
+
+/// The same Horovod script through the Slurm engine.
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_horovod_script_under_slurm() {
+    let Some(python) = python_with("torch, kolo") else { return };
+    let kolo = env!("CARGO_BIN_EXE_kolo");
+    let script = repo_file("examples/horovod_train.py");
+    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", kolo, "run", "--", &python, &script]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("weights ")).count(), 4, "{text}");
+    assert_nothing_left();
 }
 
 /// JAX's no-argument initialize across hosts, process 0 on h2.
