@@ -12,6 +12,7 @@ alternating (started with `kolo run`; each figure the slowest rank's).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def rank_allreduce(repeats):
     import torch
     import torch.distributed as dist
 
+    import kolo.torch  # noqa: F401  (torch < 2.14 finds no entry points)
+
     dist.init_process_group("kolo")
     gloo = dist.new_group(backend="gloo")
     rows = []
@@ -66,6 +69,8 @@ def _mlp(torch):
 def rank_ddp(steps, repeats):
     import torch
     import torch.distributed as dist
+
+    import kolo.torch  # noqa: F401
 
     dist.init_process_group("kolo")
     gloo = dist.new_group(backend="gloo")
@@ -112,7 +117,7 @@ def rank_ddp(steps, repeats):
 
 
 def _launch(n, args):
-    kolo = os.path.join(os.path.dirname(sys.executable), "kolo")
+    kolo = shutil.which("kolo", path=os.path.dirname(sys.executable)) or shutil.which("kolo") or "kolo"
     out = subprocess.run(
         [kolo, "run", "-np", str(n), "--", sys.executable, "-m", "kolo.bench_torch", *args],
         capture_output=True,

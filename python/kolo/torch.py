@@ -8,8 +8,10 @@ tensors, reading and writing the tensors' memory in place.
 
 torch 2.14+ finds the backend through the `torch.distributed.backends`
 entry point; older versions need `import kolo.torch` first. Collectives run
-on the calling thread and are complete when they return (the work and its
-future come back done), in the order every rank issues them. What kolo
+in the order every rank issues them: synchronous ones on the calling
+thread, asynchronous ones (DDP's buckets) on the communicator's own thread
+while the caller goes on. CUDA tensors go to torch's NCCL, in a group made
+from the same store when the first one comes. What kolo
 cannot do raises `TypeError`/`ValueError` naming what it can.
 """
 
@@ -48,7 +50,7 @@ def _dtype(t) -> str:
 def _check(t):
     if t.device.type != "cpu":
         raise ValueError(
-            f"the kolo backend takes CPU tensors, not {t.device}: use 'cpu:kolo,cuda:nccl' to send CUDA tensors to NCCL"
+            f"the kolo backend takes CPU and CUDA tensors, not {t.device}"
         )
     if t.is_sparse:
         raise ValueError("the kolo backend takes dense tensors")
@@ -61,6 +63,16 @@ def _op(reduce_op) -> str:
     if name is None:
         raise ValueError(f"the kolo backend reduces with SUM, AVG, MIN, MAX or PRODUCT, not {op}")
     return name
+
+
+def _on_cuda(tensors):
+    """Whether a call's tensors are CUDA ones (they go to NCCL)."""
+    t = tensors
+    while isinstance(t, (list, tuple)):
+        if not t:
+            return False
+        t = t[0]
+    return isinstance(t, torch.Tensor) and t.is_cuda
 
 
 def _raw(t):
@@ -143,8 +155,20 @@ class ProcessGroupKolo(dist.ProcessGroup):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
         self._comm = _kolo.TorchComm.connect(_StoreBook(store), rank, size, seconds, _store_host(store))
+        self._store, self._timeout, self._nccl = store, timeout, None
         self._group_name = None
         self._group_desc = ""
+
+    def _cuda(self):
+        """torch's NCCL group for CUDA tensors, made from this group's store
+        the first time one comes (every rank of the group sends CUDA
+        tensors in the same calls)."""
+        if self._nccl is None:
+            if not dist.is_nccl_available():
+                raise ValueError("a CUDA tensor came to the kolo backend, but this torch has no NCCL")
+            store = dist.PrefixStore("kolo-nccl/", self._store)
+            self._nccl = dist.ProcessGroupNCCL(store, self._comm.rank, self._comm.size)
+        return self._nccl
 
     # ---- names torch asks for -------------------------------------------
     def getBackendName(self):
@@ -177,9 +201,13 @@ class ProcessGroupKolo(dist.ProcessGroup):
 
     def shutdown(self):
         self._comm.shutdown()
+        if self._nccl is not None and hasattr(self._nccl, "shutdown"):
+            self._nccl.shutdown()
 
     def abort(self):
         self._comm.shutdown()
+        if self._nccl is not None and hasattr(self._nccl, "abort"):
+            self._nccl.abort()
 
     def __repr__(self):
         return f"ProcessGroupKolo(rank={self._comm.rank}, size={self._comm.size})"
@@ -229,6 +257,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return _Work(future)
 
     def allreduce(self, tensors, opts=None):
+        if _on_cuda(tensors):
+            return self._cuda().allreduce(tensors, opts or dist.AllreduceOptions())
         op = _OPS.get(opts.reduceOp.op) if opts is not None else "sum"
         if op is None:
             _op(opts.reduceOp)  # raises, naming it
@@ -251,6 +281,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts):
+        if _on_cuda(tensors):
+            return self._cuda().broadcast(tensors, opts)
         calls, copies = [], []
         for t in tensors:
             c = _Contiguous(t)
@@ -260,6 +292,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, calls, tensors, lambda: [c.done() for c in copies], copies)
 
     def allgather(self, output_lists, inputs, opts=None):
+        if _on_cuda(inputs):
+            return self._cuda().allgather(output_lists, inputs, opts or dist.AllgatherOptions())
         calls, keep, outs_flat = [], [], []
         for outs, t in zip(output_lists, inputs):
             if len(outs) != self.size():
@@ -286,6 +320,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self.allgather(output_lists, inputs, opts)
 
     def all_gather_single(self, output, input, opts=None):
+        if _on_cuda(input):
+            return self._cuda()._allgather_base(output, input, opts or dist.AllgatherOptions())
         if output.dtype != input.dtype:
             raise TypeError(f"all_gather_into_tensor: the output is {output.dtype}, the input {input.dtype}")
         if output.numel() != input.numel() * self.size():
@@ -309,6 +345,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter_single(self, output, input, opts=None):
+        if _on_cuda(input):
+            return self._cuda()._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         if output.dtype != input.dtype:
             raise TypeError(f"reduce_scatter_tensor: the output is {output.dtype}, the input {input.dtype}")
@@ -334,6 +372,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
+        if _on_cuda(outputs):
+            return self._cuda().reduce_scatter(outputs, input_lists, opts or dist.ReduceScatterOptions())
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         calls, copies, keep = [], [], []
         for output, inputs in zip(outputs, input_lists):
@@ -353,6 +393,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, calls, outputs, lambda: [c.done() for c in copies], (copies, keep))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        if _on_cuda(input):
+            return self._cuda().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions())
         n = self.size()
         if output.dtype != input.dtype:
             raise TypeError(f"all_to_all_single: the output is {output.dtype}, the input {input.dtype}")
@@ -373,6 +415,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def alltoall(self, outputs, inputs, opts=None):
+        if _on_cuda(inputs):
+            return self._cuda().alltoall(outputs, inputs, opts or dist.AllToAllOptions())
         n = self.size()
         if len(inputs) != n or len(outputs) != n:
             raise ValueError(f"all_to_all needs one input and one output tensor per rank ({n})")
@@ -394,6 +438,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, [call], outputs, finish, (send, flat))
 
     def reduce(self, tensors, opts):
+        if _on_cuda(tensors):
+            return self._cuda().reduce(tensors, opts)
         op = _op(opts.reduceOp)
         calls, copies = [], []
         for t in tensors:
@@ -405,6 +451,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, calls, tensors, (lambda: [c.done() for c in copies]) if is_root else None, copies)
 
     def gather(self, output_lists, inputs, opts):
+        if _on_cuda(inputs):
+            return self._cuda().gather(output_lists, inputs, opts)
         root = opts.rootRank
         (t,) = inputs
         _check(t)
@@ -425,6 +473,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, [call], output_lists, finish, (src, flat))
 
     def scatter(self, outputs, input_lists, opts):
+        if _on_cuda(outputs):
+            return self._cuda().scatter(outputs, input_lists, opts)
         root = opts.rootRank
         (out,) = outputs
         c = _Contiguous(out, read=False)
@@ -443,6 +493,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return self._run(opts, [(self._comm.barrier, ())], [])
 
     def send(self, tensors, dst, tag=0):
+        if _on_cuda(tensors):
+            return self._cuda().send(tensors, dst, tag)
         for t in tensors:
             _check(t)
             src = _bytes(t.contiguous())
@@ -450,6 +502,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
+        if _on_cuda(tensors):
+            return self._cuda().recv(tensors, src, tag)
         for t in tensors:
             c = _Contiguous(t, read=False)
             dst = _bytes(c.work)

@@ -138,3 +138,15 @@ def test_the_executor_runs_a_kolo_backend_function_twice_on_the_same_workers():
             assert results == [("kolo", [3.0] * 4)] * 2, results
     finally:
         executor.shutdown()
+
+
+def test_cuda_tensors_go_to_nccl_in_the_backend_and_horovods_api():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: the CUDA paths (torch's NCCL under kolo) are tested where one is")
+    gpus = torch.cuda.device_count()
+    out = subprocess.run(
+        [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ok cuda") == gpus, out.stdout

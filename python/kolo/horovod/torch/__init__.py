@@ -2,13 +2,14 @@
 kolo.horovod.torch as hvd`, or, in a kolo job without Horovod installed,
 `import horovod.torch as hvd` itself.
 
-CPU tensors go through kolo-comm, in place in their memory. Every rank
+CPU tensors go through kolo-comm, in place in their memory; CUDA tensors
+through torch's NCCL, in a group kolo makes from its own store. Every rank
 must issue the same operations in the same order (kolo does not negotiate
 by name as Horovod's coordinator does; a rank that calls something else
 gets `HorovodInternalError` naming the rank and both calls). Beyond
 upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built (raising
 `NotImplementedError` when used): Adasum, process sets other than the
-global one, the timeline, CUDA tensors."""
+global one, the timeline, alltoall and reducescatter of CUDA tensors."""
 
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from .compression import Compression

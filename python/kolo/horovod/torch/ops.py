@@ -64,6 +64,7 @@ class _State:
         self.in_flight = set()
         self.lock = threading.Lock()
         self.atexit = False
+        self.nccl = None
 
 
 _state = _State()
@@ -244,15 +245,76 @@ def _tensor(t, allowed, what):
         raise TypeError(f"{what} takes a torch.Tensor, not {type(t).__name__}")
     if t.dtype not in allowed:
         raise ValueError(f"Tensor type {t.dtype} is not supported.")
-    if t.device.type != "cpu":
-        raise ValueError(f"kolo's Horovod takes CPU tensors; {t.device} is not supported yet")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"kolo's Horovod takes CPU and CUDA tensors, not {t.device}")
     if not t.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
     return t
 
 
+def _cpu_only(t, what):
+    if t.is_cuda:
+        raise NotImplementedError(f"kolo's Horovod runs {what} on CPU tensors only; move this {t.device} tensor to the CPU")
+
+
 def _failed(e):
     return HorovodInternalError(str(e))
+
+
+# ---- CUDA tensors: torch's NCCL ---------------------------------------------
+
+
+class _TorchPending:
+    """A torch Work as a handle's pending call."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        self.work.wait()
+
+    def done(self):
+        return self.work.is_completed()
+
+
+_TORCH_OPS = {
+    Average: "AVG",
+    Sum: "SUM",
+    Min: "MIN",
+    Max: "MAX",
+    Product: "PRODUCT",
+}
+
+
+def _nccl():
+    """torch's NCCL group over the job's ranks, for CUDA tensors: made the
+    first time one comes, from the store kolo serves its ranks
+    (MASTER_ADDR:MASTER_PORT), under a prefix of this init's own."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if getattr(_state, "nccl", None) is not None and _state.nccl[0] == _state.generation:
+        return _state.nccl[1]
+    if not dist.is_nccl_available():
+        raise ValueError("a CUDA tensor came to kolo's Horovod, but this torch has no NCCL")
+    comm = _comm()
+    if comm.size == 1:
+        store = dist.HashStore()
+    else:
+        timeout = datetime.timedelta(seconds=_env_int("HOROVOD_GLOO_TIMEOUT_SECONDS", default=30))
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), comm.size, False, timeout)
+    group = dist.ProcessGroupNCCL(dist.PrefixStore(f"kolo-hvd-nccl/{_state.generation}/", store), comm.rank, comm.size)
+    _state.nccl = (_state.generation, group)
+    return group
+
+
+def _torch_op(op):
+    import torch.distributed as dist
+
+    return getattr(dist.ReduceOp, _TORCH_OPS[op])
 
 
 # ---- handles ----------------------------------------------------------------
@@ -353,6 +415,13 @@ def _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor
     for t in tensors:
         if prescale_factor != 1.0:
             t.mul_(prescale_factor)
+        if t.is_cuda:
+            import torch.distributed as dist
+
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = _torch_op(op)
+            pendings.append(_TorchPending(_nccl().allreduce([t], opts)))
+            continue
         pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), _KOLO_DTYPES[t.dtype], _KOLO_OPS[op], keep=t))
 
     def after():
@@ -445,6 +514,8 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
             f"allgather: ranks {differ} passed tensors whose shapes beyond dim 0 differ from this rank's {list(tensor.shape)}"
         )
     out_shape = (sum(rows), *tensor.shape[1:]) if tensor.dim() else (n,)
+    if tensor.is_cuda:
+        return _allgather_cuda(tensor, rows, name)
     output = torch.empty(out_shape, dtype=tensor.dtype)
     row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
     src = _bytes(tensor.detach())
@@ -452,6 +523,18 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     pending = _issue(comm.allgather, src.data_ptr(), _bytes(output).data_ptr(), [r * row_bytes for r in rows], "u8",
                      keep=(src, output))
     return _register(reserved, [pending], output)
+
+
+def _allgather_cuda(tensor, rows, name):
+    """Through NCCL: every rank's rows padded to the most any rank has."""
+    most = max(rows)
+    padded = torch.zeros((most, *tensor.shape[1:]) if tensor.dim() else (1,), dtype=tensor.dtype, device=tensor.device)
+    padded[: rows[rank()]] = tensor if tensor.dim() else tensor.reshape(1)
+    flat = torch.empty((len(rows) * most, *padded.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    reserved = _reserve("allgather", name)
+    work = _nccl()._allgather_base(flat, padded)
+    after = lambda: torch.cat([flat[r * most : r * most + rows[r]] for r in range(len(rows))])  # noqa: E731
+    return _register(reserved, [_TorchPending(work)], flat, after)
 
 
 class _Allgather(torch.autograd.Function):
@@ -487,6 +570,13 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
     comm = _comm()
     if not 0 <= root_rank < comm.size:
         raise ValueError(f"root_rank {root_rank} is not a rank of this {comm.size}-rank job")
+    if tensor.is_cuda:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root_rank
+        reserved = _reserve("broadcast", name)
+        return _register(reserved, [_TorchPending(_nccl().broadcast([tensor], opts))], tensor)
     dtype = _KOLO_DTYPES.get(tensor.dtype)
     view = tensor if dtype else _bytes(tensor)
     reserved = _reserve("broadcast", name)
@@ -529,6 +619,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     _global_only(process_set)
     _tensor(tensor, _MOVABLE, "alltoall")
+    _cpu_only(tensor, "alltoall")
     comm = _comm()
     n = comm.size
     rows = tensor.shape[0] if tensor.dim() else 1
@@ -567,6 +658,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     if op not in (Average, Sum):
         raise ValueError("reducescatter takes op=hvd.Average or hvd.Sum")
     _tensor(tensor, _REDUCIBLE, "reducescatter")
+    _cpu_only(tensor, "reducescatter")
     comm = _comm()
     n = comm.size
     rows = tensor.shape[0] if tensor.dim() else 1
