@@ -520,6 +520,31 @@ impl Communicator {
         })
     }
 
+    /// A gather's or scatter's arguments: `root` a member, a count per
+    /// member, this rank's part `part` elements long and, at the root, the
+    /// whole buffer `whole` long.
+    fn check_rooted(
+        &self,
+        what: &str,
+        root: usize,
+        counts: &[usize],
+        part: usize,
+        whole: usize,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.size(), self.rank);
+        if root >= n || counts.len() != n || counts[r] != part {
+            return Err(self.bad(format!(
+                "{what}: root {root} must be a rank of this {n}-rank communicator, and counts {counts:?} have one entry per rank, this rank's equal to its part ({part} elements)"
+            )));
+        }
+        if r == root && counts.iter().sum::<usize>() != whole {
+            return Err(
+                self.bad(format!("{what}: counts {counts:?} must sum to the root's whole buffer ({whole} elements)"))
+            );
+        }
+        Ok(())
+    }
+
     /// Rank `root` gets every rank's `send` in rank order (`counts[p]`
     /// elements from rank p) in `recv`; `recv` is left alone elsewhere.
     pub fn gatherv<T: Element>(
@@ -530,17 +555,7 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         let (n, r) = (self.size(), self.rank);
-        if root >= n || counts.len() != n || counts[r] != send.len() {
-            return Err(self.bad(format!(
-                "gather: root {root} must be a rank of this {n}-rank communicator, counts {counts:?} have one entry per rank and this rank's equal its send length ({})",
-                send.len()
-            )));
-        }
-        if r == root && counts.iter().sum::<usize>() != recv.len() {
-            return Err(
-                self.bad(format!("gather: counts {counts:?} must sum to the root's recv length ({})", recv.len()))
-            );
-        }
+        self.check_rooted("gather", root, counts, send.len(), recv.len())?;
         let at = offsets(counts, std::mem::size_of::<T>());
         let send = as_bytes(send);
         let call = Call::of(Kind::Gather, T::DTYPE, 0).root(root);
@@ -569,17 +584,7 @@ impl Communicator {
         root: usize,
     ) -> Result<(), CommError> {
         let (n, r) = (self.size(), self.rank);
-        if root >= n || counts.len() != n || counts[r] != recv.len() {
-            return Err(self.bad(format!(
-                "scatter: root {root} must be a rank of this {n}-rank communicator, counts {counts:?} have one entry per rank and this rank's equal its recv length ({})",
-                recv.len()
-            )));
-        }
-        if r == root && counts.iter().sum::<usize>() != send.len() {
-            return Err(
-                self.bad(format!("scatter: counts {counts:?} must sum to the root's send length ({})", send.len()))
-            );
-        }
+        self.check_rooted("scatter", root, counts, recv.len(), send.len())?;
         let at = offsets(counts, std::mem::size_of::<T>());
         let recv = as_bytes_mut(recv);
         let call = Call::of(Kind::Scatter, T::DTYPE, 0).root(root);
