@@ -118,6 +118,9 @@ def _done(result):
     return _create_work_from_future(fut)
 
 
+_STORE_TIMEOUT = getattr(dist, "DistStoreError", RuntimeError)
+
+
 class _StoreBook:
     """The group's torch Store as kolo-comm's address book."""
 
@@ -132,10 +135,11 @@ class _StoreBook:
             return self._store.get(key) if self._store.check([key]) else None
         try:
             self._store.wait([key], datetime.timedelta(seconds=max(timeout_s, 0.001)))
-        except Exception as e:  # torch raises DistStoreError (or RuntimeError) on timeout
-            if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-                return None
-            raise
+        except _STORE_TIMEOUT as e:
+            # only a timeout means "not yet" (older torch: a plain RuntimeError)
+            if "time" not in str(e).lower():
+                raise
+            return None
         return self._store.get(key)
 
 

@@ -106,6 +106,18 @@ def ops():
         dist.recv(got, src=0)
         close(got, torch.arange(6, dtype=torch.int8), "send/recv int8")
     dist.barrier()
+    # in-place forms (FSDP's): the input inside the output, and back
+    for dtype in (torch.float32, torch.bfloat16):
+        flat = torch.zeros(size * 1000, dtype=dtype)
+        mine = flat[rank * 1000 : (rank + 1) * 1000]
+        mine.copy_(data(rank, 1000, dtype))
+        dist.all_gather_into_tensor(flat, mine)
+        close(flat, torch.cat([data(r, 1000, dtype) for r in range(size)]), f"in-place all_gather_into_tensor {dtype}")
+        whole = data(rank, size * 1000, dtype, salt=3)
+        expected = torch.stack([data(r, size * 1000, dtype, salt=3).double() for r in range(size)]).sum(0).to(dtype)
+        part = whole[rank * 1000 : (rank + 1) * 1000]
+        dist.reduce_scatter_tensor(part, whole)
+        close(part, expected[rank * 1000 : (rank + 1) * 1000], f"in-place reduce_scatter_tensor {dtype}")
     # a non-contiguous tensor is reduced in place, correctly
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1)
     view = base.t()

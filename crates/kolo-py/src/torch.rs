@@ -120,6 +120,30 @@ unsafe fn view<'a, T>(addr: usize, count: usize) -> &'a mut [T] {
     unsafe { std::slice::from_raw_parts_mut(addr as *mut T, count) }
 }
 
+/// `count` elements at `send` that do not alias the `recv_count` at
+/// `recv`: torch has in-place forms (an all_gather's input inside its
+/// output, FSDP's habit), whose input is copied into `owned` first.
+///
+/// # Safety
+/// As for [`view`], for both ranges.
+unsafe fn input<'a, T: Copy>(
+    send: usize,
+    count: usize,
+    recv: usize,
+    recv_count: usize,
+    owned: &'a mut Vec<T>,
+) -> &'a [T] {
+    let size = std::mem::size_of::<T>();
+    let overlap = count > 0 && recv_count > 0 && send < recv + recv_count * size && recv < send + count * size;
+    // SAFETY: as the caller promised
+    let slice: &'a [T] = unsafe { view::<T>(send, count) };
+    if overlap {
+        *owned = slice.to_vec();
+        return owned;
+    }
+    slice
+}
+
 /// One torch process group's communicator, behind its queue.
 #[pyclass(module = "kolo._kolo")]
 pub struct TorchComm {
@@ -302,7 +326,10 @@ impl TorchComm {
         let dtype = dtype_of(dtype)?;
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => c.allgatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts))
+            typed!(dtype, T => {
+                let mut owned = Vec::new();
+                c.allgatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts)
+            })
         })
     }
 
@@ -325,7 +352,10 @@ impl TorchComm {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => c.reduce_scatter_counts(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, op))
+            typed!(dtype, T => {
+                let mut owned = Vec::new();
+                c.reduce_scatter_counts(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, op)
+            })
         })
     }
 
@@ -346,7 +376,10 @@ impl TorchComm {
         let dtype = dtype_of(dtype)?;
         let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => c.alltoallv(unsafe { view::<T>(send, sn) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts))
+            typed!(dtype, T => {
+                let mut owned = Vec::new();
+                c.alltoallv(unsafe { input::<T>(send, sn, recv, rn, &mut owned) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts)
+            })
         })
     }
 
@@ -398,7 +431,10 @@ impl TorchComm {
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => c.gatherv(unsafe { view::<T>(send, mine) }, unsafe { view::<T>(recv, total) }, &counts, root))
+            typed!(dtype, T => {
+                let mut owned = Vec::new();
+                c.gatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts, root)
+            })
         })
     }
 
@@ -421,7 +457,10 @@ impl TorchComm {
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => c.scatterv(unsafe { view::<T>(send, total) }, unsafe { view::<T>(recv, mine) }, &counts, root))
+            typed!(dtype, T => {
+                let mut owned = Vec::new();
+                c.scatterv(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, root)
+            })
         })
     }
 
