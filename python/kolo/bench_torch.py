@@ -5,8 +5,9 @@ alternating (started with `kolo run`; each figure the slowest rank's).
 - allreduce: `dist.all_reduce` of float32 at 4 KiB, 1 MiB and 64 MiB, the
   time of a call.
 - ddp: the step time of an all_reduce-bound model (an MLP of ~16.8 M
-  parameters, batch 8) under DistributedDataParallel, and the same model
-  through `kolo.horovod.torch.DistributedOptimizer` on kolo.
+  parameters, batch 8) under DistributedDataParallel, the same model
+  through `kolo.horovod.torch.DistributedOptimizer` on kolo, and DDP's step
+  under `no_sync()` (no communication).
 """
 
 import argparse
@@ -76,13 +77,16 @@ def rank_ddp(steps, repeats):
     gloo = dist.new_group(backend="gloo")
     x, y = torch.randn(8, 2048), torch.randn(8, 2048)
 
-    def ddp_step(group):
+    def ddp_step(group, sync=True):
+        import contextlib
+
         model = torch.nn.parallel.DistributedDataParallel(_mlp(torch), process_group=group)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step():
             opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
 
         return step
@@ -101,7 +105,8 @@ def rank_ddp(steps, repeats):
 
         return step
 
-    steps_of = {"gloo": ddp_step(gloo), "kolo": ddp_step(None)}
+    # no_sync: the same step without communication, what DDP costs beyond it
+    steps_of = {"gloo": ddp_step(gloo), "kolo": ddp_step(None), "no_sync": ddp_step(None, sync=False)}
     try:
         steps_of["hvd"] = hvd_step()
     except ImportError:
@@ -147,13 +152,13 @@ def main():
                 g, k = row["gloo"] * 1e6, row["kolo"] * 1e6
                 print(f"{n:>3} {row['bytes']:>10} {g:>10.1f} {k:>10.1f} {g / k:>10.2f}", flush=True)
     else:
-        print(f"{'np':>3} {'gloo_ms':>9} {'kolo_ms':>9} {'kolo/gloo':>10} {'hvd_ms':>9} {'hvd/kolo':>9}")
+        print(f"{'np':>3} {'gloo_ms':>9} {'kolo_ms':>9} {'kolo/gloo':>10} {'hvd_ms':>9} {'hvd/kolo':>9} {'no_sync_ms':>11}")
         for n in args.np:
             r = _launch(n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)])
             g, k = r["gloo"] * 1e3, r["kolo"] * 1e3
             h = r.get("hvd")
             hvd = f"{h * 1e3:>9.1f} {h * 1e3 / k:>9.2f}" if h else f"{'-':>9} {'-':>9}"
-            print(f"{n:>3} {g:>9.1f} {k:>9.1f} {k / g:>10.2f} {hvd}", flush=True)
+            print(f"{n:>3} {g:>9.1f} {k:>9.1f} {k / g:>10.2f} {hvd} {r['no_sync'] * 1e3:>11.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -158,7 +158,13 @@ class ProcessGroupKolo(dist.ProcessGroup):
     def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-        self._comm = _kolo.TorchComm.connect(_StoreBook(store), rank, size, seconds, _store_host(store))
+        # a group formed again over the same store (destroy_process_group,
+        # then init: torch names it "0" again) must not read the last
+        # generation's addresses: every rank of a generation counts itself
+        # in before any rank can start the next one
+        joined = store.add("kolo-comm/joined", 1)
+        book = _StoreBook(dist.PrefixStore(f"kolo-comm/{(joined - 1) // size}/", store))
+        self._comm = _kolo.TorchComm.connect(book, rank, size, seconds, _store_host(store))
         self._store, self._timeout, self._nccl = store, timeout, None
         self._group_name = None
         self._group_desc = ""

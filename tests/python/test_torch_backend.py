@@ -65,6 +65,12 @@ def test_a_group_is_destroyed_and_formed_again_in_the_same_processes():
     assert "timed out after" not in out.stderr, "torch's store warned about kolo's waits: " + out.stderr
 
 
+def test_a_group_formed_again_over_the_same_store_never_reads_the_last_generations_addresses():
+    out = kolo_run(3, "reinit_same")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(oks(out, "reinit_same")) == 3, out.stdout
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
