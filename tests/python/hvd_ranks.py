@@ -218,6 +218,16 @@ def syncbn():
 
 
 
+def patient():
+    """A peer busy for longer than the job's start timeout (kolo run
+    --start-timeout 1) is waited for, as Horovod does."""
+    import time
+
+    if hvd.rank() == 0:
+        time.sleep(2.5)
+    check(hvd.allreduce(torch.ones(4), op=hvd.Sum), torch.full((4,), float(hvd.size())), "after a long wait")
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     assert hvd.__name__ == "kolo.horovod.torch", hvd.__name__

@@ -52,6 +52,14 @@ def test_sync_batch_norm_on_cpu_equals_batch_norm_on_the_whole_batch(n):
     passed(kolo_run(n, RANKS, "syncbn"), n, "syncbn")
 
 
+def test_a_collective_waits_for_a_peer_busier_than_the_start_timeout():
+    out = subprocess.run(
+        [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"],
+        capture_output=True, text=True, timeout=120,
+    )
+    passed(out, 2, "patient")
+
+
 def test_bad_input_and_disagreeing_ranks_raise_horovods_exceptions():
     passed(kolo_run(2, RANKS, "errors"), 2, "errors")
 

@@ -235,12 +235,18 @@ impl TorchComm {
     /// The kolo job's communicator, from the variables kolo sets its ranks
     /// (Horovod's `init()`); `generation` tells apart the communicators of
     /// successive inits of the same processes (every rank counts them alike).
+    /// `timeout_s`: how long a bootstrap or a collective may wait without
+    /// progress (the job's start timeout when not given).
     #[staticmethod]
-    fn from_env(py: Python<'_>, generation: u64) -> PyResult<TorchComm> {
+    #[pyo3(signature = (generation, timeout_s=None))]
+    fn from_env(py: Python<'_>, generation: u64, timeout_s: Option<f64>) -> PyResult<TorchComm> {
         let comm = py
             .allow_threads(|| {
                 let mut config = Config::from_env()?;
                 config.job_id = format!("{}-g{generation}", config.job_id);
+                if let Some(s) = timeout_s {
+                    config = config.with_timeout(Duration::from_secs_f64(s.clamp(0.001, 1e9)));
+                }
                 Communicator::connect(config)
             })
             .map_err(failed)?;

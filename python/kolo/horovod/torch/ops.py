@@ -89,8 +89,12 @@ def init(comm=None, process_sets=None):
     if process_sets:
         raise NotImplementedError("kolo's Horovod has the global process set only: call init() without process_sets")
     in_job = bool(os.environ.get("KOLO_SECRET")) and "KOLO_RANK" in os.environ
+    # Horovod's collectives wait as long as their peers take (rank 0 saving
+    # a checkpoint, say); a peer that dies is noticed at once all the same.
+    # KOLO_COMM_TIMEOUT_SECONDS bounds the wait; else torch's 30 minutes.
+    timeout = float(os.environ.get("KOLO_COMM_TIMEOUT_SECONDS") or 1800)
     try:
-        _state.comm = _kolo.TorchComm.from_env(_state.generation) if in_job else _kolo.TorchComm.single()
+        _state.comm = _kolo.TorchComm.from_env(_state.generation, timeout) if in_job else _kolo.TorchComm.single()
     except _kolo.CollectiveError as e:
         raise HorovodInternalError(str(e)) from None
     _state.generation += 1
