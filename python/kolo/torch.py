@@ -112,6 +112,12 @@ def _bytes(t):
     return t.reshape(-1).view(torch.uint8)
 
 
+def _unpack(flat, counts, outputs):
+    """The parts of a uint8 buffer (`counts` bytes each) into `outputs`."""
+    for o, part in zip(outputs, flat.split(counts)):
+        o.copy_(part.view(o.dtype).view(o.shape))
+
+
 def _done(result):
     fut = torch.futures.Future()
     fut.set_result(result)
@@ -321,8 +327,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
 
         def finish():
             for outs, flat, counts in outs_flat:
-                for o, part in zip(outs, flat.split(counts)):
-                    o.copy_(part.view(o.dtype).view(o.shape))
+                _unpack(flat, counts, outs)
 
         return self._run(opts, calls, output_lists, finish, keep)
 
@@ -442,8 +447,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         call = (self._comm.alltoall, (send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "u8"))
 
         def finish():
-            for o, part in zip(outputs, flat.split(recv_counts)):
-                o.copy_(part.view(o.dtype).view(o.shape))
+            _unpack(flat, recv_counts, outputs)
 
         return self._run(opts, [call], outputs, finish, (send, flat))
 
@@ -476,8 +480,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         flat = torch.empty(sum(counts), dtype=torch.uint8)
 
         def finish():
-            for o, part in zip(outs, flat.split(counts)):
-                o.copy_(part.view(o.dtype).view(o.shape))
+            _unpack(flat, counts, outs)
 
         call = (self._comm.gather, (src.data_ptr(), flat.data_ptr(), counts, "u8", root))
         return self._run(opts, [call], output_lists, finish, (src, flat))

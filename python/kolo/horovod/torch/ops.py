@@ -14,6 +14,7 @@ import time
 import torch
 
 from kolo import _kolo
+from kolo.torch import _DTYPES, _bytes
 
 from ..common.exceptions import HorovodInternalError
 
@@ -21,17 +22,8 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _KOLO_OPS = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
-_KOLO_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",  # beyond upstream
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.uint8: "u8",
-}
-# what upstream reduces (plus bfloat16 and uint8), and what it only moves
-_REDUCIBLE = set(_KOLO_DTYPES)
+# what upstream reduces (plus bfloat16 and uint8: kolo.torch's types), and what it only moves
+_REDUCIBLE = set(_DTYPES)
 _MOVABLE = _REDUCIBLE | {torch.int8, torch.int16}
 
 
@@ -426,7 +418,7 @@ def _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor
             opts.reduceOp = _torch_op(op)
             pendings.append(_TorchPending(_nccl().allreduce([t], opts)))
             continue
-        pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), _KOLO_DTYPES[t.dtype], _KOLO_OPS[op], keep=t))
+        pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), _DTYPES[t.dtype], _KOLO_OPS[op], keep=t))
 
     def after():
         if postscale_factor != 1.0:
@@ -493,10 +485,6 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
 
 
 # ---- allgather -------------------------------------------------------------
-
-
-def _bytes(t):
-    return t.reshape(-1).view(torch.uint8)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -581,7 +569,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
         opts.rootRank = root_rank
         reserved = _reserve("broadcast", name)
         return _register(reserved, [_TorchPending(_nccl().broadcast([tensor], opts))], tensor)
-    dtype = _KOLO_DTYPES.get(tensor.dtype)
+    dtype = _DTYPES.get(tensor.dtype)
     view = tensor if dtype else _bytes(tensor)
     reserved = _reserve("broadcast", name)
     pending = _issue(comm.broadcast, view.data_ptr(), view.numel(), dtype or "u8", root_rank, keep=tensor)
@@ -674,7 +662,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     reserved = _reserve("reducescatter", name)
     pending = _issue(
         comm.reduce_scatter, src.data_ptr(), output.data_ptr(), [r * row for r in mine_rows],
-        _KOLO_DTYPES[tensor.dtype], _KOLO_OPS[op], keep=(src, output),
+        _DTYPES[tensor.dtype], _KOLO_OPS[op], keep=(src, output),
     )
     return _register(reserved, [pending], output)
 
