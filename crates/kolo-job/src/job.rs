@@ -36,6 +36,24 @@ pub struct OptionNames {
 }
 
 impl OptionNames {
+    /// horovod.ray's argument names, which `kolo.Executor` takes.
+    pub const HOROVOD_RAY: OptionNames = OptionNames {
+        np: "num_workers",
+        min_np: "min_workers",
+        max_np: "max_workers",
+        reset_limit: "reset_limit",
+        max_restarts: "max_restarts",
+        elastic_timeout: "elastic_timeout",
+        cooldown: "cooldown_range",
+        discovery: "host_discovery_script",
+        discovery_interval: "discovery_interval",
+        slots_per_host: "slots_per_host",
+        hosts: "hosts",
+        engine: "engine",
+    };
+}
+
+impl OptionNames {
     /// Why membership stopped the job, naming the limits as the user gave them.
     pub fn explain(&self, reason: &StopReason) -> String {
         match reason {
@@ -439,32 +457,18 @@ mod tests {
         hosts: "-H",
         engine: "--engine",
     };
-    const PYTHON: OptionNames = OptionNames {
-        np: "num_workers",
-        min_np: "min_workers",
-        max_np: "max_workers",
-        reset_limit: "reset_limit",
-        max_restarts: "max_restarts",
-        elastic_timeout: "elastic_timeout",
-        cooldown: "cooldown_range",
-        discovery: "host_discovery_script",
-        discovery_interval: "discovery_interval",
-        slots_per_host: "slots_per_host",
-        hosts: "hosts",
-        engine: "engine",
-    };
 
     #[test]
     fn stop_reasons_name_the_limits_as_each_front_end_spells_them() {
         let timeout = StopReason::Timeout { needed: 4, available: 2, waited: Duration::from_secs(30) };
         assert!(CLI.explain(&timeout).contains("waiting for 4 slots (--min-np) with 2 available"));
-        let python = PYTHON.explain(&timeout);
+        let python = OptionNames::HOROVOD_RAY.explain(&timeout);
         assert!(python.contains("(min_workers)") && python.contains("raise elastic_timeout"), "{python}");
         assert!(!python.contains("--"), "{python}");
         let none_left = StopReason::NoSlotsLeft { needed: 2, available: 1 };
         let cli = CLI.explain(&none_left);
         assert!(cli.contains("give --cooldown-range") && cli.contains("--host-discovery-script"), "{cli}");
-        let python = PYTHON.explain(&none_left);
+        let python = OptionNames::HOROVOD_RAY.explain(&none_left);
         assert!(python.contains("give cooldown_range") && python.contains("or lower min_workers"), "{python}");
         assert!(CLI.explain(&StopReason::ResetLimit { limit: 2 }).contains("--reset-limit"));
         assert!(CLI.explain(&StopReason::RestartLimit { limit: 2 }).contains("--max-restarts"));
@@ -520,7 +524,11 @@ mod tests {
         assert!(e.contains("--min-np (3) must not be more than --max-np (2): give 1 <= min-np <= max-np"), "{e}");
         let mut in_place = ElasticOptions::new(ElasticMode::InPlace);
         in_place.cooldown = Some((Duration::from_secs(9), Duration::from_secs(3)));
-        let bad = JobSpec { elastic: Some(in_place.clone()), names: PYTHON, ..spec(Workers::Pack(Some(2)), None) };
+        let bad = JobSpec {
+            elastic: Some(in_place.clone()),
+            names: OptionNames::HOROVOD_RAY,
+            ..spec(Workers::Pack(Some(2)), None)
+        };
         assert!(bad.check().unwrap_err().to_string().contains("cooldown_range '9:3'"));
         in_place.cooldown = None;
         let job = JobSpec { elastic: Some(in_place), ..spec(Workers::Pack(Some(2)), None) };

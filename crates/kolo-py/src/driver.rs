@@ -15,21 +15,8 @@ use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers
 use crate::worker::{registry, PyCall, PyWorker};
 use crate::{error, exec_error, JobStopped};
 
-/// How `kolo.Executor`'s messages name its arguments (horovod.ray's).
-const PYTHON_NAMES: OptionNames = OptionNames {
-    np: "num_workers",
-    min_np: "min_workers",
-    max_np: "max_workers",
-    reset_limit: "reset_limit",
-    max_restarts: "max_restarts",
-    elastic_timeout: "elastic_timeout",
-    cooldown: "cooldown_range",
-    discovery: "host_discovery_script",
-    discovery_interval: "discovery_interval",
-    slots_per_host: "slots_per_host",
-    hosts: "hosts",
-    engine: "engine",
-};
+/// How `kolo.Executor`'s messages name its arguments: horovod.ray's names.
+const PYTHON_NAMES: OptionNames = OptionNames::HOROVOD_RAY;
 
 /// A count given in Python: a positive integer, or a ValueError naming it.
 fn count(name: &str, value: Option<i64>) -> PyResult<Option<u32>> {
