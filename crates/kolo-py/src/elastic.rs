@@ -8,20 +8,27 @@ use std::sync::Mutex;
 
 use kolo_comm::elastic::Elastic;
 use kolo_comm::{CommError, Communicator, ReduceOp};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-pyo3::create_exception!(_kolo, MembershipError, PyRuntimeError, "The job's membership changed: join the next round.");
+// a collective's failure too: kolo.horovod and kolo.torch catch
+// CollectiveError; elastic loops tell membership changes apart by this type
+pyo3::create_exception!(
+    _kolo,
+    MembershipError,
+    crate::torch::CollectiveError,
+    "The job's membership changed: join the next round."
+);
 pyo3::create_exception!(_kolo, HostsUpdated, MembershipError, "Hosts came or went: join the new round.");
 pyo3::create_exception!(_kolo, Removed, pyo3::exceptions::PyException, "This worker has no place in the new round.");
 
-fn comm_error(e: CommError) -> PyErr {
+pub(crate) fn comm_error(e: CommError) -> PyErr {
     match e {
         CommError::Removed { .. } => Removed::new_err(e.to_string()),
         CommError::HostsUpdated { .. } => HostsUpdated::new_err(e.to_string()),
         e if e.is_membership() => MembershipError::new_err(e.to_string()),
-        e => PyRuntimeError::new_err(e.to_string()),
+        e => crate::torch::CollectiveError::new_err(e.to_string()),
     }
 }
 
@@ -44,6 +51,35 @@ impl ElasticWorker {
     fn join(&self, py: Python<'_>) -> PyResult<Comm> {
         let comm = py.allow_threads(|| self.lock().join()).map_err(comm_error)?;
         Ok(Comm { inner: Mutex::new(comm) })
+    }
+
+    /// Like `join`, for torch (kolo.torch.elastic, kolo.horovod.torch):
+    /// the round's communicator behind the queue that torch's calls use.
+    fn join_torch(&self, py: Python<'_>) -> PyResult<crate::torch::TorchComm> {
+        let comm = py.allow_threads(|| self.lock().join()).map_err(comm_error)?;
+        crate::torch::TorchComm::started(comm)
+    }
+
+    /// This process's six Horovod numbers in the round joined last (rank,
+    /// size, local rank, local size, cross rank, cross size).
+    #[getter]
+    fn assignment(&self) -> Option<(usize, usize, usize, usize, usize, usize)> {
+        self.lock().assignment().map(|a| (a.rank, a.size, a.local_rank, a.local_size, a.cross_rank, a.cross_size))
+    }
+
+    /// Waits up to `timeout_s` for a round newer than the one joined last
+    /// (a peer's death reaches the driver first; its round follows).
+    fn wait_newer_round(&self, py: Python<'_>, timeout_s: f64) -> Option<u64> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s.clamp(0.0, 1e9));
+        py.allow_threads(|| loop {
+            if let Some(round) = self.lock().newer_round() {
+                return Some(round);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        })
     }
 
     /// The round joined last.

@@ -19,9 +19,27 @@ struct Job {
     done: Arc<Done>,
 }
 
+/// Why a call failed, and whether an elastic job gets past it by joining
+/// the next round (`CommError::is_membership`).
+#[derive(Clone, Debug)]
+pub(crate) struct Failure {
+    pub(crate) message: String,
+    pub(crate) membership: bool,
+}
+
+impl From<CommError> for Failure {
+    fn from(e: CommError) -> Failure {
+        Failure { membership: e.is_membership(), message: e.to_string() }
+    }
+}
+
+fn shut_down() -> Failure {
+    Failure { message: "the process group was shut down".into(), membership: false }
+}
+
 /// What an issued call became.
 pub(crate) struct Done {
-    result: Mutex<Option<Result<(), String>>>,
+    result: Mutex<Option<Result<(), Failure>>>,
     ready: Condvar,
     /// Called (with the GIL) once the call has ended: `None`, or the error.
     then: Option<Py<PyAny>>,
@@ -31,8 +49,8 @@ pub(crate) struct Done {
 }
 
 impl Done {
-    fn finish(&self, result: Result<(), String>) {
-        let error = result.as_ref().err().cloned();
+    fn finish(&self, result: Result<(), Failure>) {
+        let error = result.as_ref().err().map(|f| f.message.clone());
         *lock(&self.result) = Some(result);
         self.ready.notify_all();
         if let Some(then) = &self.then {
@@ -46,7 +64,7 @@ impl Done {
     }
 
     /// Blocks (without the GIL, the caller releases it) until the call ended.
-    pub(crate) fn wait(&self) -> Result<(), String> {
+    pub(crate) fn wait(&self) -> Result<(), Failure> {
         let mut result = lock(&self.result);
         loop {
             if let Some(r) = result.as_ref() {
@@ -104,7 +122,7 @@ impl Ordered {
             };
             let result = self.run_now(job.run);
             // the next job may start while this one's callback runs
-            job.done.finish(result.map_err(|e| e.to_string()));
+            job.done.finish(result.map_err(Failure::from));
         }
     }
 
@@ -119,15 +137,15 @@ impl Ordered {
     pub(crate) fn now(
         &self,
         run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         let q = lock(&self.queue);
         if q.jobs.is_empty() && !q.busy {
             // holding the comm before letting go of the queue: a job queued
             // meanwhile waits for this one, as its order says
             let mut comm = lock(&self.comm);
             drop(q);
-            let comm = comm.as_mut().ok_or_else(|| "the process group was shut down".to_string())?;
-            return run(comm).map_err(|e| e.to_string());
+            let comm = comm.as_mut().ok_or_else(shut_down)?;
+            return run(comm).map_err(Failure::from);
         }
         drop(q);
         self.queued(Box::new(run), None, None).wait()
@@ -148,7 +166,7 @@ impl Ordered {
         let mut q = lock(&self.queue);
         if q.closed {
             drop(q);
-            done.finish(Err("the process group was shut down".into()));
+            done.finish(Err(shut_down()));
             return done;
         }
         q.jobs.push_back(Job { run, done: done.clone() });
@@ -166,7 +184,7 @@ impl Ordered {
         };
         self.wake.notify_all();
         for job in dropped {
-            job.done.finish(Err("the process group was shut down".into()));
+            job.done.finish(Err(shut_down()));
         }
         drop(lock(&self.comm).take());
     }

@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::ordered::{Done, Ordered};
+use crate::ordered::{Done, Failure, Ordered};
 
 pyo3::create_exception!(
     _kolo,
@@ -24,8 +24,18 @@ pyo3::create_exception!(
     "A collective failed: a peer died or disagreed, or the group was closed."
 );
 
+/// A membership change (a peer lost, the round over) is a
+/// `MembershipError`, a subclass: elastic loops go on after it.
 fn failed(e: CommError) -> PyErr {
-    CollectiveError::new_err(e.to_string())
+    crate::elastic::comm_error(e)
+}
+
+fn queued_failed(f: Failure) -> PyErr {
+    if f.membership {
+        crate::elastic::MembershipError::new_err(f.message)
+    } else {
+        CollectiveError::new_err(f.message)
+    }
 }
 
 /// The process group's store, as kolo-comm's address book: a Python object
@@ -165,7 +175,7 @@ impl Pending {
     /// Blocks until the call ended; raises `CollectiveError` if it failed.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
         let done = self.done.clone();
-        py.allow_threads(move || done.wait()).map_err(CollectiveError::new_err)
+        py.allow_threads(move || done.wait()).map_err(queued_failed)
     }
 
     fn done(&self) -> bool {
@@ -174,7 +184,7 @@ impl Pending {
 }
 
 impl TorchComm {
-    fn started(comm: Communicator) -> PyResult<TorchComm> {
+    pub(crate) fn started(comm: Communicator) -> PyResult<TorchComm> {
         let (rank, size) = (comm.rank(), comm.size());
         let ordered = Ordered::start(comm)
             .map_err(|e| PyRuntimeError::new_err(format!("cannot start the collectives thread: {e}")))?;
@@ -201,7 +211,7 @@ impl TorchComm {
             return Ok(Some(Pending { done: self.ordered.later(run, then, keep) }));
         }
         let ordered = self.ordered.clone();
-        py.allow_threads(move || ordered.now(run)).map_err(CollectiveError::new_err)?;
+        py.allow_threads(move || ordered.now(run)).map_err(queued_failed)?;
         Ok(None)
     }
 }

@@ -9,7 +9,9 @@ by name as Horovod's coordinator does; a rank that calls something else
 gets `HorovodInternalError` naming the rank and both calls). Beyond
 upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built (raising
 `NotImplementedError` when used): Adasum, process sets other than the
-global one, the timeline, alltoall and reducescatter of CUDA tensors."""
+global one, the timeline, alltoall and reducescatter of CUDA tensors.
+`hvd.elastic` runs under `kolo run --in-place` and in elastic
+`kolo.Executor`s."""
 
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from .compression import Compression
@@ -71,5 +73,6 @@ from .ops import (
     stop_timeline,
     synchronize,
 )
+from . import elastic
 from .optimizer import DistributedOptimizer
 from .sync_batch_norm import SyncBatchNorm

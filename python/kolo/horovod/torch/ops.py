@@ -80,6 +80,30 @@ def init(comm=None, process_sets=None):
         raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
     if process_sets:
         raise NotImplementedError("kolo's Horovod has the global process set only: call init() without process_sets")
+    from kolo.torch import elastic
+
+    if elastic.in_place_job():
+        # an in-place elastic job: the next round this process has a place
+        # in, with its ranks there (`hvd.elastic.run` re-inits each round)
+        try:
+            joined = elastic.join("hvd.init")
+        except _kolo.CollectiveError as e:
+            raise HorovodInternalError(str(e)) from None
+        _state.comm = joined.comm
+        _state.generation += 1
+        _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
+                        joined.cross_size)
+    else:
+        _join_job()
+    _state.handles.clear()
+    _state.in_flight.clear()
+    _state.next_handle = 1
+    if not _state.atexit:
+        atexit.register(shutdown)
+        _state.atexit = True
+
+
+def _join_job():
     in_job = bool(os.environ.get("KOLO_SECRET")) and "KOLO_RANK" in os.environ
     # Horovod's collectives wait as long as their peers take (rank 0 saving
     # a checkpoint, say); a peer that dies is noticed at once all the same.
@@ -100,12 +124,6 @@ def init(comm=None, process_sets=None):
         _env_int("HOROVOD_CROSS_RANK", default=0),
         _env_int("HOROVOD_CROSS_SIZE", default=1),
     )
-    _state.handles.clear()
-    _state.in_flight.clear()
-    _state.next_handle = 1
-    if not _state.atexit:
-        atexit.register(shutdown)
-        _state.atexit = True
 
 
 def shutdown():
@@ -117,6 +135,9 @@ def shutdown():
     _state.next_handle = 1
     if comm is not None:
         comm.shutdown()
+        from kolo.torch import elastic
+
+        elastic.leave()
 
 
 def is_initialized():

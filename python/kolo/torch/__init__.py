@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from . import _kolo
+from .. import _kolo
 
 CollectiveError = _kolo.CollectiveError
 
@@ -161,16 +161,23 @@ class ProcessGroupKolo(dist.ProcessGroup):
     backend; `ProcessGroupKolo(store, rank, size, timeout)` makes one
     directly."""
 
-    def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30)):
+    def __init__(self, store, rank, size, timeout=datetime.timedelta(minutes=30), comm=None):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-        # a group formed again over the same store (destroy_process_group,
-        # then init: torch names it "0" again) must not read the last
-        # generation's addresses: every rank of a generation counts itself
-        # in before any rank can start the next one
-        joined = store.add("kolo-comm/joined", 1)
-        book = _StoreBook(dist.PrefixStore(f"kolo-comm/{(joined - 1) // size}/", store))
-        self._comm = _kolo.TorchComm.connect(book, rank, size, seconds, _store_host(store))
+        if comm is not None:
+            # an elastic round's communicator (kolo.torch.elastic): already
+            # joined, nothing to bootstrap
+            if (comm.rank, comm.size) != (rank, size):
+                raise ValueError(f"the round's communicator is rank {comm.rank} of {comm.size}, not {rank} of {size}")
+            self._comm = comm
+        else:
+            # a group formed again over the same store (destroy_process_group,
+            # then init: torch names it "0" again) must not read the last
+            # generation's addresses: every rank of a generation counts itself
+            # in before any rank can start the next one
+            joined = store.add("kolo-comm/joined", 1)
+            book = _StoreBook(dist.PrefixStore(f"kolo-comm/{(joined - 1) // size}/", store))
+            self._comm = _kolo.TorchComm.connect(book, rank, size, seconds, _store_host(store))
         self._store, self._timeout, self._nccl = store, timeout, None
         self._group_name = None
         self._group_desc = ""
@@ -565,8 +572,14 @@ def _splits(sizes, t, n, what):
     return sizes
 
 
+# a communicator kolo.torch.elastic has joined for the next default group
+_staged = None
+
+
 def _create(store, rank, size, timeout):
-    return ProcessGroupKolo(store, rank, size, timeout)
+    global _staged
+    comm, _staged = _staged, None
+    return ProcessGroupKolo(store, rank, size, timeout, comm=comm)
 
 
 def register():

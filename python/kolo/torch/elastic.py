@@ -1,0 +1,564 @@
+"""PyTorch training that survives lost ranks and hosts in place: the
+processes that are left keep running, form the next round's process group
+with their new ranks, take the training state from a survivor and go on
+from their last commit. Horovod's elastic API (`hvd.elastic`, in
+`kolo.horovod.torch.elastic`) is built on this module; DDP scripts use it
+directly:
+
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import kolo.torch.elastic as elastic
+
+    model = torch.nn.Linear(16, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = elastic.ElasticSampler(dataset)
+    state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
+
+    @elastic.run(backend="kolo")          # or "gloo", "nccl"
+    def train(state):
+        ddp = DDP(state.model)            # a new DDP each round: the group is new
+        loader = DataLoader(dataset, batch_size=32, sampler=state.sampler)
+        for state.epoch in range(state.epoch, epochs):
+            for i, batch in enumerate(loader):
+                ...forward, backward, state.optimizer.step()...
+                state.sampler.record_batch(i, 32)
+                state.commit()            # saves; joins a new round if hosts changed
+            state.sampler.set_epoch(state.epoch + 1)
+
+    train(state)
+
+Run it with `kolo run --in-place --min-np 2 -H a:2,b:2 -- python train.py`,
+or inside an elastic `kolo.Executor` (`min_workers`/`max_workers`).
+
+Each round, `run` destroys the last default process group, joins the
+round (kolo's driver gives every process its ranks in it), and forms the
+default group for it: with backend `kolo` from the round's own kolo-comm
+communicator, with `gloo`/`nccl` from kolo's store under a prefix of the
+round's. State moves over the round's kolo-comm communicator, from the
+process that committed most (the new rank 0 when all are equal), not from
+disk.
+"""
+
+import copy
+import datetime
+import functools
+import math
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+from .. import _kolo
+from .. import torch as _backend
+from ..horovod.common.exceptions import HostsUpdatedInterrupt
+
+MembershipError = _kolo.MembershipError
+CollectiveError = _kolo.CollectiveError
+Removed = _kolo.Removed
+
+_ENV_ROUND = "KOLO_ELASTIC_ROUND"
+
+
+def _require_in_place(what):
+    if not os.environ.get(_ENV_ROUND):
+        raise RuntimeError(
+            f"{what} needs an in-place elastic job, and this process is not in one: start the script with "
+            "`kolo run --in-place --min-np N -H host:slots,... -- python script.py`, or run the function "
+            "in kolo.Executor(settings, min_workers=..., max_workers=...)"
+        )
+
+
+class _Round:
+    """This process's place in one round, and the round's communicator."""
+
+    __slots__ = ("number", "comm", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size")
+
+    def __init__(self, number, comm, assignment):
+        self.number, self.comm = number, comm
+        (self.rank, self.size, self.local_rank, self.local_size, self.cross_rank, self.cross_size) = assignment
+
+
+_worker = None
+_current = None
+
+
+def _the_worker(what):
+    global _worker
+    if _worker is None:
+        _require_in_place(what)
+        _worker = _kolo.ElasticWorker.from_env()
+    return _worker
+
+
+def join(what="kolo.torch.elastic"):
+    """Leaves the current round and joins the next one with a place for
+    this process; raises `Removed` when the next has none."""
+    global _current
+    leave()
+    worker = _the_worker(what)
+    comm = worker.join_torch()
+    _current = _Round(worker.round, comm, worker.assignment)
+    return _current
+
+
+def leave():
+    """Closes this process's communicator of the current round, if any."""
+    global _current
+    joined, _current = _current, None
+    if joined is not None:
+        joined.comm.shutdown()
+
+
+def current():
+    """The round joined last (`number`, `rank`, `size`, `local_rank`, ...)."""
+    if _current is None:
+        raise RuntimeError("no elastic round joined yet: call the training function through kolo.torch.elastic.run")
+    return _current
+
+
+def in_place_job():
+    """Whether this process belongs to an in-place elastic job."""
+    return bool(os.environ.get(_ENV_ROUND))
+
+
+# ---- moving state over the round's communicator ---------------------------
+
+_WIRE = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.uint8: "u8",
+}
+
+
+def _broadcast_tensors(tensors, root):
+    """`root`'s values into `tensors` (any device, any dtype), in place."""
+    comm = current().comm
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        staged = t.detach()
+        if staged.device.type != "cpu" or not staged.is_contiguous():
+            staged = staged.to("cpu", copy=True).contiguous()
+        if staged.dtype in _WIRE:
+            comm.broadcast(staged.data_ptr(), staged.numel(), _WIRE[staged.dtype], root)
+        else:
+            raw = staged.view(torch.uint8) if staged.dim() else staged.reshape(1).view(torch.uint8)
+            comm.broadcast(raw.data_ptr(), raw.numel(), "u8", root)
+        if staged is not t:
+            with torch.no_grad():
+                t.copy_(staged)
+
+
+def _broadcast_object(obj, root):
+    import cloudpickle
+
+    comm = current().comm
+    data = cloudpickle.dumps(obj) if comm.rank == root else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    comm.broadcast(length.data_ptr(), 1, "i64", root)
+    n = int(length)
+    if comm.rank == root:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        comm.broadcast(buf.data_ptr(), n, "u8", root)
+    return obj if comm.rank == root else cloudpickle.loads(buf.numpy().tobytes())
+
+
+def _allgather_int(value):
+    comm = current().comm
+    mine = torch.tensor([int(value)], dtype=torch.int64)
+    every = torch.empty(comm.size, dtype=torch.int64)
+    comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64")
+    return every.tolist()
+
+
+def newer_round_agreed():
+    """A newer round, as the current round's rank 0 sees it, on every rank
+    alike (a collective: ranks must not disagree on whether to leave)."""
+    joined = current()
+    newer = _the_worker("commit").newer_round() if joined.rank == 0 else None
+    flag = torch.tensor([newer or 0], dtype=torch.int64)
+    joined.comm.broadcast(flag.data_ptr(), 1, "i64", 0)
+    return int(flag[0]) or None
+
+
+# ---- state ----------------------------------------------------------------
+
+
+class State:
+    """What survives rounds (Horovod's `State`): `save`/`restore`/`sync`
+    are the subclasses'; `commit` saves, then leaves for a new round if
+    hosts came or went."""
+
+    def __init__(self):
+        self._reset_callbacks = []
+        self._commits = 0
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called after each new round is joined, before the sync."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self):
+        """Saves the state to go back to, then raises `HostsUpdatedInterrupt`
+        if the driver started a new round (hosts added or removed): `run`
+        joins it keeping what was just saved."""
+        self.save()
+        self._commits += 1
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        if newer_round_agreed() is not None:
+            raise HostsUpdatedInterrupt(False)
+
+    def sync(self):
+        """Every process takes the state of the one that committed most
+        (the lowest rank among them): survivors hold their last commit, new
+        processes the state they were made with."""
+        counts = _allgather_int(self._commits)
+        root = counts.index(max(counts))
+        self._sync_from(root)
+        self._commits = max(counts)
+        self.save()
+
+    def save(self):
+        raise NotImplementedError
+
+    def restore(self):
+        raise NotImplementedError
+
+    def _sync_from(self, root):
+        raise NotImplementedError
+
+
+def _check_sendable(name, value):
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+    except Exception as e:  # pickling raises many kinds
+        raise TypeError(
+            f"state attribute '{name}' cannot be sent to other ranks ({type(e).__name__}: {e}); keep only "
+            "picklable values (numbers, lists, dicts, tensors, arrays) in the state and make the rest in "
+            "the training function"
+        ) from None
+
+
+class ObjectState(State):
+    """Attributes given as keyword arguments (Horovod's `ObjectState`):
+    `save` copies them, `restore` puts the copy back, `sync` sends them."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self._names = list(kwargs)
+        for name, value in kwargs.items():
+            _check_sendable(name, value)
+            setattr(self, name, value)
+        self.save()
+
+    def _values(self):
+        return {name: getattr(self, name) for name in self._names}
+
+    def save(self):
+        self._saved = copy.deepcopy(self._values())
+
+    def restore(self):
+        for name, value in copy.deepcopy(self._saved).items():
+            setattr(self, name, value)
+
+    def _sync_from(self, root):
+        values = self._values()
+        for name, value in values.items():
+            if current().rank == root:
+                _check_sendable(name, value)
+        for name, value in _broadcast_object(values, root).items():
+            setattr(self, name, value)
+
+
+class _ModuleHandler:
+    def __init__(self, module):
+        self.value = module
+
+    def save(self):
+        return copy.deepcopy(self.value.state_dict())
+
+    def restore(self, saved):
+        self.value.load_state_dict(saved)
+
+    def sync_from(self, root):
+        # parameters and buffers, in place; by name so every rank agrees
+        state = self.value.state_dict()
+        _broadcast_tensors([state[k] for k in sorted(state) if torch.is_tensor(state[k])], root)
+
+
+class _OptimizerHandler:
+    def __init__(self, optimizer):
+        self.value = optimizer
+
+    def save(self):
+        return copy.deepcopy(self.value.state_dict())
+
+    def restore(self, saved):
+        self.value.load_state_dict(saved)
+
+    def sync_from(self, root):
+        # the whole state dict: a new process's optimizer has no state yet
+        state = _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
+        if current().rank != root:
+            self.value.load_state_dict(state)
+
+
+class _SamplerHandler:
+    def __init__(self, sampler):
+        self.value = sampler
+
+    def save(self):
+        return self.value.state_dict()
+
+    def restore(self, saved):
+        self.value.load_state_dict(saved)
+
+    def sync_from(self, root):
+        state = _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
+        # every rank reshards for the round's ranks, the root too
+        self.value.load_state_dict(state)
+
+
+def _handler(value):
+    if isinstance(value, torch.nn.Module):
+        return _ModuleHandler(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return _OptimizerHandler(value)
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
+    return None
+
+
+class TorchState(ObjectState):
+    """Models, optimizers and `ElasticSampler`s, and any other attributes
+    (Horovod's `TorchState(model=None, optimizer=None, **kwargs)`): modules
+    and optimizers are saved as copies of their state dicts and sent
+    tensor by tensor; samplers reshard for the new ranks."""
+
+    def __init__(self, model=None, optimizer=None, **kwargs):
+        if model is not None:
+            kwargs["model"] = model
+        if optimizer is not None:
+            kwargs["optimizer"] = optimizer
+        self._handlers = {}
+        plain = {}
+        for name, value in kwargs.items():
+            handler = _handler(value)
+            if handler is None:
+                plain[name] = value
+            else:
+                self._handlers[name] = handler
+        State.__init__(self)
+        self._names = list(plain)
+        for name, value in plain.items():
+            _check_sendable(name, value)
+            setattr(self, name, value)
+        for name, handler in self._handlers.items():
+            setattr(self, name, handler.value)
+        self.save()
+
+    def save(self):
+        super().save()
+        self._saved_handled = {name: h.save() for name, h in self._handlers.items()}
+
+    def restore(self):
+        for name, handler in self._handlers.items():
+            handler.restore(self._saved_handled[name])
+        super().restore()
+
+    def _sync_from(self, root):
+        for name in sorted(self._handlers):
+            self._handlers[name].sync_from(root)
+        super()._sync_from(root)
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Shards a dataset over the current round's ranks and remembers how
+    many samples the epoch has processed (Horovod's `ElasticSampler`): when
+    ranks change, the rest of the epoch is resharded, nothing done twice
+    or skipped. Call `record_batch(i, batch_size)` after each batch and
+    `set_epoch(e)` when an epoch ends. To keep ranks in step, the last
+    batches of an epoch are padded with its first samples when its rest
+    does not divide evenly (as `DistributedSampler` does)."""
+
+    def __init__(self, dataset, shuffle=True, seed=0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.reset()
+
+    def _ranks(self):
+        if _current is not None:
+            return _current.rank, _current.size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx, batch_size):
+        """One batch of `batch_size` done on every rank."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def record_indices(self, count):
+        self.processed_num += count * self.num_replicas
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state):
+        self.epoch = state["epoch"]
+        self.processed_num = state["processed_num"]
+        self.reset()
+
+    def reset(self):
+        self.rank, self.num_replicas = self._ranks()
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining = order[self.processed_num :]
+        self.num_samples = math.ceil(len(self.remaining) / self.num_replicas) if self.remaining else 0
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self):
+        padded = self.remaining + self.remaining[: self.total_size - len(self.remaining)]
+        return iter(padded[self.rank : self.total_size : self.num_replicas])
+
+    def __len__(self):
+        return self.num_samples
+
+
+# ---- the loop for DDP scripts -----------------------------------------------
+
+_BACKENDS = ("kolo", "gloo", "nccl")
+_store = None
+
+
+def _base_store():
+    """kolo's store for the job (MASTER_ADDR:MASTER_PORT, served by the
+    driver), one client for every round."""
+    global _store
+    if _store is None:
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except (KeyError, ValueError):
+            raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: kolo sets them in its jobs' ranks") from None
+        _store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    return _store
+
+
+def form_group(backend="kolo", timeout=None):
+    """Leaves the current round and its default process group, joins the
+    next round and forms its default group; returns the round."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    joined = join(f"kolo.torch.elastic.run(backend={backend!r})")
+    extra = {} if timeout is None else {"timeout": timeout}
+    if backend == "kolo":
+        # the backend (registered when kolo.torch was imported) takes the
+        # round's communicator instead of bootstrapping another
+        _backend._staged = joined.comm
+        store = dist.HashStore()
+    else:
+        store = dist.PrefixStore(f"kolo-elastic/{joined.number}/", _base_store())
+    dist.init_process_group(backend, store=store, rank=joined.rank, world_size=joined.size, **extra)
+    return joined
+
+
+_PEER_SIGNS = ("connection closed", "connection reset", "broken pipe", "timed out", "peer", "gloo", "nccl")
+
+
+def _peer_lost(error):
+    """Whether `error` came from a peer or round lost (go on in the next
+    round) rather than from the training code itself (re-raised)."""
+    if isinstance(error, MembershipError):
+        return True
+    dist_error = getattr(dist, "DistError", ())
+    text = str(error).lower()
+    if not (isinstance(error, (CollectiveError, dist_error)) or (
+        isinstance(error, RuntimeError) and any(sign in text for sign in _PEER_SIGNS)
+    )):
+        return False
+    # a dead peer reaches the driver first; its round follows
+    wait = float(os.environ.get("KOLO_ELASTIC_TIMEOUT_SECONDS") or 600)
+    return _the_worker("kolo.torch.elastic.run").wait_newer_round(wait) is not None
+
+
+def run(func=None, *, backend="kolo", timeout=None):
+    """Runs `func(state, *args, **kwargs)` through rounds until it returns,
+    with the default process group formed for each round (`backend`:
+    kolo, gloo or nccl; `timeout`: the group's, torch's default if None).
+    When a peer is lost, the state goes back to its last commit; when hosts
+    were added, it is kept; either way the next round is joined, the state
+    synced, and `func` called again. A process the next round leaves out
+    returns None."""
+    if func is None:
+        return functools.partial(run, backend=backend, timeout=timeout)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not isinstance(state, State):
+            raise TypeError(f"the first argument must be a kolo.torch.elastic state (TorchState, ObjectState), got {type(state).__name__}")
+        _require_in_place("kolo.torch.elastic.run")
+        first = True
+        while True:
+            try:
+                form_group(backend, timeout)
+            except Removed:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                return None
+            if not first:
+                state.on_reset()
+            first = False
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                continue
+            except Exception as e:
+                if not _peer_lost(e):
+                    raise
+                state.restore()
+
+    return wrapper
+
+
+__all__ = [
+    "CollectiveError",
+    "ElasticSampler",
+    "HostsUpdatedInterrupt",
+    "MembershipError",
+    "ObjectState",
+    "Removed",
+    "State",
+    "TorchState",
+    "current",
+    "form_group",
+    "in_place_job",
+    "join",
+    "leave",
+    "run",
+]

@@ -1,0 +1,138 @@
+"""A rank of an in-place elastic PyTorch job, for test_torch_elastic.py
+and bench/torch_in_place.py: `python elastic_torch_ranks.py FLAVOUR OUT`,
+FLAVOUR one of hvd, kolo, gloo (the last two: DDP on that backend through
+kolo.torch.elastic). Trains a linear model on a fixed dataset through an
+ElasticSampler, committing after every step; every committed step records
+the samples all ranks processed in it, so the test can check that each
+sample of each epoch was done exactly once across faults. Writes
+OUT/<host>-<local_rank>.json at the end (weights, samples, steps).
+
+Faults, from the environment, done by the process started as
+<host>:<local_rank> in its first round (FAULT_AT=host:local_rank:step):
+FAULT=kill (SIGKILL itself mid-step, after backward), stop (SIGSTOP
+itself), raise (an exception in the training code), exit (os._exit(3)).
+GROW_AT=step makes rank 0 wait at that step until a round has more ranks
+(a host being added), STEP_SLEEP slows steps down, TIMES=1 prints when
+each step ends (for the figures)."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+flavour, out = sys.argv[1], sys.argv[2]
+torch.set_num_threads(1)
+SAMPLES, BATCH, EPOCHS = int(os.environ.get("SAMPLES", "96")), 4, int(os.environ.get("EPOCHS", "2"))
+me = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
+fault, fault_at = os.environ.get("FAULT"), os.environ.get("FAULT_AT", "")
+grow_at = int(os.environ.get("GROW_AT", "-1"))
+pause = float(os.environ.get("STEP_SLEEP", "0"))
+times = os.environ.get("TIMES") == "1"
+first_round = True
+
+data = torch.Generator().manual_seed(0)
+X = torch.randn(SAMPLES, 8, generator=data)
+Y = X @ torch.arange(1.0, 9.0).unsqueeze(1)
+dataset = list(range(SAMPLES))
+
+torch.manual_seed(1)
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+if flavour == "hvd":
+    import horovod.torch as hvd
+
+    hvd.init()
+    elastic = hvd.elastic
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    size, gather = hvd.size, hvd.allgather_object
+else:
+    import kolo.torch.elastic as elastic
+
+    size = dist.get_world_size
+
+    def gather(obj):
+        got = [None] * dist.get_world_size()
+        dist.all_gather_object(got, obj)
+        return got
+
+
+sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=3)
+state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[])
+
+
+def maybe_fault(step):
+    if not first_round or fault_at != f"{me}:{step}":
+        return
+    if fault == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if fault == "raise":
+        raise ValueError(f"a bug in the training code of {me}")
+    if fault == "exit":
+        os._exit(3)
+
+
+def on_reset():
+    global first_round
+    first_round = False
+
+
+state.register_reset_callbacks([on_reset])
+
+
+def steps(state):
+    """One pass over what is left of the epoch, a step per batch."""
+    if flavour == "hvd":
+        net = state.model
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(state.model)
+    order = list(iter(state.sampler))
+    for i in range(0, len(order), BATCH):
+        batch = order[i : i + BATCH]
+        if state.step == grow_at and size() == int(os.environ.get("GROW_FROM", "0")):
+            # wait here until the added host is taken in at a commit
+            while True:
+                time.sleep(0.05)
+                state.commit()
+        loss = (net(X[batch]) - Y[batch]).pow(2).mean()
+        state.optimizer.zero_grad()
+        loss.backward()
+        maybe_fault(state.step)
+        state.optimizer.step()
+        state.seen.extend(s for every in gather(batch) for s in every)
+        state.sizes.append(size())
+        state.sampler.record_batch(i // BATCH, BATCH)
+        state.step += 1
+        if pause:
+            time.sleep(pause)
+        state.commit()
+        if times:
+            print(f"step {state.step} size {size()} at {time.time():.4f}", flush=True)
+
+
+if flavour == "hvd":
+    run = elastic.run
+else:
+    run = elastic.run(backend=flavour)
+
+
+@run
+def train(state):
+    while state.epoch < EPOCHS:
+        steps(state)
+        state.epoch += 1
+        state.sampler.set_epoch(state.epoch)
+        state.commit()
+    return [p.detach().reshape(-1).tolist() for p in state.model.parameters()]
+
+
+weights = train(state)
+if weights is not None:
+    with open(os.path.join(out, f"{me.replace(':', '-')}.json"), "w") as f:
+        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes}, f)
