@@ -7,12 +7,14 @@ the samples all ranks processed in it, so the test can check that each
 sample of each epoch was done exactly once across faults. Writes
 OUT/<host>-<local_rank>.json at the end (weights, samples, steps).
 
-Faults, from the environment, done by the process started as
-<host>:<local_rank> in its first round (FAULT_AT=host:local_rank:step):
+Faults, from the environment, done once by the process started as
+<host>:<local_rank> (FAULT_AT=host:local_rank:step,
+comma-separated for several processes):
 FAULT=kill (SIGKILL itself mid-step, after backward), stop (SIGSTOP
 itself), raise (an exception in the training code), exit (os._exit(3)).
-GROW_AT=step makes rank 0 wait at that step until a round has more ranks
-(a host being added), STEP_SLEEP slows steps down, TIMES=1 prints when
+GROW_AT=step makes the ranks of a world of GROW_FROM create GROW_FILE at
+that step (a discovery script adds a host when it exists) and commit
+until a round has more ranks, STEP_SLEEP slows steps down, TIMES=1 prints when
 each step ends (for the figures)."""
 
 import json
@@ -28,11 +30,11 @@ flavour, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 SAMPLES, BATCH, EPOCHS = int(os.environ.get("SAMPLES", "96")), 4, int(os.environ.get("EPOCHS", "2"))
 me = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
-fault, fault_at = os.environ.get("FAULT"), os.environ.get("FAULT_AT", "")
+fault, fault_at = os.environ.get("FAULT"), os.environ.get("FAULT_AT", "").split(",")
 grow_at = int(os.environ.get("GROW_AT", "-1"))
 pause = float(os.environ.get("STEP_SLEEP", "0"))
 times = os.environ.get("TIMES") == "1"
-first_round = True
+faulted = False
 
 data = torch.Generator().manual_seed(0)
 X = torch.randn(SAMPLES, 8, generator=data)
@@ -66,8 +68,11 @@ state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, ep
 
 
 def maybe_fault(step):
-    if not first_round or fault_at != f"{me}:{step}":
+    # once: a process that survives its fault (none so far) does not repeat it
+    global faulted
+    if faulted or f"{me}:{step}" not in fault_at:
         return
+    faulted = True
     if fault == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stop":
@@ -78,12 +83,8 @@ def maybe_fault(step):
         os._exit(3)
 
 
-def on_reset():
-    global first_round
-    first_round = False
-
-
-state.register_reset_callbacks([on_reset])
+resets = []
+state.register_reset_callbacks([lambda: resets.append(size())])
 
 
 def steps(state):
@@ -96,7 +97,9 @@ def steps(state):
     for i in range(0, len(order), BATCH):
         batch = order[i : i + BATCH]
         if state.step == grow_at and size() == int(os.environ.get("GROW_FROM", "0")):
-            # wait here until the added host is taken in at a commit
+            # let the discovery script add a host, and wait here until it
+            # is taken in at a commit
+            open(os.environ["GROW_FILE"], "w").close()
             while True:
                 time.sleep(0.05)
                 state.commit()
@@ -135,4 +138,5 @@ def train(state):
 weights = train(state)
 if weights is not None:
     with open(os.path.join(out, f"{me.replace(':', '-')}.json"), "w") as f:
-        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes}, f)
+        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes, "resets": resets},
+                  f)

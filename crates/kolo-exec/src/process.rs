@@ -17,6 +17,15 @@ pub(crate) fn group_alive(pgid: u32) -> bool {
 
 /// SIGTERM to the group, SIGKILL to what is left of it after `grace`
 /// (blocking: call it from a thread of its own or a process on its way out).
+/// Whether process `pid` is stopped by a signal (`T` in `/proc/PID/stat`;
+/// not `t`, a tracer's stop: a debugger or a stack sampler).
+pub(crate) fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
 pub(crate) fn stop_group(group: u32, grace: std::time::Duration) {
     if !signal_group(group, Signal::SIGTERM) {
         return;

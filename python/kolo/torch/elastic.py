@@ -535,13 +535,19 @@ def run(func=None, *, backend="kolo", timeout=None):
             first = False
             try:
                 state.sync()
-                return func(state, *args, **kwargs)
+                result = func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
                 continue
             except Exception as e:
                 if not _peer_lost(e):
                     raise
                 state.restore()
+                continue
+            # the round's group goes with the loop: torch's groups left to
+            # the interpreter's exit can abort it (gloo's threads)
+            dist.destroy_process_group()
+            leave()
+            return result
 
     return wrapper
 

@@ -65,6 +65,9 @@ pub(crate) struct Link {
     next_question: AtomicU64,
     /// Told to stop because its command ended: its going is no loss.
     released: AtomicBool,
+    /// The driver told the worker to stop (a process an elastic round left
+    /// out): its end is still an event, but not news worth a warning.
+    pub(super) told_to_stop: AtomicBool,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -92,6 +95,7 @@ impl Link {
             owner_questions: Mutex::new(HashMap::new()),
             next_question: AtomicU64::new(1),
             released: AtomicBool::new(false),
+            told_to_stop: AtomicBool::new(false),
         }
     }
 
@@ -264,7 +268,9 @@ pub(crate) async fn read_worker(
         (false, false) => reason,
     };
     if link.mark_lost(&reason) && !expected {
-        tracing::warn!("worker {} was lost: {reason}", link.describe());
+        if !link.told_to_stop.load(Ordering::Relaxed) {
+            tracing::warn!("worker {} was lost: {reason}", link.describe());
+        }
         let _ = events.send(RankEvent { rank, cause: Cause::Lost(reason) });
     }
 }

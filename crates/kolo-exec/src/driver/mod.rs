@@ -219,6 +219,7 @@ impl Executor {
     /// is abandoned.
     pub async fn stop_rank(&self, rank: u32) {
         if let Some(link) = self.running.as_ref().and_then(|r| r.links.get(rank as usize)) {
+            link.told_to_stop.store(true, std::sync::atomic::Ordering::Relaxed);
             let _ = link.send(&ToWorker::Stop).await;
         }
     }

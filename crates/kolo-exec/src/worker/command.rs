@@ -141,8 +141,12 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             }
         });
     }
-    *crate::lock(&agent.command) =
-        Some(super::Running { group: child.id(), guard, dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()) });
+    *crate::lock(&agent.command) = Some(super::Running {
+        group: child.id(),
+        guard,
+        dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()),
+        stopped_since: lookup(kolo_topology::ENV_ELASTIC_ROUND).map(|_| None),
+    });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
     let outputs: Vec<(File, bool)> = [
         (child.stdout.take().map(|o| File::from(OwnedFd::from(o))), false),

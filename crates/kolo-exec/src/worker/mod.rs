@@ -108,6 +108,35 @@ struct Running {
     guard: Option<Arc<Guard>>,
     /// The command's private directory (error file, Python hook).
     dir: Option<std::path::PathBuf>,
+    /// In an in-place elastic job, a rank stopped (SIGSTOP, SIGTSTP) holds
+    /// every other rank's collectives while its agent goes on beating:
+    /// since when the command has been seen stopped.
+    stopped_since: Option<Option<Instant>>,
+}
+
+impl Running {
+    /// Ends the command if it has been stopped for longer than `limit`
+    /// (in-place jobs only): its peers are waiting on it, and only its end
+    /// lets the driver start the next round without it. Says why, once.
+    fn end_if_stopped(&mut self, limit: Duration) -> Option<String> {
+        let since = self.stopped_since.as_mut()?;
+        if !crate::process::is_stopped(self.group) {
+            *since = None;
+            return None;
+        }
+        let first_seen = *since.get_or_insert_with(Instant::now);
+        if first_seen.elapsed() < limit {
+            return None;
+        }
+        self.stopped_since = None;
+        signal_group(self.group, Signal::SIGKILL);
+        Some(format!(
+            "its command (pid {}) was stopped for over {:.0} s while the other ranks waited; ending it so that \
+             the job goes on without it",
+            self.group,
+            limit.as_secs_f64()
+        ))
+    }
 }
 
 /// Records on the group registry: this tag, then a process group
@@ -412,6 +441,10 @@ fn pump(agent: &Agent, mut from: impl Read, stderr: bool) {
 fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration) {
     loop {
         std::thread::sleep(interval);
+        let ended = crate::lock(&agent.command).as_mut().and_then(|running| running.end_if_stopped(timeout));
+        if let Some(why) = ended {
+            agent.say(&why);
+        }
         if let Err(e) = agent.send(&ToDriver::Heartbeat) {
             agent.say(&format!("lost the driver ({e}); stopping"));
             agent.exit(1, Duration::ZERO);

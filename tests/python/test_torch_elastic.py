@@ -1,0 +1,221 @@
+"""In-place elastic PyTorch with real torch and real processes: Horovod's
+elastic API (`hvd.elastic`) and DDP through kolo.torch.elastic on the
+kolo and gloo backends, under `kolo run --in-place` on simulated hosts
+and in an elastic kolo.Executor. After each fault the job finishes, every
+surviving process holds the same weights, and every sample of every
+epoch was trained on exactly once across the committed steps (nothing
+done twice, nothing lost). The ranks are `elastic_torch_ranks.py`."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddp_step import torch_or_skip
+
+torch = torch_or_skip()
+
+import kolo  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANKS = os.path.join(HERE, "elastic_torch_ranks.py")
+KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
+SAMPLES, EPOCHS = 96, 2
+
+
+def ranks_left():
+    out = subprocess.run(["pgrep", "-f", RANKS], capture_output=True, text=True).stdout.split()
+    return [int(p) for p in out]
+
+
+@pytest.fixture(autouse=True)
+def no_rank_outlives_its_test():
+    yield
+    left = ranks_left()
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+    assert not left, f"ranks left running (killed now): {left}"
+
+
+def in_place(tmp_path, flavour, *options, env=(), hosts="a:2,b:2", min_np=2, timeout=180):
+    args = [KOLO, "run", "--in-place", "--engine", "local", "--min-np", str(min_np)]
+    if hosts:
+        args += ["-H", hosts]
+    args += list(options)
+    for name, value in env:
+        args += ["-x", f"{name}={value}"]
+    args += ["--", sys.executable, RANKS, flavour, str(tmp_path)]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def results(tmp_path):
+    return {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(str(tmp_path / "*.json")))}
+
+
+def check_trained(out, got, survivors):
+    """Every survivor finished with the same weights, and each epoch's
+    samples were done exactly once over the committed steps."""
+    text = out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, text
+    assert sorted(got) == sorted(survivors), text
+    weights = {json.dumps(r["weights"]) for r in got.values()}
+    assert len(weights) == 1, got
+    for r in got.values():
+        seen = r["seen"]
+        assert len(seen) == SAMPLES * EPOCHS, (len(seen), text)
+        for epoch in range(EPOCHS):
+            assert sorted(seen[epoch * SAMPLES : (epoch + 1) * SAMPLES]) == list(range(SAMPLES)), (epoch, seen)
+
+
+FLAVOURS = ["hvd", "kolo", "gloo"]
+
+
+def test_without_faults_every_flavour_trains_alike(tmp_path):
+    got = {}
+    for flavour in FLAVOURS:
+        d = tmp_path / flavour
+        d.mkdir()
+        out = in_place(d, flavour)
+        check_trained(out, results(d), ["a-0", "a-1", "b-0", "b-1"])
+        got[flavour] = results(d)["a-0"]["weights"]
+    # the same data, the same averaging: the flavours agree to float error
+    for flavour in FLAVOURS[1:]:
+        for a, b in zip(got["hvd"], got[flavour]):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5), flavour
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_rank_killed_mid_step_leaves_the_rest_training_on_the_hosts_left(tmp_path, flavour):
+    out = in_place(tmp_path, flavour, env=[("FAULT", "kill"), ("FAULT_AT", "b:1:3")])
+    check_trained(out, results(tmp_path), ["a-0", "a-1"])
+    assert "rank 3 on host b was killed by signal 9" in out.stderr, out.stderr
+    assert "host b is blacklisted" in out.stderr, out.stderr
+    assert "round 1: 2 processes on a:2" in out.stderr, out.stderr
+    # kolo ended b's other process itself: no warning about it
+    assert "was lost" not in out.stderr, out.stderr
+    sizes = results(tmp_path)["a-0"]["sizes"]
+    assert sizes[:3] == [4, 4, 4] and set(sizes[3:]) == {2}, sizes
+
+
+@pytest.mark.parametrize("flavour", ["hvd", "kolo", "gloo"])
+def test_a_rank_stopped_past_the_heartbeat_timeout_is_ended_and_the_rest_go_on(tmp_path, flavour):
+    out = in_place(tmp_path, flavour, env=[("FAULT", "stop"), ("FAULT_AT", "b:1:3")])
+    check_trained(out, results(tmp_path), ["a-0", "a-1"])
+    assert "was stopped for over 5 s while the other ranks waited; ending it" in out.stderr, out.stderr
+
+
+def test_every_process_of_a_host_killed_at_once(tmp_path):
+    out = in_place(tmp_path, "kolo", env=[("FAULT", "kill"), ("FAULT_AT", "b:0:3,b:1:3")])
+    check_trained(out, results(tmp_path), ["a-0", "a-1"])
+
+
+@pytest.mark.parametrize("flavour", ["hvd", "kolo"])
+def test_an_exception_in_the_training_code_blacklists_its_host_as_horovod_does(tmp_path, flavour):
+    out = in_place(tmp_path, flavour, env=[("FAULT", "raise"), ("FAULT_AT", "b:1:3")])
+    check_trained(out, results(tmp_path), ["a-0", "a-1"])
+    assert "ValueError: a bug in the training code of b:1" in out.stdout + out.stderr
+    assert "rank 3 on host b exited with code 1" in out.stderr, out.stderr
+    assert "host b is blacklisted" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("flavour", ["hvd", "kolo"])
+def test_a_host_added_by_discovery_mid_epoch_joins_at_a_commit_with_the_survivors_state(tmp_path, flavour):
+    grow = tmp_path / "grow"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho a:2\n[ -f {grow} ] && echo b:2\nexit 0\n")
+    script.chmod(0o755)
+    out = in_place(tmp_path, flavour, "--host-discovery-script", str(script), "--max-np", "4", hosts=None,
+                   env=[("GROW_AT", "2"), ("GROW_FROM", "2"), ("GROW_FILE", str(grow))])
+    got = results(tmp_path)
+    check_trained(out, got, ["a-0", "a-1", "b-0", "b-1"])
+    assert "round 1: 4 processes on a:2,b:2" in out.stderr, out.stderr
+    # b's processes took the first two steps from a survivor: they never did them
+    for r in got.values():
+        assert r["sizes"][:2] == [2, 2] and set(r["sizes"][2:]) == {4}, r["sizes"]
+
+
+def test_past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing(tmp_path):
+    out = in_place(tmp_path, "hvd", "--reset-limit", "1", min_np=1,
+                   env=[("FAULT", "kill"), ("FAULT_AT", "b:1:3,a:1:6")], hosts="a:2,b:2,c:2")
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "reset limit" in out.stderr, out.stderr
+
+
+def test_the_elastic_api_outside_an_in_place_job_says_how_to_start_one(tmp_path):
+    code = ("import torch, horovod.torch as hvd\n"
+            "state = hvd.elastic.ObjectState(step=0)\n"
+            "@hvd.elastic.run\n"
+            "def train(state):\n    pass\n"
+            "train(state)\n")
+    out = subprocess.run([KOLO, "run", "-np", "2", "--", sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "hvd.elastic.run needs an in-place elastic job" in out.stderr, out.stderr
+    assert "kolo run --in-place" in out.stderr, out.stderr
+    code = "import kolo.torch.elastic as e\ne.run(lambda s: None)(e.ObjectState(x=1))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "needs an in-place elastic job" in out.stderr, out.stderr
+
+
+def test_state_that_cannot_be_sent_is_refused_naming_the_attribute():
+    import threading
+
+    import kolo.torch.elastic as elastic
+
+    with pytest.raises(TypeError, match="state attribute 'lock' cannot be sent to other ranks"):
+        elastic.ObjectState(step=0, lock=threading.Lock())
+    with pytest.raises(TypeError, match="state attribute 'lock' cannot be sent"):
+        elastic.TorchState(model=torch.nn.Linear(2, 1), lock=threading.Lock())
+    with pytest.raises(ValueError, match="backend must be one of kolo, gloo, nccl"):
+        elastic.run(backend="mpi")(lambda state: None)
+
+
+def hvd_train(steps, victim, die_at):
+    """A horovod.ray-style elastic function (ElasticRayExecutor's pattern)."""
+    import os
+
+    import torch
+
+    import horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            if os.environ["HOROVOD_HOSTNAME"] == victim and state.step == die_at:
+                os._exit(9)
+            x = torch.full((2, 4), float(state.step))
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.sizes.append(hvd.size())
+            state.step += 1
+            state.commit()
+        return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
+
+    return train(state)
+
+
+def test_an_elastic_executor_runs_a_horovod_elastic_function_through_a_lost_worker():
+    settings = kolo.Executor.create_settings(timeout_s=60)
+    with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
+        ex.start()
+        got = ex.run(hvd_train, args=[12, "c", 5])
+    assert len(got) == 2, got
+    assert got[0][0] == got[1][0]
+    assert got[0][1] == [3] * 5 + [2] * 7, got[0][1]
+    assert sorted(r[2] for r in got) == [0, 1]
