@@ -55,3 +55,40 @@ def train_horovod():
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
     return hvd.rank(), hvd.size(), round(sum(p.detach().sum().item() for p in model.parameters()), 6)
+
+
+def train_horovod_elastic(steps, die_at, flag):
+    """A horovod.ray-style elastic function (ElasticRayExecutor's pattern):
+    the last rank of the first world dies at step `die_at` (once: it leaves
+    `flag`); returns the weights, the world size of each step and the rank."""
+    import torch
+
+    import horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    first_size = hvd.size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            victim = hvd.size() == first_size and hvd.rank() == first_size - 1
+            if victim and state.step == die_at and not os.path.exists(flag):
+                open(flag, "w").close()
+                os._exit(9)
+            x = torch.full((2, 4), float(state.step))
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.sizes.append(hvd.size())
+            state.step += 1
+            state.commit()
+        return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
+
+    return train(state)

@@ -74,6 +74,8 @@ def maybe_fault(step):
         return
     faulted = True
     if fault == "kill":
+        if times:
+            print(f"dying at {time.time():.4f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
@@ -99,6 +101,8 @@ def steps(state):
         if state.step == grow_at and size() == int(os.environ.get("GROW_FROM", "0")):
             # let the discovery script add a host, and wait here until it
             # is taken in at a commit
+            if not os.path.exists(os.environ["GROW_FILE"]) and times:
+                print(f"growing at {time.time():.4f}", flush=True)
             open(os.environ["GROW_FILE"], "w").close()
             while True:
                 time.sleep(0.05)

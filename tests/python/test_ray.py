@@ -261,6 +261,19 @@ def test_an_elastic_executor_on_ray_goes_on_without_a_failed_node(cluster, setti
     assert ray.available_resources().get("CPU", 0) == cpus
 
 
+def test_horovods_elastic_api_through_the_ray_engine_goes_on_without_a_lost_worker(cluster, settings, nothing_left,
+                                                                                   tmp_path):
+    ddp_step.torch_or_skip()
+    ex = RayExecutor(settings, min_workers=2, max_workers=3, engine="ray", cpus_per_worker=2)
+    with ex:
+        ex.start()
+        results = ex.run(ddp_step.train_horovod_elastic, args=[12, 5, str(tmp_path / "died")])
+    assert len({str(r[0]) for r in results}) == 1, results
+    sizes = results[0][1]
+    assert len(sizes) == 12 and sizes[:5] == [3] * 5, sizes
+    assert sorted(r[2] for r in results) == list(range(len(results))), results
+
+
 def grow_to_three():
     import numpy as np
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+import ddp_step
 from ddp_step import torch_or_skip
 
 torch = torch_or_skip()
@@ -176,46 +177,21 @@ def test_state_that_cannot_be_sent_is_refused_naming_the_attribute():
         elastic.run(backend="mpi")(lambda state: None)
 
 
-def hvd_train(steps, victim, die_at):
-    """A horovod.ray-style elastic function (ElasticRayExecutor's pattern)."""
-    import os
-
-    import torch
-
-    import horovod.torch as hvd
-
-    torch.set_num_threads(1)
-    hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
-
-    @hvd.elastic.run
-    def train(state):
-        while state.step < steps:
-            if os.environ["HOROVOD_HOSTNAME"] == victim and state.step == die_at:
-                os._exit(9)
-            x = torch.full((2, 4), float(state.step))
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            state.sizes.append(hvd.size())
-            state.step += 1
-            state.commit()
-        return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
-
-    return train(state)
-
-
-def test_an_elastic_executor_runs_a_horovod_elastic_function_through_a_lost_worker():
+def test_an_elastic_executor_runs_a_horovod_elastic_function_through_a_lost_worker(tmp_path):
     settings = kolo.Executor.create_settings(timeout_s=60)
     with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
         ex.start()
-        got = ex.run(hvd_train, args=[12, "c", 5])
+        got = ex.run(ddp_step.train_horovod_elastic, args=[12, 5, str(tmp_path / "died")])
     assert len(got) == 2, got
     assert got[0][0] == got[1][0]
     assert got[0][1] == [3] * 5 + [2] * 7, got[0][1]
     assert sorted(r[2] for r in got) == [0, 1]
+
+
+def test_the_readme_ddp_example_runs_in_place():
+    example = os.path.join(HERE, "..", "..", "examples", "ddp_in_place.py")
+    out = subprocess.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:1,b:1", "-x",
+                          "EPOCHS=2", "--", sys.executable, example], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "epoch 2: loss" in out.stdout and "on 2 ranks (round 0)" in out.stdout, out.stdout
+    assert "done: final loss" in out.stdout, out.stdout

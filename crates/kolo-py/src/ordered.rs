@@ -41,7 +41,8 @@ fn shut_down() -> Failure {
 pub(crate) struct Done {
     result: Mutex<Option<Result<(), Failure>>>,
     ready: Condvar,
-    /// Called (with the GIL) once the call has ended: `None`, or the error.
+    /// Called (with the GIL) once the call has ended: `(None, False)`, or
+    /// the error and whether it is a membership change.
     then: Option<Py<PyAny>>,
     /// What owns the memory the call reads and writes (the tensors), held
     /// until it has ended whatever the caller does meanwhile.
@@ -50,12 +51,15 @@ pub(crate) struct Done {
 
 impl Done {
     fn finish(&self, result: Result<(), Failure>) {
-        let error = result.as_ref().err().map(|f| f.message.clone());
+        let (error, membership) = match &result {
+            Ok(()) => (None, false),
+            Err(f) => (Some(f.message.clone()), f.membership),
+        };
         *lock(&self.result) = Some(result);
         self.ready.notify_all();
         if let Some(then) = &self.then {
             Python::with_gil(|py| {
-                if let Err(e) = then.call1(py, (error,)) {
+                if let Err(e) = then.call1(py, (error, membership)) {
                     e.print(py);
                 }
             });

@@ -252,19 +252,21 @@ class ProcessGroupKolo(dist.ProcessGroup):
         source = torch.futures.Future()
         error = []
 
-        def then(failure, _keep=keep):  # on kolo's thread, with the GIL
+        def then(failure, membership=False, _keep=keep):  # on kolo's thread, with the GIL
             if failure is None and finish is not None:
                 try:
                     finish()
                 except Exception as e:
                     failure = f"{type(e).__name__}: {e}"
-            error.append(failure)
+            error.append((failure, membership))
             source.set_result(None)
 
         def check(_):
-            # a failure fails the future for real (set_exception would not)
-            if error[0] is not None:
-                raise CollectiveError(error[0])
+            # a failure fails the future for real (set_exception would not);
+            # torch keeps only its text, so the type says what it was
+            failure, membership = error[0]
+            if failure is not None:
+                raise (_kolo.MembershipError if membership else CollectiveError)(failure)
             return result
 
         future = source.then(check)

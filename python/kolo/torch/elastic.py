@@ -104,17 +104,24 @@ def join(what="kolo.torch.elastic"):
 
 def leave():
     """Closes this process's communicator of the current round, if any."""
-    global _current
+    global _current, _last
     joined, _current = _current, None
     if joined is not None:
         joined.comm.shutdown()
+        _last = joined
+
+
+# the round left last: its ranks still say where the process finished
+_last = None
 
 
 def current():
-    """The round joined last (`number`, `rank`, `size`, `local_rank`, ...)."""
-    if _current is None:
+    """The round joined last (`number`, `rank`, `size`, `local_rank`, ...),
+    also once `run` has returned."""
+    joined = _current or _last
+    if joined is None:
         raise RuntimeError("no elastic round joined yet: call the training function through kolo.torch.elastic.run")
-    return _current
+    return joined
 
 
 def in_place_job():
@@ -485,7 +492,10 @@ def form_group(backend="kolo", timeout=None):
     return joined
 
 
-_PEER_SIGNS = ("connection closed", "connection reset", "broken pipe", "timed out", "peer", "gloo", "nccl")
+# what torch keeps of a collective's failure is its text: kolo's backend's
+# (the exception's name), gloo's and NCCL's words for a lost peer
+_PEER_SIGNS = ("membershiperror", "connection closed", "connection reset", "broken pipe", "timed out", "peer", "gloo",
+               "nccl")
 
 
 def _peer_lost(error):

@@ -225,3 +225,41 @@ fn python_elastic_executor_inside_a_slurm_allocation() {
     wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
 }
+
+/// In-place PyTorch across the hosts over ssh: h3 is cut off mid-training
+/// (`ip link set eth0 down`: no process dies, nothing closes). Its peers'
+/// collectives end when the driver, missing h3's heartbeats, starts the
+/// next round; h1 and h2 finish with the same weights, and once h3 is back
+/// its processes are gone too (they lost their driver). Horovod's elastic
+/// API and DDP on the kolo backend.
+#[test]
+#[ignore = "needs the test hosts"]
+fn in_place_pytorch_goes_on_without_a_cut_off_host() {
+    let Some(python) = python_with("kolo.torch.elastic") else { return };
+    let (cfg, ranks) = (ssh_config(), repo_file("tests/python/elastic_torch_ranks.py"));
+    for flavour in ["hvd", "kolo"] {
+        let out = TempDir::new("hosts-torch-in-place");
+        let dir = out.path().to_string_lossy().into_owned();
+        let job = Streaming::start(&[
+            "run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--min-np", "2", "--ssh-config", &cfg, "-x", "TIMES=1", "-x",
+            "STEP_SLEEP=0.2", "-x", "EPOCHS=3", "--", &python, &ranks, flavour, &dir,
+        ]);
+        job.wait_for("step 3 size 3");
+        let cut = LinkDown::cut("h3");
+        let (ok, text) = job.finish();
+        assert!(ok, "{flavour}: {text}");
+        assert!(text.contains("rank 2 on host h3 was lost: no heartbeat"), "{flavour}: {text}");
+        assert!(text.contains("round 1: 2 processes on h1:1,h2:1"), "{flavour}: {text}");
+        let weights: Vec<serde_json::Value> = ["h1-0", "h2-0"]
+            .iter()
+            .map(|p| {
+                let file = std::fs::read_to_string(out.path().join(format!("{p}.json"))).expect("a survivor's result");
+                serde_json::from_str::<serde_json::Value>(&file).unwrap()["weights"].clone()
+            })
+            .collect();
+        assert_eq!(weights[0], weights[1], "{flavour}: the survivors disagree");
+        assert!(!out.path().join("h3-0.json").exists(), "{flavour}: h3 finished while cut off");
+        drop(cut);
+        assert_nothing_left();
+    }
+}
