@@ -10,8 +10,9 @@ OUT/<host>-<local_rank>.json at the end (weights, samples, steps).
 Faults, from the environment, done once by the process started as
 <host>:<local_rank> (FAULT_AT=host:local_rank:step,
 comma-separated for several processes):
-FAULT=kill (SIGKILL itself mid-step, after backward), stop (SIGSTOP
-itself), raise (an exception in the training code), exit (os._exit(3)).
+FAULT=kill (SIGKILL itself mid-step, after backward), host (SIGKILL its
+agent, then itself), stop (SIGSTOP itself), raise (an exception in the
+training code), exit (os._exit(3)).
 GROW_AT=step makes the ranks of a world of GROW_FROM create GROW_FILE at
 that step (a discovery script adds a host when it exists) and commit
 until a round has more ranks, STEP_SLEEP slows steps down, TIMES=1 prints when
@@ -76,6 +77,10 @@ def maybe_fault(step):
     if fault == "kill":
         if times:
             print(f"dying at {time.time():.4f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "host":
+        # the whole simulated host: this rank's agent (its parent), then it
+        os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

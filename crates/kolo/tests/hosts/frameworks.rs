@@ -241,8 +241,25 @@ fn in_place_pytorch_goes_on_without_a_cut_off_host() {
         let out = TempDir::new("hosts-torch-in-place");
         let dir = out.path().to_string_lossy().into_owned();
         let job = Streaming::start(&[
-            "run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--min-np", "2", "--ssh-config", &cfg, "-x", "TIMES=1", "-x",
-            "STEP_SLEEP=0.2", "-x", "EPOCHS=3", "--", &python, &ranks, flavour, &dir,
+            "run",
+            "--in-place",
+            "-H",
+            "h1:1,h2:1,h3:1",
+            "--min-np",
+            "2",
+            "--ssh-config",
+            &cfg,
+            "-x",
+            "TIMES=1",
+            "-x",
+            "STEP_SLEEP=0.2",
+            "-x",
+            "EPOCHS=3",
+            "--",
+            &python,
+            &ranks,
+            flavour,
+            &dir,
         ]);
         job.wait_for("step 3 size 3");
         let cut = LinkDown::cut("h3");
@@ -262,4 +279,56 @@ fn in_place_pytorch_goes_on_without_a_cut_off_host() {
         drop(cut);
         assert_nothing_left();
     }
+}
+
+/// Horovod's elastic API in place inside a Slurm allocation: h3's rank
+/// dies mid-step, h1 and h2 finish with the same weights and every sample
+/// of each epoch done once.
+#[test]
+#[ignore = "needs the test hosts"]
+fn horovods_elastic_api_in_place_under_slurm() {
+    let Some(python) = python_with("kolo.torch.elastic") else { return };
+    let (kolo, ranks) = (env!("CARGO_BIN_EXE_kolo"), repo_file("tests/python/elastic_torch_ranks.py"));
+    let out_dir = TempDir::new("hosts-hvd-slurm");
+    let dir = out_dir.path().to_string_lossy().into_owned();
+    let out = in_h1(&[
+        "salloc",
+        "-N3",
+        "--ntasks-per-node=1",
+        kolo,
+        "run",
+        "--in-place",
+        "--min-np",
+        "2",
+        "-x",
+        "FAULT=kill",
+        "-x",
+        "FAULT_AT=h3:0:3",
+        "-x",
+        "SAMPLES=48",
+        "--",
+        &python,
+        &ranks,
+        "hvd",
+        &dir,
+    ]);
+    let text = format!("{}{}", stdout(&out), stderr(&out));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("round 1: 2 processes on h1:1,h2:1"), "{text}");
+    let results: Vec<serde_json::Value> = ["h1-0", "h2-0"]
+        .iter()
+        .map(|p| {
+            serde_json::from_str(&std::fs::read_to_string(out_dir.path().join(format!("{p}.json"))).unwrap()).unwrap()
+        })
+        .collect();
+    assert_eq!(results[0]["weights"], results[1]["weights"], "{text}");
+    // 48 samples: 12 a step on three ranks, 8 on two; every one once an epoch
+    let seen: Vec<u64> = results[0]["seen"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    for epoch in seen.chunks(48) {
+        let mut sorted = epoch.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..48).collect::<Vec<u64>>(), "{text}");
+    }
+    wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
+    assert_nothing_left();
 }
