@@ -16,7 +16,7 @@ training code), exit (os._exit(3)).
 GROW_AT=step makes the ranks of a world of GROW_FROM create GROW_FILE at
 that step (a discovery script adds a host when it exists) and commit
 until a round has more ranks, STEP_SLEEP slows steps down, TIMES=1 prints when
-each step ends (for the figures)."""
+each step ends (for the figures), DEVICE=cuda trains on the GPU."""
 
 import json
 import os
@@ -42,8 +42,10 @@ X = torch.randn(SAMPLES, 8, generator=data)
 Y = X @ torch.arange(1.0, 9.0).unsqueeze(1)
 dataset = list(range(SAMPLES))
 
+device = torch.device(os.environ.get("DEVICE", "cpu"))
+X, Y = X.to(device), Y.to(device)
 torch.manual_seed(1)
-model = torch.nn.Linear(8, 1)
+model = torch.nn.Linear(8, 1).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 if flavour == "hvd":
@@ -99,7 +101,7 @@ def steps(state):
     if flavour == "hvd":
         net = state.model
     else:
-        net = torch.nn.parallel.DistributedDataParallel(state.model)
+        net = torch.nn.parallel.DistributedDataParallel(state.model, device_ids=[0] if device.type == "cuda" else None)
     order = list(iter(state.sampler))
     for i in range(0, len(order), BATCH):
         batch = order[i : i + BATCH]
@@ -125,7 +127,7 @@ def steps(state):
             time.sleep(pause)
         state.commit()
         if times:
-            print(f"step {state.step} size {size()} at {time.time():.4f}", flush=True)
+            print(f"step {state.step} size {size()} at {time.time():.4f} on {device}", flush=True)
 
 
 if flavour == "hvd":

@@ -483,11 +483,10 @@ def form_group(backend="kolo", timeout=None):
     extra = {} if timeout is None else {"timeout": timeout}
     if backend == "kolo":
         # the backend (registered when kolo.torch was imported) takes the
-        # round's communicator instead of bootstrapping another
+        # round's communicator instead of bootstrapping another; the store
+        # still serves its NCCL group, should CUDA tensors come
         _backend._staged = joined.comm
-        store = dist.HashStore()
-    else:
-        store = dist.PrefixStore(f"kolo-elastic/{joined.number}/", _base_store())
+    store = dist.PrefixStore(f"kolo-elastic/{joined.number}/", _base_store())
     dist.init_process_group(backend, store=store, rank=joined.rank, world_size=joined.size, **extra)
     return joined
 
