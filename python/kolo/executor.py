@@ -246,6 +246,17 @@ class Executor:
         self._driver = driver
         self._workers = driver.workers()
 
+    def status(self) -> dict:
+        """Every worker's host, pid, state, CPU %, memory and the age of
+        its last output line: the object `kolo status --json` prints."""
+        if self._driver is None:
+            raise RuntimeError("the executor is not started: call start() first")
+        if self._elastic:
+            raise NotImplementedError("status() is for fixed executors; `kolo status` shows an elastic job's workers")
+        import json
+
+        return json.loads(self._driver.status())
+
     def shutdown(self):
         """Stops every worker; nothing of the job is left."""
         if self._pool is not None:

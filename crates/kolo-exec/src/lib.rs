@@ -45,10 +45,12 @@
 //! }
 //! ```
 
+pub mod control;
 mod driver;
 mod engine;
 mod guard;
 mod hurry;
+mod inspect;
 mod nics;
 mod output;
 pub mod policy;

@@ -178,12 +178,35 @@ pub(crate) enum ToWorker {
     ReservePorts {
         count: u8,
     },
+    /// What the rank does now (`kolo status`, `kolo stack`): its process's
+    /// state and use, with `stacks` its threads' stacks too. Answered off
+    /// the thread that reads these, even during a call.
+    Inspect {
+        id: u64,
+        stacks: bool,
+        /// Where the asking user's py-spy is, tried first (a shared
+        /// virtualenv is often at the same path on every host).
+        py_spy: Option<String>,
+    },
     /// Probe these (interface, address, port) of worker `index`'s listener.
     Probe {
         index: u32,
         targets: Vec<(String, String, u16)>,
         timeout_ms: u64,
     },
+}
+
+/// A rank's process as its agent sees it.
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub(crate) struct RankSample {
+    pub(crate) pid: u32,
+    /// `running`, `sleeping`, `stopped`, `zombie`, `disk-wait`, ...
+    pub(crate) state: String,
+    /// Over the agent's last heartbeat interval.
+    pub(crate) cpu_percent: Option<f64>,
+    pub(crate) rss_bytes: u64,
+    /// Every thread's stack, as `kolo stack` prints it, or why there is none.
+    pub(crate) stacks: Option<String>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -237,6 +260,11 @@ pub(crate) enum ToDriver {
     ProbeReady {
         port: u16,
         interfaces: Vec<(String, Vec<String>)>,
+    },
+    /// The answer to `Inspect`.
+    Inspected {
+        id: u64,
+        answer: Result<RankSample, String>,
     },
     /// Per target (interface, address): `None` when the probe got through
     /// on the interface of that name, else why not.

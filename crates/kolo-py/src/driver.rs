@@ -400,6 +400,11 @@ impl Driver {
         self.with(py, |_, ex| Ok(ex.workers().into_iter().map(|w| (w.rank, w.hostname)).collect()))
     }
 
+    /// `kolo status --json`'s object for this job, as JSON text.
+    fn status(&self, py: Python<'_>) -> PyResult<String> {
+        self.with(py, |runtime, ex| runtime.block_on(ex.status()).map(|v| v.to_string()).map_err(exec_error))
+    }
+
     /// Stops the workers; the driver cannot be used afterwards.
     fn shutdown(&self, py: Python<'_>) {
         py.allow_threads(|| {

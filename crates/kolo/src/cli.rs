@@ -19,6 +19,7 @@ impl Cli {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
             Command::Nics(a) => a.verbose,
+            Command::Ps(_) | Command::Status(_) | Command::Stack(_) => false,
         }
     }
 }
@@ -31,6 +32,38 @@ pub(crate) enum Command {
     Rendezvous(RendezvousArgs),
     /// Find the network interfaces every host can use to reach the next.
     Nics(NicsArgs),
+    /// List your running jobs on this machine (job id, ranks, age, command).
+    Ps(PsArgs),
+    /// Show every rank of a job: host, pid, state, CPU, memory, last output.
+    Status(StatusArgs),
+    /// Print the Python stacks of every thread of every rank (py-spy),
+    /// identical stacks merged, the ranks that differ first.
+    Stack(StackArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct PsArgs {
+    /// One JSON array instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct StatusArgs {
+    /// The job's id (or its start); may be left out when one job runs.
+    pub job: Option<String>,
+    /// One JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct StackArgs {
+    /// The job's id (or its start); may be left out when one job runs.
+    pub job: Option<String>,
+    /// Only this rank.
+    #[arg(long, value_name = "R")]
+    pub rank: Option<u32>,
 }
 
 #[derive(Args, Debug)]

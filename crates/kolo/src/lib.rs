@@ -4,6 +4,7 @@
 
 mod cli;
 mod dry_run;
+mod inspect;
 mod nics;
 mod out;
 mod rendezvous;
@@ -55,6 +56,9 @@ pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
             cli::Command::Run(args) => run::run(*args, worker).await,
             cli::Command::Rendezvous(args) => rendezvous::rendezvous(args).await,
             cli::Command::Nics(args) => nics::nics(args).await,
+            cli::Command::Ps(args) => inspect::ps(args.json),
+            cli::Command::Status(args) => inspect::status(args.job.as_deref(), args.json),
+            cli::Command::Stack(args) => inspect::stack(args.job.as_deref(), args.rank),
         }
     });
     match result {

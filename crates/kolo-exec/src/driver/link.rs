@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::{Report, WorkerInfo};
 use crate::output::{Chunk, Stream};
 use crate::policy::{Cause, Liveness};
-use crate::proto::{self, ToDriver, ToWorker};
+use crate::proto::{self, RankSample, ToDriver, ToWorker};
 use crate::registry::MAX_REPORT;
 use crate::ExecError;
 
@@ -68,6 +68,10 @@ pub(crate) struct Link {
     /// The driver told the worker to stop (a process an elastic round left
     /// out): its end is still an event, but not news worth a warning.
     pub(super) told_to_stop: AtomicBool,
+    /// `Inspect` questions waiting for their answer, by id.
+    inspections: Mutex<HashMap<u64, oneshot::Sender<Result<RankSample, String>>>>,
+    /// When the rank last wrote output, in ms after `epoch`.
+    last_output_ms: AtomicU64,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -96,6 +100,8 @@ impl Link {
             next_question: AtomicU64::new(1),
             released: AtomicBool::new(false),
             told_to_stop: AtomicBool::new(false),
+            inspections: Mutex::new(HashMap::new()),
+            last_output_ms: AtomicU64::new(0),
         }
     }
 
@@ -129,7 +135,30 @@ impl Link {
         format!("rank {} on host {}", self.info.rank, self.info.hostname)
     }
 
-    pub(super) fn lost_reason(&self) -> Option<String> {
+    /// Asks the agent what its rank is doing (`stacks`: its threads' stacks too).
+    pub(crate) async fn inspect(&self, stacks: bool, py_spy: Option<String>) -> Result<RankSample, String> {
+        let id = self.next_question.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        crate::lock(&self.inspections).insert(id, tx);
+        if let Err(e) = self.send(&ToWorker::Inspect { id, stacks, py_spy }).await {
+            crate::lock(&self.inspections).remove(&id);
+            return Err(e.to_string());
+        }
+        rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
+    }
+
+    /// How long since the rank last wrote output (since it registered if never).
+    pub(crate) fn since_output(&self) -> Duration {
+        let at = Duration::from_millis(self.last_output_ms.load(Ordering::Relaxed));
+        self.epoch.elapsed().saturating_sub(at)
+    }
+
+    /// Its command ended and the driver let its agent go.
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn lost_reason(&self) -> Option<String> {
         crate::lock(&self.lost).clone()
     }
 
@@ -178,6 +207,7 @@ impl Link {
         }
         crate::lock(&self.reports).clear();
         crate::lock(&self.owner_questions).clear();
+        crate::lock(&self.inspections).clear();
         true
     }
 }
@@ -216,6 +246,7 @@ pub(crate) async fn read_worker(
                 if data.len() > MAX_OUTPUT_CHUNK {
                     break format!("it sent {} bytes of output at once, over the limit", data.len());
                 }
+                link.last_output_ms.store(link.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
                 let stream = if stderr { Stream::Stderr } else { Stream::Stdout };
                 if forward(&link, &output, Chunk::Data { rank, stream, bytes: data }).await.is_err() {
                     break "the driver stopped taking output".into();
@@ -230,6 +261,11 @@ pub(crate) async fn read_worker(
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
+            }
+            ToDriver::Inspected { id, answer } => {
+                if let Some(tx) = crate::lock(&link.inspections).remove(&id) {
+                    let _ = tx.send(answer);
+                }
             }
             ToDriver::SocketOwner { id, answer } => {
                 if let Some(tx) = crate::lock(&link.owner_questions).remove(&id) {

@@ -39,7 +39,7 @@ use crate::proto::ToWorker;
 use crate::registry::Executable;
 use crate::settings::{Settings, WorkerRequest};
 use crate::ExecError;
-use link::Link;
+pub(crate) use link::Link;
 
 /// A registered worker and its place in the job.
 #[derive(Clone, Debug)]
@@ -68,6 +68,8 @@ struct Running {
     stopping: Arc<AtomicBool>,
     /// What is the same for every rank.
     job: kolo_topology::JobEnv,
+    /// `kolo status` and `kolo stack` ask here (none where it could not open).
+    control: Option<crate::control::Endpoint>,
 }
 
 /// Runs user code on a set of worker processes; see the crate docs.
@@ -82,6 +84,8 @@ pub struct Executor {
     running: Option<Running>,
     next_id: AtomicU64,
     nic_report: Vec<crate::nics::PairReport>,
+    /// What `kolo ps` says the job runs.
+    description: String,
 }
 
 impl Executor {
@@ -124,6 +128,7 @@ impl Executor {
             running: None,
             next_id: AtomicU64::new(1),
             nic_report: Vec::new(),
+            description: "functions (kolo.Executor)".into(),
         })
     }
 
@@ -224,6 +229,18 @@ impl Executor {
         }
     }
 
+    /// Every rank's state, CPU, memory and last output, as `kolo status
+    /// --json` prints them (one JSON object).
+    pub async fn status(&self) -> Result<serde_json::Value, ExecError> {
+        let running = self.running.as_ref().ok_or(ExecError::NotStarted)?;
+        match &running.control {
+            Some(control) => Ok(control.status().await),
+            None => {
+                Err(ExecError::BadSettings("this job has no control endpoint (see the warning at its start)".into()))
+            }
+        }
+    }
+
     /// Starts the workers and creates the executable `E` in each from `args`.
     pub async fn start<E: Executable>(
         &mut self,
@@ -245,6 +262,7 @@ impl Executor {
         if argv.is_empty() {
             return Err(ExecError::NoCommand);
         }
+        self.description = argv.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
         self.start_agents(extra_env, true).await?;
         let argv: Vec<Vec<u8>> = argv.iter().map(|a| a.as_bytes().to_vec()).collect();
         let message = ToWorker::StartCommand { argv };

@@ -206,7 +206,27 @@ impl Executor {
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
         tracing::debug!("every worker has its environment");
-        Ok(Running { links, server, torch_store, output, events, readers, background, stopping, job })
+        let listing = crate::control::JobListing {
+            job: job.job_id.clone(),
+            driver_pid: std::process::id(),
+            command: self.description.clone(),
+            ranks: links.len(),
+            hosts: {
+                let mut hosts: Vec<String> = Vec::new();
+                for w in &plan.workers {
+                    if !hosts.contains(&w.host.hostname) {
+                        hosts.push(w.host.hostname.clone());
+                    }
+                }
+                hosts
+            },
+            started: crate::control::unix_now(),
+        };
+        // the job runs without it if it cannot open: said, not fatal
+        let control = crate::control::open(listing, links.clone())
+            .map_err(|e| tracing::warn!("no control endpoint for kolo status and kolo stack: {e}"))
+            .ok();
+        Ok(Running { links, server, torch_store, output, events, readers, background, stopping, job, control })
     }
 
     async fn accept_workers(

@@ -103,8 +103,8 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         (None, Some(registry)) => (registry.as_raw_fd(), RegistryRecord::Driver),
         (None, None) => (-1, RegistryRecord::Driver),
     };
-    // SAFETY: the hook runs between fork and exec and only calls getpid and
-    // write (async-signal-safe)
+    // SAFETY: the hook runs between fork and exec and only calls getpid,
+    // write, getppid and prctl (async-signal-safe system calls)
     unsafe {
         command.pre_exec(move || {
             let pid = libc::getpid() as u32;
@@ -116,6 +116,9 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
                 RegistryRecord::Driver => &driver_record[..],
             };
             libc::write(registry_fd, bytes.as_ptr().cast(), bytes.len());
+            // the agent (and py-spy, its child) may trace the rank for
+            // `kolo stack` under Yama's ptrace_scope 1
+            libc::prctl(libc::PR_SET_PTRACER, libc::getppid() as libc::c_ulong, 0, 0, 0);
             Ok(())
         });
     }

@@ -99,6 +99,8 @@ struct Agent {
     diagnostics: Mutex<File>,
     exiting: Mutex<()>,
     own_output: Mutex<Option<OwnOutput>>,
+    /// The rank's CPU use, looked at every heartbeat.
+    cpu: Mutex<crate::inspect::CpuWatch>,
 }
 
 /// A started command: its process group and the guard watching over it
@@ -176,6 +178,30 @@ struct OwnOutput {
 }
 
 impl Agent {
+    /// The rank's process: its command's, or this one (a worker that runs
+    /// calls is the rank itself).
+    fn rank_pid(&self) -> u32 {
+        crate::lock(&self.command).as_ref().map_or(std::process::id(), |running| running.group)
+    }
+
+    /// What `kolo status` and `kolo stack` show of the rank.
+    /// `stacks`: with every thread's stack (`Some(py-spy hint)`).
+    fn inspect(&self, stacks: Option<Option<String>>) -> Result<crate::proto::RankSample, String> {
+        let pid = self.rank_pid();
+        let (mut sample, _) = crate::inspect::sample(pid)?;
+        sample.cpu_percent = crate::lock(&self.cpu).percent(pid);
+        if let Some(hint) = stacks {
+            if pid == std::process::id() {
+                // py-spy, a child of this process, may trace it (Yama's
+                // ptrace_scope 1 lets only ancestors trace otherwise)
+                // SAFETY: prctl with these arguments only sets a flag
+                unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::c_ulong::from(pid), 0, 0, 0) };
+            }
+            sample.stacks = Some(crate::inspect::stacks(pid, &real_hostname(), hint.as_deref()));
+        }
+        Ok(sample)
+    }
+
     fn send(&self, message: &ToDriver) -> io::Result<()> {
         let frame = proto::encode(message)?;
         let mut writer = crate::lock(&self.writer);
@@ -319,6 +345,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         diagnostics: Mutex::new(File::from(original_stderr)),
         exiting: Mutex::new(()),
         own_output: Mutex::new(None),
+        cpu: Mutex::new(crate::inspect::CpuWatch::default()),
     });
     // the agent's own fd 1 and 2 go to the driver from when the user's code
     // first runs in it (`serve`): a command job never needs the two pipes
@@ -445,6 +472,8 @@ fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration) {
         if let Some(why) = ended {
             agent.say(&why);
         }
+        let pid = agent.rank_pid();
+        crate::lock(&agent.cpu).look(pid);
         if let Err(e) = agent.send(&ToDriver::Heartbeat) {
             agent.say(&format!("lost the driver ({e}); stopping"));
             agent.exit(1, Duration::ZERO);
@@ -561,7 +590,7 @@ fn runs_user_code(message: &ToWorker) -> bool {
 /// wait for the user's code, and gives the rest to `then` in order, while
 /// it says to go on.
 fn read_batch(
-    agent: &Agent,
+    agent: &Arc<Agent>,
     reader: &mut FrameReader,
     mut then: impl FnMut(ToWorker) -> io::Result<bool>,
 ) -> io::Result<()> {
@@ -581,6 +610,14 @@ fn read_batch(
                 let answer = crate::sockets::owned_by_this_user(client, server, &host);
                 agent.send(&ToDriver::SocketOwner { id, answer })?;
             }
+            ToWorker::Inspect { id, stacks, py_spy } => {
+                // a stack dump takes a while: not on this thread
+                let agent = agent.clone();
+                std::thread::spawn(move || {
+                    let answer = agent.inspect(stacks.then_some(py_spy));
+                    let _ = agent.send(&ToDriver::Inspected { id, answer });
+                });
+            }
             other => {
                 if !then(other)? {
                     return Ok(());
@@ -593,7 +630,11 @@ fn read_batch(
 
 fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: ToWorker) {
     let reply = match message {
-        ToWorker::Heartbeat | ToWorker::Cancel { .. } | ToWorker::ProbeDone | ToWorker::WhoOwns { .. } => return,
+        ToWorker::Heartbeat
+        | ToWorker::Cancel { .. }
+        | ToWorker::ProbeDone
+        | ToWorker::WhoOwns { .. }
+        | ToWorker::Inspect { .. } => return,
         ToWorker::SetEnv(vars) => {
             // user code in this process reads its rank from the environment;
             // SetEnv comes once, right after the handshake, while this

@@ -1,0 +1,311 @@
+//! A job's private control endpoint: a unix socket in a directory of the
+//! user's own (0700), through which `kolo ps`, `kolo status` and `kolo
+//! stack` ask the driver about its ranks. No TCP: only the job's user on
+//! the driver's machine can ask, and the driver answers for every rank,
+//! wherever it runs (its agents sample their ranks).
+//!
+//! Beside each socket, `<job>.json` says what `kolo ps` lists (the job,
+//! its driver's pid, its command, its ranks, when it started). Requests are
+//! one JSON line (`{"op": "status"}`, `{"op": "stack", "rank": R}`), at most
+//! [`MAX_REQUEST`] bytes; the answer is one JSON line.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use crate::driver::Link;
+
+/// The longest request line taken.
+pub const MAX_REQUEST: usize = 4096;
+/// How long a client may take to send its request.
+const REQUEST_WAIT: Duration = Duration::from_secs(5);
+/// How long the agents get to sample their ranks (stacks take longer).
+const SAMPLE_WAIT: Duration = Duration::from_secs(3);
+const STACK_WAIT: Duration = Duration::from_secs(15);
+/// Clients served at once; more wait in the kernel's backlog.
+const MAX_CLIENTS: usize = 16;
+
+/// The directory of this user's job endpoints: `$XDG_RUNTIME_DIR/kolo`
+/// when that is set, else `/tmp/kolo-<uid>`; made 0700, and refused when
+/// it is someone else's or open to others (another user made it first).
+pub fn endpoint_dir() -> io::Result<PathBuf> {
+    let uid = nix::unistd::getuid().as_raw();
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).filter(|d| d.is_dir()) {
+        Some(runtime) => runtime.join("kolo"),
+        None => std::env::temp_dir().join(format!("kolo-{uid}")),
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(io::Error::other(format!(
+            "{} is not a private directory of this user (owner {}, mode {:o}): remove it, or set XDG_RUNTIME_DIR",
+            dir.display(),
+            meta.uid(),
+            meta.permissions().mode() & 0o777
+        )));
+    }
+    Ok(dir)
+}
+
+/// What `kolo ps` shows of a job.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobListing {
+    pub job: String,
+    pub driver_pid: u32,
+    pub command: String,
+    pub ranks: usize,
+    pub hosts: Vec<String>,
+    /// Seconds since the Unix epoch.
+    pub started: f64,
+}
+
+/// One rank as `kolo status` shows it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RankStatus {
+    pub rank: u32,
+    pub host: String,
+    /// The rank's process: its command's, or the worker's own.
+    pub pid: Option<u32>,
+    /// `running`, `sleeping`, `stopped`, `zombie`, `disk-wait`, `ended`, `lost`.
+    pub state: String,
+    pub cpu_percent: Option<f64>,
+    pub rss_bytes: Option<u64>,
+    /// Seconds since the rank last wrote a line (or since the job started).
+    pub last_output_s: f64,
+    /// Collectives the rank completed, where kolo can count them.
+    pub collectives: Option<u64>,
+    /// The share of time the rank spent waiting in collectives.
+    pub wait_fraction: Option<f64>,
+    /// Why the sample is missing, if it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A request on the endpoint.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "op", rename_all = "lowercase")]
+enum Request {
+    Status,
+    Stack { rank: Option<u32>, py_spy: Option<String> },
+}
+
+/// The endpoint of a running job; its socket and listing go when it is dropped.
+pub(crate) struct Endpoint {
+    socket: PathBuf,
+    listing: PathBuf,
+    task: tokio::task::JoinHandle<()>,
+    job: Arc<Job>,
+}
+
+impl Endpoint {
+    /// What `kolo status --json` prints, for the driver's own callers.
+    pub(crate) async fn status(&self) -> serde_json::Value {
+        respond(Request::Status, &self.job).await
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.socket);
+        let _ = std::fs::remove_file(&self.listing);
+    }
+}
+
+/// What the endpoint answers from.
+struct Job {
+    listing: JobListing,
+    links: Vec<Arc<Link>>,
+    started: Instant,
+}
+
+/// Opens the job's endpoint and serves it until dropped.
+pub(crate) fn open(listing: JobListing, links: Vec<Arc<Link>>) -> io::Result<Endpoint> {
+    let dir = endpoint_dir()?;
+    // an elastic job's cohorts are executors of one job: one endpoint each
+    static OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("{}.{}.{n}", sanitized(&listing.job), std::process::id());
+    let socket = dir.join(format!("{name}.sock"));
+    let listing_path = dir.join(format!("{name}.json"));
+    // a socket left by a killed driver of the same job id
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket)?;
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
+    write_private(&listing_path, &serde_json::to_vec(&listing).map_err(io::Error::other)?)?;
+    let job = Arc::new(Job { listing, links, started: Instant::now() });
+    let task = tokio::spawn(serve(listener, job.clone()));
+    Ok(Endpoint { socket, listing: listing_path, task, job })
+}
+
+/// A job id as a file name.
+pub fn sanitized(job: &str) -> String {
+    job.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
+}
+
+fn write_private(path: &Path, data: &[u8]) -> io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    f.write_all(data)
+}
+
+async fn serve(listener: UnixListener, job: Arc<Job>) {
+    let clients = Arc::new(tokio::sync::Semaphore::new(MAX_CLIENTS));
+    let mut failures = kolo_rendezvous::AcceptFailures::new("the control endpoint");
+    loop {
+        let Ok(permit) = clients.clone().acquire_owned().await else { return };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tokio::time::sleep(failures.failed(&e)).await;
+                continue;
+            }
+        };
+        let job = job.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let _ = answer(stream, &job).await;
+        });
+    }
+}
+
+/// Whether the peer of `stream` is this process's user (the directory's
+/// mode says so already; this holds even if someone loosens it).
+fn same_user(stream: &UnixStream) -> bool {
+    stream.peer_cred().is_ok_and(|cred| cred.uid() == nix::unistd::getuid().as_raw())
+}
+
+async fn answer(stream: UnixStream, job: &Job) -> io::Result<()> {
+    if !same_user(&stream) {
+        return Ok(());
+    }
+    let (read, mut write) = stream.into_split();
+    let mut line = Vec::new();
+    let mut reader = BufReader::new(read.take(MAX_REQUEST as u64 + 1));
+    let got = tokio::time::timeout(REQUEST_WAIT, reader.read_until(b'\n', &mut line)).await;
+    let reply = match got {
+        Err(_) => return Ok(()),
+        Ok(Err(e)) => return Err(e),
+        Ok(Ok(_)) if line.len() > MAX_REQUEST => error_reply("the request is too long"),
+        Ok(Ok(_)) => match serde_json::from_slice::<Request>(&line) {
+            Ok(request) => respond(request, job).await,
+            Err(e) => error_reply(&format!("not a request: {e}")),
+        },
+    };
+    let mut out = serde_json::to_vec(&reply).map_err(io::Error::other)?;
+    out.push(b'\n');
+    write.write_all(&out).await
+}
+
+fn error_reply(message: &str) -> serde_json::Value {
+    serde_json::json!({ "error": message })
+}
+
+async fn respond(request: Request, job: &Job) -> serde_json::Value {
+    match request {
+        Request::Status => {
+            let ranks = status(job).await;
+            serde_json::json!({
+                "job": job.listing.job,
+                "command": job.listing.command,
+                "age_s": job.started.elapsed().as_secs_f64(),
+                "ranks": ranks,
+                "stragglers": Vec::<u32>::new(),
+            })
+        }
+        Request::Stack { rank, py_spy } => {
+            if let Some(r) = rank.filter(|r| *r as usize >= job.links.len()) {
+                return error_reply(&format!("rank {r} is not in the job: it has ranks 0 to {}", job.links.len() - 1));
+            }
+            let chosen: Vec<&Arc<Link>> = job.links.iter().filter(|l| rank.is_none_or(|r| r == l.info.rank)).collect();
+            let py_spy = &py_spy;
+            let stacks = futures_join(chosen.iter().map(|link| async move {
+                let answer = match tokio::time::timeout(STACK_WAIT, link.inspect(true, py_spy.clone())).await {
+                    Ok(Ok(sample)) => sample.stacks.unwrap_or_else(|| "no stacks came back".into()),
+                    Ok(Err(e)) => format!("cannot sample it: {e}"),
+                    Err(_) => format!("no answer within {} s", STACK_WAIT.as_secs()),
+                };
+                serde_json::json!({ "rank": link.info.rank, "host": link.info.hostname, "stacks": answer })
+            }))
+            .await;
+            serde_json::json!({ "job": job.listing.job, "ranks": stacks })
+        }
+    }
+}
+
+async fn status(job: &Job) -> Vec<RankStatus> {
+    futures_join(job.links.iter().map(|link| async move {
+        let last_output_s = link.since_output().as_secs_f64();
+        let mut status = RankStatus {
+            rank: link.info.rank,
+            host: link.info.hostname.clone(),
+            pid: None,
+            state: "lost".into(),
+            cpu_percent: None,
+            rss_bytes: None,
+            last_output_s,
+            collectives: None,
+            wait_fraction: None,
+            error: None,
+        };
+        if let Some(reason) = link.lost_reason() {
+            status.state = if link.is_released() { "ended".into() } else { "lost".into() };
+            status.error = Some(reason);
+            return status;
+        }
+        match tokio::time::timeout(SAMPLE_WAIT, link.inspect(false, None)).await {
+            Ok(Ok(sample)) => {
+                status.pid = Some(sample.pid);
+                status.state = sample.state;
+                status.cpu_percent = sample.cpu_percent;
+                status.rss_bytes = Some(sample.rss_bytes);
+            }
+            Ok(Err(e)) => status.error = Some(e),
+            Err(_) => status.error = Some(format!("no answer within {} s", SAMPLE_WAIT.as_secs())),
+        }
+        status
+    }))
+    .await
+}
+
+/// Runs the futures together (they borrow the job, so they are polled
+/// here rather than spawned), results in their order.
+async fn futures_join<F: std::future::Future>(futures: impl Iterator<Item = F>) -> Vec<F::Output> {
+    let mut pending: Vec<std::pin::Pin<Box<F>>> = futures.map(Box::pin).collect();
+    let mut results: Vec<Option<F::Output>> = Vec::new();
+    results.resize_with(pending.len(), || None);
+    std::future::poll_fn(|cx| {
+        let mut all = true;
+        for (i, f) in pending.iter_mut().enumerate() {
+            if results[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => results[i] = Some(v),
+                    std::task::Poll::Pending => all = false,
+                }
+            }
+        }
+        if all {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    results.into_iter().map(|r| r.expect("every future finished")).collect()
+}
+
+/// Seconds since the epoch, for listings.
+pub(crate) fn unix_now() -> f64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}

@@ -1,0 +1,199 @@
+//! What an agent sees of its rank's process: state, CPU and memory from
+//! `/proc`, and every thread's Python stack through py-spy (a well-kept
+//! sampler; kolo does not read another process's memory itself).
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::proto::RankSample;
+
+/// How long py-spy may take to dump a process.
+const DUMP_WAIT: Duration = Duration::from_secs(10);
+
+/// `/proc/PID/stat`'s state letter in words.
+fn state_name(letter: char) -> &'static str {
+    match letter {
+        'R' => "running",
+        'S' => "sleeping",
+        'D' => "disk-wait",
+        'T' => "stopped",
+        't' => "traced",
+        'Z' => "zombie",
+        'X' => "dead",
+        'I' => "idle",
+        _ => "unknown",
+    }
+}
+
+/// State, CPU time (clock ticks) and resident memory of process `pid`.
+pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| format!("pid {pid}: {e}"))?;
+    let (_, rest) = stat.rsplit_once(')').ok_or_else(|| format!("pid {pid}: unreadable stat"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // after the command: state(0) ... utime(11) stime(12) ... rss(21), in pages
+    let number = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    let state = fields.first().and_then(|s| s.chars().next()).map_or("unknown", state_name);
+    let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(4096) as u64;
+    let sample =
+        RankSample { pid, state: state.to_string(), cpu_percent: None, rss_bytes: number(21) * page, stacks: None };
+    Ok((sample, number(11) + number(12)))
+}
+
+/// CPU use of one process between two looks.
+#[derive(Default)]
+pub(crate) struct CpuWatch {
+    last: Option<(u32, Instant, u64)>,
+    percent: Option<f64>,
+}
+
+impl CpuWatch {
+    /// Takes a look at `pid` (the agent's heartbeat thread, every interval).
+    pub(crate) fn look(&mut self, pid: u32) {
+        let Ok((_, ticks)) = sample(pid) else {
+            self.percent = None;
+            return;
+        };
+        let now = Instant::now();
+        let per_s = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().unwrap_or(100) as f64;
+        if let Some((last_pid, at, last_ticks)) = self.last {
+            let elapsed = now.duration_since(at).as_secs_f64();
+            if last_pid == pid && elapsed > 0.0 {
+                self.percent = Some(ticks.saturating_sub(last_ticks) as f64 / per_s / elapsed * 100.0);
+            }
+        }
+        self.last = Some((pid, now, ticks));
+    }
+
+    pub(crate) fn percent(&self, pid: u32) -> Option<f64> {
+        self.last.filter(|(p, _, _)| *p == pid).and(self.percent)
+    }
+}
+
+/// Where py-spy is: `KOLO_PY_SPY`, the asking user's (`hint`), beside
+/// this program (a virtualenv's Python), or on `PATH`.
+fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("KOLO_PY_SPY") {
+        return Some(PathBuf::from(path));
+    }
+    if let Some(hint) = hint.map(PathBuf::from).filter(|p| p.is_absolute() && p.is_file()) {
+        return Some(hint);
+    }
+    let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("py-spy")));
+    let on_path = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("py-spy"));
+    beside.into_iter().chain(on_path).find(|p| p.is_file())
+}
+
+/// Every thread's stack of process `pid`, innermost call first, as text
+/// that is the same for ranks doing the same thing (no pids, no thread
+/// ids); or a line saying why there is none.
+pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>) -> String {
+    let Some(py_spy) = py_spy(hint) else {
+        return format!("py-spy is not installed on host {host}: pip install py-spy (or set KOLO_PY_SPY)");
+    };
+    let started = Command::new(&py_spy)
+        .args(["dump", "--json", "--pid", &pid.to_string()])
+        .stdin(Stdio::null())
+        .output_within(DUMP_WAIT);
+    let output = match started {
+        Ok(out) => out,
+        Err(e) => return format!("py-spy ({}) failed: {e}", py_spy.display()),
+    };
+    let text = String::from_utf8_lossy(&output.stdout);
+    match serde_json::from_str::<serde_json::Value>(&text) {
+        Ok(threads) if output.status.success() => render(&threads),
+        _ => {
+            let why = String::from_utf8_lossy(&output.stderr);
+            let why = why.lines().find(|l| !l.trim().is_empty()).unwrap_or("no output").trim().to_string();
+            let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+            if why.to_lowercase().contains("python") {
+                let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+                let waits =
+                    if wchan.is_empty() || wchan == "0" { String::new() } else { format!(", waiting in {wchan}") };
+                format!("no Python in this rank (pid {pid}, {}{waits})", program.trim())
+            } else {
+                format!("py-spy could not read pid {pid} ({}): {why}", program.trim())
+            }
+        }
+    }
+}
+
+/// py-spy's JSON dump as text: a block per thread.
+fn render(threads: &serde_json::Value) -> String {
+    let mut out = String::new();
+    for thread in threads.as_array().into_iter().flatten() {
+        // no thread ids: they differ between ranks doing the same thing
+        let name = thread["thread_name"].as_str().map(|n| format!(" {n}")).unwrap_or_default();
+        let activity = if thread["active"].as_bool().unwrap_or(false) { "active" } else { "idle" };
+        let gil = if thread["owns_gil"].as_bool().unwrap_or(false) { ", holds the GIL" } else { "" };
+        out.push_str(&format!("Thread{name} ({activity}{gil})\n"));
+        for frame in thread["frames"].as_array().into_iter().flatten() {
+            let function = frame["name"].as_str().unwrap_or("?");
+            let file = frame["short_filename"].as_str().or_else(|| frame["filename"].as_str()).unwrap_or("?");
+            let line = frame["line"].as_i64().unwrap_or(0);
+            out.push_str(&format!("    {function} ({file}:{line})\n"));
+        }
+    }
+    if out.is_empty() {
+        out.push_str("no threads\n");
+    }
+    out
+}
+
+/// `Command::output`, giving up (and killing the child) after `limit`.
+trait OutputWithin {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputWithin for Command {
+    fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output> {
+        let mut child = self.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+        // py-spy's output is small: the pipes do not fill before it exits
+        let deadline = Instant::now() + limit;
+        loop {
+            if child.try_wait()?.is_some() {
+                return child.wait_with_output();
+            }
+            if Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(std::io::Error::other(format!("no answer within {} s", limit.as_secs())));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dump_renders_without_pids_or_thread_ids() {
+        let dump = serde_json::json!([{
+            "pid": 4242, "thread_id": 140000, "thread_name": "MainThread", "os_thread_id": 4242,
+            "active": true, "owns_gil": true,
+            "frames": [
+                {"name": "wait", "filename": "/x/y/dist.py", "short_filename": "dist.py", "line": 12},
+                {"name": "<module>", "filename": "/x/train.py", "short_filename": "train.py", "line": 3}
+            ]
+        }]);
+        let text = render(&dump);
+        assert_eq!(
+            text,
+            "Thread MainThread (active, holds the GIL)\n    wait (dist.py:12)\n    <module> (train.py:3)\n"
+        );
+        assert!(!text.contains("4242"));
+    }
+
+    #[test]
+    fn this_process_samples_as_running_with_memory() {
+        let (me, _) = sample(std::process::id()).unwrap();
+        assert_eq!(me.state, "running");
+        assert!(me.rss_bytes > 0);
+        assert!(sample(u32::MAX).is_err());
+    }
+}

@@ -1,0 +1,215 @@
+//! `kolo ps`, `kolo status` and `kolo stack` against real jobs of the real
+//! binary. Each test keeps its jobs' endpoints in a runtime directory of
+//! its own (XDG_RUNTIME_DIR), so that tests running at once do not see
+//! each other's jobs.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+/// A job started with its own runtime directory.
+struct Job {
+    child: Child,
+    runtime: TempDir,
+}
+
+impl Job {
+    fn start(name: &str, np: &str, command: &[&str]) -> Job {
+        let runtime = TempDir::new(name);
+        let child = kolo()
+            .env("XDG_RUNTIME_DIR", runtime.path())
+            .args(["run", "-np", np, "--"])
+            .args(command)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let job = Job { child, runtime };
+        wait_for("the job's endpoint", Duration::from_secs(30), || job.socket().is_some());
+        job
+    }
+
+    fn kolo(&self, args: &[&str]) -> std::process::Output {
+        kolo().env("XDG_RUNTIME_DIR", self.runtime.path()).args(args).output().unwrap()
+    }
+
+    fn dir(&self) -> std::path::PathBuf {
+        self.runtime.path().join("kolo")
+    }
+
+    fn socket(&self) -> Option<std::path::PathBuf> {
+        let entries = std::fs::read_dir(self.dir()).ok()?;
+        entries.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "sock"))
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = self.kolo(&["status", "--json"]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        serde_json::from_str(&stdout(&out)).unwrap()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn ps_lists_a_running_job_and_forgets_it_once_it_ended() {
+    let job = Job::start("ps", "2", &["sleep", "1000"]);
+    let out = job.kolo(&["ps", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let jobs: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let jobs = jobs.as_array().unwrap();
+    assert_eq!(jobs.len(), 1, "{jobs:?}");
+    assert_eq!(jobs[0]["ranks"], 2);
+    assert_eq!(jobs[0]["command"], "sleep 1000");
+    assert_eq!(jobs[0]["driver_pid"], job.child.id());
+    let table = stdout(&job.kolo(&["ps"]));
+    assert!(table.contains("sleep 1000") && table.contains(jobs[0]["job"].as_str().unwrap()), "{table}");
+    // SIGINT: the job ends as it would at a Ctrl-C, its endpoint with it
+    let mut job = job;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(job.child.id() as i32), nix::sys::signal::Signal::SIGINT)
+        .unwrap();
+    job.child.wait().unwrap();
+    let left: Vec<_> = std::fs::read_dir(job.dir()).unwrap().flatten().map(|e| e.path()).collect();
+    assert!(left.is_empty(), "left in the endpoint directory: {left:?}");
+    assert_eq!(stdout(&job.kolo(&["ps", "--json"])).trim(), "[]");
+    let out = job.kolo(&["status"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("no kolo job of yours runs on this machine"), "{}", stderr(&out));
+}
+
+#[test]
+fn status_gives_every_rank_with_its_process_and_last_output() {
+    let job = Job::start("status", "3", &["sh", "-c", "echo started; exec sleep 1000"]);
+    wait_for("every rank's first line and a CPU sample", Duration::from_secs(20), || {
+        let s = job.status();
+        s["ranks"].as_array().unwrap().iter().all(|r| r["state"] == "sleeping" && r["cpu_percent"].is_number())
+    });
+    let s = job.status();
+    let ranks = s["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 3);
+    for (i, r) in ranks.iter().enumerate() {
+        assert_eq!(r["rank"], i as u64);
+        for key in ["host", "pid", "state", "cpu_percent", "rss_bytes", "last_output_s", "collectives", "wait_fraction"]
+        {
+            assert!(r.get(key).is_some(), "{key} missing in {r}");
+        }
+        let pid = r["pid"].as_u64().unwrap() as i32;
+        assert!(alive(pid));
+        // the rank's own process: sleep, after the shell exec'd it
+        assert_eq!(std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap().trim(), "sleep");
+        assert!(r["rss_bytes"].as_u64().unwrap() > 0);
+        assert!(r["last_output_s"].as_f64().unwrap() < 60.0);
+    }
+    assert!(s["stragglers"].is_array());
+    let table = stdout(&job.kolo(&["status"]));
+    assert!(table.contains("sleeping") && table.contains("RANK"), "{table}");
+}
+
+#[test]
+fn stack_says_when_a_rank_is_not_python_and_names_a_bad_rank() {
+    let job = Job::start("stack-native", "2", &["sleep", "1000"]);
+    let out = job.kolo(&["stack"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    // py-spy present or not, the answer says what there is for both ranks
+    assert!(text.starts_with("ranks 0,1 (host "), "{text}");
+    assert!(text.contains("no Python in this rank") || text.contains("py-spy is not installed"), "{text}");
+    let out = job.kolo(&["stack", "--rank", "7"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("rank 7 is not in the job: it has ranks 0 to 1"), "{}", stderr(&out));
+}
+
+/// With py-spy (the Python that has torch in CI has it), the rank that
+/// waits somewhere else is shown first, the others merged.
+#[test]
+fn stack_merges_the_ranks_that_wait_alike_and_shows_the_odd_one_first() {
+    let Some(python) = python_with("kolo") else { return };
+    let bin = std::path::Path::new(&python).parent().unwrap().to_path_buf();
+    if !bin.join("py-spy").exists() {
+        assert!(std::env::var_os("KOLO_REQUIRE_FRAMEWORKS").is_none(), "py-spy is not beside {python}");
+        eprintln!("skipped: no py-spy beside {python}");
+        return;
+    }
+    let script = "import os, time\n\
+                  def wait_in_step():\n    time.sleep(1000)\n\
+                  def straggle():\n    time.sleep(1000)\n\
+                  print('up', flush=True)\n\
+                  straggle() if os.environ['RANK'] == '2' else wait_in_step()\n";
+    let job = Job::start("stack-python", "4", &[&python, "-c", script]);
+    wait_for("every rank up", Duration::from_secs(30), || {
+        job.status()["ranks"].as_array().unwrap().iter().all(|r| r["last_output_s"].as_f64().unwrap() < 30.0)
+            && job.status()["ranks"].as_array().unwrap().iter().all(|r| r["state"] == "sleeping")
+    });
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let out = kolo().env("XDG_RUNTIME_DIR", job.runtime.path()).env("PATH", path).args(["stack"]).output().unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let odd = text.find("rank 2 (host ").expect(&text);
+    let rest = text.find("ranks 0,1,3 (host ").expect(&text);
+    assert!(odd < rest, "{text}");
+    assert!(text[odd..rest].contains("straggle (<string>:"), "{text}");
+    assert!(text[rest..].contains("wait_in_step (<string>:"), "{text}");
+}
+
+/// The endpoint is the user's alone; garbage and oversized requests get an
+/// error and the connection closed; the job goes on.
+#[test]
+fn the_endpoint_refuses_other_users_and_garbage() {
+    let job = Job::start("endpoint", "1", &["sleep", "1000"]);
+    let socket = job.socket().unwrap();
+    let mode = std::fs::metadata(job.dir()).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(mode.permissions().mode() & 0o777, 0o700);
+    // another user cannot even reach the socket
+    let probe = format!(
+        "import socket; s = socket.socket(socket.AF_UNIX); s.connect({:?}); s.sendall(b'{{\"op\": \"status\"}}\\n'); print(s.recv(100))",
+        socket.display().to_string()
+    );
+    let other = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "python3", "-c", &probe])
+        .output()
+        .unwrap();
+    assert!(!other.status.success(), "another user got in: {}", stdout(&other));
+    assert!(stderr(&other).contains("Permission denied"), "{}", stderr(&other));
+    // garbage, then an endless line
+    for request in [b"hello\n".to_vec(), vec![b'x'; 10_000]] {
+        let mut s = UnixStream::connect(&socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(&request);
+        let mut answer = String::new();
+        let _ = s.read_to_string(&mut answer);
+        assert!(answer.contains("\"error\""), "{answer}");
+    }
+    assert_eq!(job.status()["ranks"][0]["state"], "sleeping");
+}
+
+/// Asked while the job ends, status answers or says why not; it never
+/// hangs or panics.
+#[test]
+fn status_during_teardown_answers_or_says_why_not() {
+    let mut job = Job::start("teardown", "2", &["sh", "-c", "trap 'sleep 0.5; exit 0' TERM; sleep 1000 & wait"]);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(job.child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let mut answers = 0;
+    while job.child.try_wait().unwrap().is_none() {
+        let out = job.kolo(&["status", "--json"]);
+        let err = stderr(&out);
+        assert!(!err.contains("panicked"), "{err}");
+        if out.status.success() {
+            answers += 1;
+        } else {
+            assert!(err.starts_with("kolo: error: "), "{err}");
+        }
+    }
+    assert!(answers > 0 || job.child.try_wait().unwrap().is_some());
+}
