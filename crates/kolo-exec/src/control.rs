@@ -86,6 +86,8 @@ pub struct RankStatus {
     pub collectives: Option<u64>,
     /// The share of time the rank spent waiting in collectives.
     pub wait_fraction: Option<f64>,
+    /// Optimizer steps the rank took, where kolo can count them.
+    pub steps: Option<u64>,
     /// Why the sample is missing, if it is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -108,6 +110,10 @@ pub(crate) struct Endpoint {
 }
 
 impl Endpoint {
+    pub(crate) fn inspector(&self) -> Inspector {
+        Inspector(self.job.clone())
+    }
+
     /// What `kolo status --json` prints, for the driver's own callers.
     pub(crate) async fn status(&self) -> serde_json::Value {
         respond(Request::Status, &self.job).await
@@ -216,12 +222,13 @@ async fn respond(request: Request, job: &Job) -> serde_json::Value {
     match request {
         Request::Status => {
             let ranks = status(job).await;
+            let stragglers = stragglers(&ranks);
             serde_json::json!({
                 "job": job.listing.job,
                 "command": job.listing.command,
                 "age_s": job.started.elapsed().as_secs_f64(),
                 "ranks": ranks,
-                "stragglers": Vec::<u32>::new(),
+                "stragglers": stragglers,
             })
         }
         Request::Stack { rank, py_spy } => {
@@ -257,6 +264,7 @@ async fn status(job: &Job) -> Vec<RankStatus> {
             last_output_s,
             collectives: None,
             wait_fraction: None,
+            steps: None,
             error: None,
         };
         if let Some(reason) = link.lost_reason() {
@@ -270,6 +278,12 @@ async fn status(job: &Job) -> Vec<RankStatus> {
                 status.state = sample.state;
                 status.cpu_percent = sample.cpu_percent;
                 status.rss_bytes = Some(sample.rss_bytes);
+                if let Some(p) = sample.progress {
+                    status.collectives = Some(p.done);
+                    status.steps = Some(p.steps);
+                    let lived = link.age().as_nanos().max(1) as f64;
+                    status.wait_fraction = Some((p.wait_ns as f64 / lived).min(1.0));
+                }
             }
             Ok(Err(e)) => status.error = Some(e),
             Err(_) => status.error = Some(format!("no answer within {} s", SAMPLE_WAIT.as_secs())),
@@ -277,6 +291,61 @@ async fn status(job: &Job) -> Vec<RankStatus> {
         status
     }))
     .await
+}
+
+/// Ranks that wait markedly less in collectives than the others do: the
+/// ones the others wait for. Under half the median of the rest, where the
+/// rest wait a tenth of their time or more.
+pub fn stragglers(ranks: &[RankStatus]) -> Vec<u32> {
+    let waits: Vec<(u32, f64)> = ranks.iter().filter_map(|r| Some((r.rank, r.wait_fraction?))).collect();
+    if waits.len() < 2 {
+        return Vec::new();
+    }
+    waits
+        .iter()
+        .filter(|(rank, wait)| {
+            let mut others: Vec<f64> = waits.iter().filter(|(r, _)| r != rank).map(|(_, w)| *w).collect();
+            others.sort_by(f64::total_cmp);
+            let median = others[others.len() / 2];
+            median >= 0.1 && *wait < median / 2.0
+        })
+        .map(|(rank, _)| *rank)
+        .collect()
+}
+
+/// What a driver's own callers (hang detection) ask of the ranks.
+#[derive(Clone)]
+pub struct Inspector(Arc<Job>);
+
+impl Inspector {
+    /// Every rank's progress and output age, for [`crate::hang::HangWatch`].
+    pub async fn views(&self) -> Vec<crate::hang::RankView> {
+        futures_join(self.0.links.iter().map(|link| async move {
+            let ended = link.lost_reason().is_some();
+            let progress = if ended {
+                None
+            } else {
+                match tokio::time::timeout(SAMPLE_WAIT, link.inspect(false, None)).await {
+                    Ok(Ok(sample)) => sample.progress,
+                    _ => None,
+                }
+            };
+            crate::hang::RankView {
+                rank: link.info.rank,
+                host: link.info.hostname.clone(),
+                progress,
+                since_output: link.since_output(),
+                ended,
+            }
+        }))
+        .await
+    }
+
+    /// Every rank's stacks, as `kolo stack` gets them.
+    pub async fn stacks(&self) -> Vec<serde_json::Value> {
+        let answer = respond(Request::Stack { rank: None, py_spy: None }, &self.0).await;
+        answer["ranks"].as_array().cloned().unwrap_or_default()
+    }
 }
 
 /// Runs the futures together (they borrow the job, so they are polled

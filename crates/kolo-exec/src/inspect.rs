@@ -35,9 +35,40 @@ pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
     let number = |i: usize| fields.get(i).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
     let state = fields.first().and_then(|s| s.chars().next()).map_or("unknown", state_name);
     let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE).ok().flatten().unwrap_or(4096) as u64;
-    let sample =
-        RankSample { pid, state: state.to_string(), cpu_percent: None, rss_bytes: number(21) * page, stacks: None };
+    let sample = RankSample {
+        pid,
+        state: state.to_string(),
+        cpu_percent: None,
+        rss_bytes: number(21) * page,
+        stacks: None,
+        progress: None,
+    };
     Ok((sample, number(11) + number(12)))
+}
+
+/// The variable that names a rank's progress file.
+pub(crate) const PROGRESS_FILE_VAR: &str = "KOLO_PROGRESS_FILE";
+/// Its size: little-endian u64s, entered, done, wait_ns, steps, and room.
+const PROGRESS_LEN: usize = 64;
+
+/// Makes the rank's progress file (zeros, 0600) in its private directory.
+pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&crate::guard::Guard>) -> Option<PathBuf> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = dir.join("progress");
+    if let Some(guard) = guard {
+        let _ = guard.remove_path(&file);
+    }
+    let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).ok()?;
+    out.write_all(&[0u8; PROGRESS_LEN]).ok()?;
+    Some(file)
+}
+
+/// What the rank's hook counted so far.
+pub(crate) fn read_progress(file: &std::path::Path) -> Option<crate::proto::Progress> {
+    let bytes = std::fs::read(file).ok()?;
+    let word = |i: usize| Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?));
+    Some(crate::proto::Progress { entered: word(0)?, done: word(1)?, wait_ns: word(2)?, steps: word(3)? })
 }
 
 /// CPU use of one process between two looks.

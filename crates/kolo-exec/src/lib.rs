@@ -49,6 +49,7 @@ pub mod control;
 mod driver;
 mod engine;
 mod guard;
+pub mod hang;
 mod hurry;
 mod inspect;
 mod nics;
@@ -72,7 +73,7 @@ pub use hurry::{hurried, hurry};
 pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;
-pub use proto::PROTOCOL_VERSION;
+pub use proto::{Progress, PROTOCOL_VERSION};
 pub use registry::{
     build_id, set_build_id, Executable, Function, Registry, ReportError, Reporter, Task, UserError, WorkerContext,
     MAX_REPORT,

@@ -207,6 +207,21 @@ pub(crate) struct RankSample {
     pub(crate) rss_bytes: u64,
     /// Every thread's stack, as `kolo stack` prints it, or why there is none.
     pub(crate) stacks: Option<String>,
+    /// What the rank's Python hook counted, where it runs.
+    pub(crate) progress: Option<Progress>,
+}
+
+/// A rank's collectives and steps, as its Python hook counts them in its
+/// progress file (`KOLO_PROGRESS_FILE`).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Collectives called, and of those returned.
+    pub entered: u64,
+    pub done: u64,
+    /// Nanoseconds spent inside collective calls.
+    pub wait_ns: u64,
+    /// Optimizer steps.
+    pub steps: u64,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]

@@ -20,11 +20,24 @@ pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i
         }
         return crate::dry_run::dry_run(&job).await;
     }
+    if args.hang_timeout.is_some() && job.is_elastic() {
+        anyhow::bail!("--hang-timeout watches fixed jobs: drop it or the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
+    }
+    let hang = args.hang_timeout.map(std::time::Duration::from_secs_f64);
     match job.elastic_mode() {
         Some(ElasticMode::InPlace) => run_in_place(&job, &args.command).await,
         Some(ElasticMode::Restart) => run_restarting(&job, &args.command).await,
         None => {
-            let outcome = run_job(&job, &args.command, stop_signal()).await?;
+            let hung = std::sync::Arc::new(std::sync::Mutex::new(None));
+            let outcome = run_job(&job, &args.command, stop_signal(), hang, hung.clone()).await?;
+            let report_text = hung.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(text) = report_text {
+                // the hang is the news, not the SIGTERM that ended it
+                for line in text.lines() {
+                    tell(&format!("kolo: {line}"));
+                }
+                return Ok(1);
+            }
             report(&outcome);
             Ok(outcome.exit_code)
         }
@@ -37,6 +50,8 @@ async fn run_job(
     job: &Job,
     command: &[std::ffi::OsString],
     interrupt: impl std::future::Future<Output = Signal>,
+    hang_timeout: Option<std::time::Duration>,
+    hung: std::sync::Arc<std::sync::Mutex<Option<String>>>,
 ) -> Result<JobOutcome> {
     tokio::pin!(interrupt);
     let mut executor = tokio::select! {
@@ -55,9 +70,41 @@ async fn run_job(
         return Err(e.into());
     }
     note_omp_default(command, job.env(), &executor);
+    // a hang ends the job as a signal would, its report kept for the end
+    let watch = watch_for_hang(executor.inspector(), hang_timeout, hung);
+    let interrupt = async move {
+        tokio::select! {
+            signal = interrupt => signal,
+            () = watch => Signal::SIGTERM,
+        }
+    };
     let outcome = executor.wait_command(interrupt).await;
     executor.shutdown().await;
     Ok(outcome?)
+}
+
+/// Resolves once no rank has made progress for `timeout`, with the hang
+/// report (who holds the job back, then every rank's stacks) in `hung`;
+/// never without a timeout.
+async fn watch_for_hang(
+    inspector: Option<kolo_exec::control::Inspector>,
+    timeout: Option<std::time::Duration>,
+    hung: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+) {
+    let (Some(inspector), Some(timeout)) = (inspector, timeout) else { return std::future::pending().await };
+    let mut watch = kolo_exec::hang::HangWatch::new(timeout, std::time::Instant::now());
+    let look_every = (timeout / 4).clamp(std::time::Duration::from_millis(250), std::time::Duration::from_secs(1));
+    loop {
+        tokio::time::sleep(look_every).await;
+        let views = inspector.views().await;
+        if let Some(still) = watch.observe(&views, std::time::Instant::now()) {
+            let mut text = kolo_exec::hang::explain(&views, still);
+            text.push_str("\nstacks of every rank:\n");
+            text.push_str(&crate::inspect::merged_stacks(&inspector.stacks().await));
+            *hung.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+            return;
+        }
+    }
 }
 
 fn interrupted(signal: Signal) -> JobOutcome {

@@ -213,3 +213,78 @@ fn status_during_teardown_answers_or_says_why_not() {
     }
     assert!(answers > 0 || job.child.try_wait().unwrap().is_some());
 }
+
+/// A 4-rank gloo job whose rank 2 never reaches an all_reduce: with
+/// `--hang-timeout 8` kolo names rank 2, shows where every rank is, ends
+/// the job with a non-zero code, and leaves nothing.
+#[test]
+fn a_hang_is_reported_naming_the_rank_outside_the_collective_with_the_stacks() {
+    let Some(python) = python_with("torch") else { return };
+    let bin = std::path::Path::new(&python).parent().unwrap().to_path_buf();
+    let script = "import os, time\n\
+                  import torch, torch.distributed as dist\n\
+                  dist.init_process_group('gloo')\n\
+                  t = torch.ones(4)\n\
+                  for _ in range(3):\n    dist.all_reduce(t)\n\
+                  print('three steps', flush=True)\n\
+                  def stuck_before_the_all_reduce():\n    time.sleep(1000)\n\
+                  if dist.get_rank() == 2:\n    stuck_before_the_all_reduce()\n\
+                  dist.all_reduce(t)\n";
+    let runtime = TempDir::new("hang");
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    let started = std::time::Instant::now();
+    let out = kolo()
+        .env("XDG_RUNTIME_DIR", runtime.path())
+        .env("PATH", path)
+        .args(["run", "-np", "4", "--hang-timeout", "8", "--", &python, "-c", script])
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("kolo: the job hung: rank 2 (host localhost) is not in the collective the other 3 ranks wait in"),
+        "{err}"
+    );
+    let odd = err.find("kolo: rank 2 (host localhost):").expect(&err);
+    let rest = err.find("kolo: ranks 0,1,3 (host localhost):").expect(&err);
+    assert!(odd < rest, "{err}");
+    assert!(err[odd..rest].contains("stuck_before_the_all_reduce"), "{err}");
+    assert!(err[rest..].contains("all_reduce (torch/distributed/distributed_c10d.py"), "{err}");
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+    assert_eq!(stdout(&out).matches("three steps").count(), 4, "{}", stdout(&out));
+    let left = Command::new("pgrep").args(["-f", "stuck_before_the_all_reduce"]).output().unwrap();
+    assert!(stdout(&left).trim().is_empty(), "left running: {}", stdout(&left));
+}
+
+/// One rank doing five times the work per step waits least in the
+/// all_reduce: status lists it as the straggler, and counts collectives
+/// and steps for every rank.
+#[test]
+fn status_names_the_rank_the_others_wait_for() {
+    let Some(python) = python_with("torch") else { return };
+    let script = "import os, time\n\
+                  import torch, torch.distributed as dist\n\
+                  dist.init_process_group('gloo')\n\
+                  model = torch.nn.Linear(4, 1)\n\
+                  opt = torch.optim.SGD(model.parameters(), lr=0.01)\n\
+                  work = 0.1 if dist.get_rank() == 1 else 0.02\n\
+                  print('up', flush=True)\n\
+                  for step in range(100000):\n    time.sleep(work)\n    opt.zero_grad()\n    model(torch.ones(2, 4)).sum().backward()\n    for p in model.parameters():\n        dist.all_reduce(p.grad)\n    opt.step()\n";
+    let job = Job::start("straggler", "3", &[&python, "-c", script]);
+    wait_for("a few steps on every rank", Duration::from_secs(60), || {
+        job.status()["ranks"].as_array().unwrap().iter().all(|r| r["steps"].as_u64().unwrap_or(0) >= 5)
+    });
+    // the shares settle as steps accumulate
+    wait_for("rank 1 named as the straggler", Duration::from_secs(60), || {
+        job.status()["stragglers"] == serde_json::json!([1])
+    });
+    let s = job.status();
+    for r in s["ranks"].as_array().unwrap() {
+        assert!(r["collectives"].as_u64().unwrap() >= 10, "{r}");
+        let wait = r["wait_fraction"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&wait), "{r}");
+    }
+    let waits: Vec<f64> = s["ranks"].as_array().unwrap().iter().map(|r| r["wait_fraction"].as_f64().unwrap()).collect();
+    assert!(waits[1] < waits[0] / 2.0 && waits[1] < waits[2] / 2.0, "{waits:?}");
+}

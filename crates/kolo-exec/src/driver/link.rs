@@ -153,6 +153,11 @@ impl Link {
         self.epoch.elapsed().saturating_sub(at)
     }
 
+    /// Since the worker registered.
+    pub(crate) fn age(&self) -> Duration {
+        self.epoch.elapsed()
+    }
+
     /// Its command ended and the driver let its agent go.
     pub(crate) fn is_released(&self) -> bool {
         self.released.load(Ordering::Relaxed)

@@ -229,6 +229,12 @@ impl Executor {
         }
     }
 
+    /// What watches the ranks from outside the driver's calls (hang
+    /// detection), once the workers run with a control endpoint.
+    pub fn inspector(&self) -> Option<crate::control::Inspector> {
+        self.running.as_ref()?.control.as_ref().map(|c| c.inspector())
+    }
+
     /// Every rank's state, CPU, memory and last output, as `kolo status
     /// --json` prints them (one JSON object).
     pub async fn status(&self) -> Result<serde_json::Value, ExecError> {

@@ -73,6 +73,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
     };
     let mut error_file = false;
+    let mut progress = None;
     if let Some(dir) = &rank_dir {
         // on the driver's host the driver removes it if this agent dies
         if let (Some(registry), Some(record)) = (&agent.group_registry, super::dir_record(dir.path())) {
@@ -86,6 +87,11 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             }
         }
         if lookup("KOLO_PYTHON_HOOKS").as_deref() != Some("0") {
+            // where the rank's Python hook counts its collectives and steps
+            if let Some(file) = crate::inspect::create_progress_file(dir.path(), guard.as_deref()) {
+                command.env(crate::inspect::PROGRESS_FILE_VAR, &file);
+                progress = Some(file);
+            }
             if let Some(hooks) = write_python_hooks(dir.path(), guard.as_deref()) {
                 let path = match lookup("PYTHONPATH").filter(|p| !p.is_empty()) {
                     Some(rest) => format!("{}:{rest}", hooks.display()),
@@ -149,6 +155,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         guard,
         dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()),
         stopped_since: lookup(kolo_topology::ENV_ELASTIC_ROUND).map(|_| None),
+        progress,
     });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });
     let outputs: Vec<(File, bool)> = [

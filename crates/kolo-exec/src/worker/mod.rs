@@ -114,6 +114,8 @@ struct Running {
     /// every other rank's collectives while its agent goes on beating:
     /// since when the command has been seen stopped.
     stopped_since: Option<Option<Instant>>,
+    /// The file the rank's Python hook counts its progress in.
+    progress: Option<std::path::PathBuf>,
 }
 
 impl Running {
@@ -190,6 +192,8 @@ impl Agent {
         let pid = self.rank_pid();
         let (mut sample, _) = crate::inspect::sample(pid)?;
         sample.cpu_percent = crate::lock(&self.cpu).percent(pid);
+        let progress = crate::lock(&self.command).as_ref().and_then(|r| r.progress.clone());
+        sample.progress = progress.and_then(|file| crate::inspect::read_progress(&file));
         if let Some(hint) = stacks {
             if pid == std::process::id() {
                 // py-spy, a child of this process, may trace it (Yama's

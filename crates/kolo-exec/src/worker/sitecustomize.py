@@ -8,8 +8,10 @@
 # when JAX loads its cluster module, without importing JAX itself. No other
 # launcher's variables are faked. And where Horovod is not installed,
 # `import horovod.torch` gives kolo's Horovod API (kolo.horovod), importing
-# kolo only then. Then it runs the sitecustomize this file hides, if there
-# is one.
+# kolo only then. When torch.distributed loads, its collectives and every
+# optimizer step are counted in the rank's progress file (`kolo status`,
+# `kolo run --hang-timeout`). Then it runs the sitecustomize this file
+# hides, if there is one.
 import os
 import sys
 
@@ -88,6 +90,110 @@ def _kolo_alias_horovod():
     sys.meta_path.insert(0, Finder())
 
 
+_KOLO_COLLECTIVES = (
+    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier",
+    "monitored_barrier", "send", "recv", "broadcast_object_list", "gather_object", "scatter_object_list",
+)
+
+
+def _kolo_count(dist):
+    # kolo's progress file: collectives entered and done, nanoseconds in
+    # them, optimizer steps (little-endian u64s), read by the rank's agent
+    # for `kolo status` and `--hang-timeout`. In the rank's own memory: no
+    # system call per collective
+    import functools
+    import mmap
+    import struct
+    import time
+
+    with open(os.environ["KOLO_PROGRESS_FILE"], "r+b") as f:
+        counters = mmap.mmap(f.fileno(), 32)
+    word = struct.Struct("<Q")
+    depth = [0]
+
+    def add(at, n):
+        word.pack_into(counters, at, word.unpack_from(counters, at)[0] + n)
+
+    def counted(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if depth[0]:
+                return fn(*args, **kwargs)  # inside another: counted there
+            depth[0] += 1
+            add(0, 1)
+            began = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                add(16, time.perf_counter_ns() - began)
+                add(8, 1)
+                depth[0] -= 1
+
+        call._kolo_counted = True
+        return call
+
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    for name in _KOLO_COLLECTIVES:
+        fn = getattr(c10d, name, None) if c10d is not None else None
+        if fn is None or getattr(fn, "_kolo_counted", False):
+            continue
+        wrapped = counted(fn)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is fn:
+            setattr(dist, name, wrapped)
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: add(24, 1))
+    except ImportError:  # an older torch: collectives only
+        pass
+
+
+def _kolo_after_import(module_name, then):
+    # runs `then(module)` once `module_name` has been imported
+    import importlib.abc
+    import importlib.util
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != module_name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            run = spec.loader.exec_module
+
+            def run_then(module):
+                run(module)
+                then(module)
+
+            spec.loader.exec_module = run_then
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _kolo_watch_torch():
+    # once torch is whole (torch.distributed loads while torch itself is
+    # half-imported: nothing may import torch's modules then)
+    def count(module):
+        try:
+            _kolo_count(module)
+        except Exception as e:  # a torch this does not know: say so, change nothing
+            print(f"kolo: cannot count this rank's collectives: {e}", file=sys.stderr)
+
+    def torch_loaded(torch):
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and "torch.distributed.distributed_c10d" in sys.modules:
+            count(dist)
+        else:
+            _kolo_after_import("torch.distributed", count)
+
+    _kolo_after_import("torch", torch_loaded)
+
+
 def _kolo_chain():
     import importlib.machinery
     import importlib.util
@@ -116,4 +222,6 @@ _kolo_forget_bytecode()
 if "KOLO_JOB_ID" in os.environ and os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
     _kolo_watch_jax()
     _kolo_alias_horovod()
+    if os.environ.get("KOLO_PROGRESS_FILE"):
+        _kolo_watch_torch()
 _kolo_chain()

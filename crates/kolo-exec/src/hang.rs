@@ -1,0 +1,170 @@
+//! Telling a hung job from a slow one, and naming who holds it back: pure
+//! logic over what the agents sample (collectives entered and done, steps,
+//! the age of each rank's last output line), no I/O.
+
+use std::time::{Duration, Instant};
+
+use crate::proto::Progress;
+
+/// One rank as a look at the job saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankView {
+    pub rank: u32,
+    pub host: String,
+    /// What its Python hook counted; none where it has no hook (not
+    /// Python, hooks off) or its agent did not answer.
+    pub progress: Option<Progress>,
+    /// Since its last line of output.
+    pub since_output: Duration,
+    /// Its command ended: it holds nobody back by running.
+    pub ended: bool,
+}
+
+/// Watches for a job in which nothing moves: no rank completes a
+/// collective or a step or writes a line for `timeout`.
+pub struct HangWatch {
+    timeout: Duration,
+    last_move: Instant,
+    last_look: Instant,
+    seen: Vec<Option<(u64, u64, u64)>>,
+}
+
+fn key(p: &Progress) -> (u64, u64, u64) {
+    (p.entered, p.done, p.steps)
+}
+
+impl HangWatch {
+    pub fn new(timeout: Duration, now: Instant) -> HangWatch {
+        HangWatch { timeout, last_move: now, last_look: now, seen: Vec::new() }
+    }
+
+    /// Takes a look; once nothing has moved for the timeout, how long.
+    pub fn observe(&mut self, ranks: &[RankView], now: Instant) -> Option<Duration> {
+        let window = now.saturating_duration_since(self.last_look);
+        let keys: Vec<Option<(u64, u64, u64)>> = ranks.iter().map(|r| r.progress.as_ref().map(key)).collect();
+        let counted = keys.len() != self.seen.len() || keys.iter().zip(&self.seen).any(|(k, seen)| k != seen);
+        let wrote = ranks.iter().any(|r| !r.ended && r.since_output < window);
+        if counted || wrote {
+            self.last_move = now;
+        }
+        self.seen = keys;
+        self.last_look = now;
+        let still = now.saturating_duration_since(self.last_move);
+        (still >= self.timeout).then_some(still)
+    }
+}
+
+fn who(ranks: &[&RankView]) -> String {
+    let ids: Vec<String> = ranks.iter().map(|r| r.rank.to_string()).collect();
+    let mut hosts: Vec<&str> = ranks.iter().map(|r| r.host.as_str()).collect();
+    hosts.dedup();
+    match ranks {
+        [one] => format!("rank {} (host {})", one.rank, one.host),
+        _ => format!("ranks {} (hosts {})", ids.join(","), hosts.join(",")),
+    }
+}
+
+/// The hang report's first line: that the job hung, and who holds it back.
+pub fn explain(ranks: &[RankView], still: Duration) -> String {
+    let running: Vec<&RankView> = ranks.iter().filter(|r| !r.ended).collect();
+    let waiting: Vec<&RankView> =
+        running.iter().copied().filter(|r| r.progress.is_some_and(|p| p.entered > p.done)).collect();
+    let secs = still.as_secs_f64();
+    if waiting.is_empty() {
+        return format!("the job hung: no rank made progress (a collective, a step, a line of output) for {secs:.0} s");
+    }
+    let newest = waiting.iter().filter_map(|r| r.progress.map(|p| p.entered)).max().unwrap_or(0);
+    let behind: Vec<&RankView> = running
+        .iter()
+        .copied()
+        .filter(|r| r.progress.is_some_and(|p| p.entered == p.done && p.entered < newest))
+        .collect();
+    if !behind.is_empty() {
+        let verb = if behind.len() == 1 { "is" } else { "are" };
+        let done: Vec<u64> = behind.iter().filter_map(|r| r.progress.map(|p| p.done)).collect();
+        let others = waiting.len();
+        let plural = if others == 1 { "rank waits" } else { "ranks wait" };
+        return format!(
+            "the job hung: {} {verb} not in the collective the other {others} {plural} in (their collective #{newest}; \
+             done: {}), for {secs:.0} s",
+            who(&behind),
+            done.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+        );
+    }
+    let mut by_call: Vec<(u64, Vec<&RankView>)> = Vec::new();
+    for r in &waiting {
+        let entered = r.progress.map_or(0, |p| p.entered);
+        match by_call.iter_mut().find(|(e, _)| *e == entered) {
+            Some((_, members)) => members.push(r),
+            None => by_call.push((entered, vec![r])),
+        }
+    }
+    if by_call.len() > 1 {
+        by_call.sort_by_key(|(e, _)| *e);
+        let parts: Vec<String> =
+            by_call.iter().map(|(e, members)| format!("{} in collective #{e}", who(members))).collect();
+        return format!("the job hung: ranks wait in different collectives ({}) for {secs:.0} s", parts.join("; "));
+    }
+    format!(
+        "the job hung: every rank waits in collective #{newest} and none came out for {secs:.0} s (a peer that never \
+         sends: see the stacks)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(rank: u32, entered: u64, done: u64) -> RankView {
+        RankView {
+            rank,
+            host: format!("h{rank}"),
+            progress: Some(Progress { entered, done, wait_ns: 0, steps: 0 }),
+            since_output: Duration::from_secs(100),
+            ended: false,
+        }
+    }
+
+    #[test]
+    fn the_rank_outside_the_collective_the_others_wait_in_is_named() {
+        let ranks = [rank(0, 5, 4), rank(1, 5, 4), rank(2, 4, 4), rank(3, 5, 4)];
+        let line = explain(&ranks, Duration::from_secs(8));
+        assert!(
+            line.starts_with("the job hung: rank 2 (host h2) is not in the collective the other 3 ranks wait in"),
+            "{line}"
+        );
+        assert!(line.contains("their collective #5"), "{line}");
+    }
+
+    #[test]
+    fn several_behind_ranks_and_mismatched_collectives_are_told_apart() {
+        let line = explain(&[rank(0, 3, 2), rank(1, 2, 2), rank(2, 2, 2)], Duration::from_secs(9));
+        assert!(line.contains("ranks 1,2 (hosts h1,h2) are not in the collective the other 1 rank waits in"), "{line}");
+        let line = explain(&[rank(0, 3, 2), rank(1, 4, 3)], Duration::from_secs(9));
+        assert!(line.contains("different collectives (rank 0 (host h0) in collective #3; rank 1 (host h1)"), "{line}");
+        let line = explain(&[rank(0, 3, 2), rank(1, 3, 2)], Duration::from_secs(9));
+        assert!(line.contains("every rank waits in collective #3"), "{line}");
+        let mut quiet = rank(0, 0, 0);
+        quiet.progress = None;
+        assert!(explain(&[quiet], Duration::from_secs(9)).contains("no rank made progress"));
+    }
+
+    #[test]
+    fn a_job_is_hung_only_after_nothing_moved_for_the_timeout() {
+        let start = Instant::now();
+        let mut watch = HangWatch::new(Duration::from_secs(8), start);
+        let at = |s: u64| start + Duration::from_secs(s);
+        let mut ranks = vec![rank(0, 1, 1), rank(1, 1, 1)];
+        assert_eq!(watch.observe(&ranks, at(1)), None);
+        // a collective done at 5 s: the clock starts again
+        ranks[1] = rank(1, 2, 2);
+        assert_eq!(watch.observe(&ranks, at(5)), None);
+        assert_eq!(watch.observe(&ranks, at(12)), None);
+        // a line of output at 12.5 s counts too
+        ranks[0].since_output = Duration::from_millis(500);
+        assert_eq!(watch.observe(&ranks, at(13)), None);
+        ranks[0].since_output = Duration::from_secs(100);
+        assert_eq!(watch.observe(&ranks, at(20)), None);
+        assert_eq!(watch.observe(&ranks, at(21)), Some(Duration::from_secs(8)));
+    }
+}
