@@ -320,3 +320,18 @@ def test_results_made_in_the_worker_come_back_whatever_they_are(settings):
     assert [r["plain"] for r in results] == [[1, 2.5, "x", None]] * 2
     assert [r["made"].rank for r in results] == [0, 1]
     assert [r["fn"]() for r in results] == [42, 42]
+
+
+def test_status_shows_every_worker_with_its_process():
+    settings = kolo.Executor.create_settings(timeout_s=30)
+    with kolo.Executor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        status = ex.status()
+        pids = ex.run(os.getpid)
+    assert [r["rank"] for r in status["ranks"]] == [0, 1], status
+    assert sorted(r["pid"] for r in status["ranks"]) == sorted(pids), (status, pids)
+    for r in status["ranks"]:
+        assert r["state"] in ("sleeping", "running") and r["rss_bytes"] > 0, r
+    assert status["stragglers"] == []
+    with pytest.raises(RuntimeError, match="call start"):
+        kolo.Executor(settings, num_workers=1).status()

@@ -332,3 +332,55 @@ fn horovods_elastic_api_in_place_under_slurm() {
     wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
 }
+
+/// `kolo stack` and `kolo status` on a job whose ranks run on h2 and h3,
+/// asked on h1 where its driver runs: every rank answers through its agent.
+#[test]
+#[ignore = "needs the test hosts"]
+fn stack_and_status_across_hosts() {
+    let Some(python) = python_with("torch") else { return };
+    let bin = std::path::Path::new(&python).parent().unwrap().to_string_lossy().into_owned();
+    let cfg = ssh_config();
+    let runtime = TempDir::new("hosts-stack");
+    let xdg = format!("XDG_RUNTIME_DIR={}", runtime.path().display());
+    let path = format!("PATH={bin}:/usr/local/bin:/usr/bin:/bin");
+    let script = "import os, time\n\
+                  def on_h2():\n    time.sleep(1000)\n\
+                  def on_h3():\n    time.sleep(1000)\n\
+                  print('up', flush=True)\n\
+                  on_h2() if os.environ['HOROVOD_HOSTNAME'] == 'h2' else on_h3()\n";
+    let t = testhosts();
+    let child = Command::new(t.join("hx"))
+        .args(["h1", "env", &xdg, &path, env!("CARGO_BIN_EXE_kolo"), "run", "-H", "h2:1,h3:1", "--ssh-config", &cfg])
+        .args(["--", &python, "-c", script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _reap = KillOnDrop(child.id());
+    let ask = |args: &[&str]| {
+        Command::new(t.join("hx"))
+            .args(["h1", "env", &xdg, &path, env!("CARGO_BIN_EXE_kolo")])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    wait_for("both ranks up and asleep", Duration::from_secs(60), || {
+        let out = ask(&["status", "--json"]);
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&stdout(&out)) else { return false };
+        v["ranks"].as_array().is_some_and(|r| r.len() == 2 && r.iter().all(|r| r["state"] == "sleeping"))
+    });
+    let status: serde_json::Value = serde_json::from_str(&stdout(&ask(&["status", "--json"]))).unwrap();
+    let hosts: Vec<&str> = status["ranks"].as_array().unwrap().iter().map(|r| r["host"].as_str().unwrap()).collect();
+    assert_eq!(hosts, ["h2", "h3"]);
+    let out = ask(&["stack"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // py-spy names the main thread only where threading was imported
+    let (h2, h3) = (text.find("rank 0 (host h2):").expect(&text), text.find("rank 1 (host h3):").expect(&text));
+    assert!(h2 < h3, "{text}");
+    assert!(text[h2..h3].contains("(idle)\n      on_h2 (<string>:3)"), "{text}");
+    assert!(text[h3..].contains("(idle)\n      on_h3 (<string>:5)"), "{text}");
+    drop(_reap);
+    assert_nothing_left();
+}
