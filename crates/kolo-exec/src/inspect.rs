@@ -48,7 +48,8 @@ pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
 
 /// The variable that names a rank's progress file.
 pub(crate) const PROGRESS_FILE_VAR: &str = "KOLO_PROGRESS_FILE";
-/// Its size: little-endian u64s, entered, done, wait_ns, steps, and room.
+/// Its size: little-endian u64s, entered, done, wait_ns, steps, 1 once a
+/// hook counts, and room.
 const PROGRESS_LEN: usize = 64;
 
 /// Makes the rank's progress file (zeros, 0600) in its private directory.
@@ -64,10 +65,14 @@ pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&crate::
     Some(file)
 }
 
-/// What the rank's hook counted so far.
+/// What the rank's hook counted so far; none until a hook counts (the
+/// rank is not Python, or has not imported torch).
 pub(crate) fn read_progress(file: &std::path::Path) -> Option<crate::proto::Progress> {
     let bytes = std::fs::read(file).ok()?;
     let word = |i: usize| Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?));
+    if word(4)? != 1 {
+        return None;
+    }
     Some(crate::proto::Progress { entered: word(0)?, done: word(1)?, wait_ns: word(2)?, steps: word(3)? })
 }
 

@@ -19,7 +19,7 @@ impl Cli {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
             Command::Nics(a) => a.verbose,
-            Command::Ps(_) | Command::Status(_) | Command::Stack(_) => false,
+            Command::Ps(_) | Command::Status(_) | Command::Stack(_) | Command::Top(_) => false,
         }
     }
 }
@@ -39,6 +39,14 @@ pub(crate) enum Command {
     /// Print the Python stacks of every thread of every rank (py-spy),
     /// identical stacks merged, the ranks that differ first.
     Stack(StackArgs),
+    /// Watch a job's ranks, refreshed every second (q quits).
+    Top(TopArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TopArgs {
+    /// The job's id (or its start); may be left out when one job runs.
+    pub job: Option<String>,
 }
 
 #[derive(Args, Debug)]

@@ -10,6 +10,7 @@ mod out;
 mod rendezvous;
 mod run;
 mod spec;
+mod top;
 
 use std::ffi::OsString;
 use std::path::PathBuf;
@@ -59,6 +60,7 @@ pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
             cli::Command::Ps(args) => inspect::ps(args.json),
             cli::Command::Status(args) => inspect::status(args.job.as_deref(), args.json),
             cli::Command::Stack(args) => inspect::stack(args.job.as_deref(), args.rank),
+            cli::Command::Top(args) => top::top(args.job.as_deref()),
         }
     });
     match result {

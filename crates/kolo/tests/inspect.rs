@@ -288,3 +288,56 @@ fn status_names_the_rank_the_others_wait_for() {
     let waits: Vec<f64> = s["ranks"].as_array().unwrap().iter().map(|r| r["wait_fraction"].as_f64().unwrap()).collect();
     assert!(waits[1] < waits[0] / 2.0 && waits[1] < waits[2] / 2.0, "{waits:?}");
 }
+
+/// `kolo top` in a real terminal (tmux): every rank's row, a narrow
+/// terminal that still draws, and `q` to quit.
+#[test]
+fn top_draws_every_rank_in_a_terminal_and_quits_on_q() {
+    if Command::new("tmux").arg("-V").output().is_err() {
+        assert!(std::env::var_os("CI").is_none(), "tmux is missing (.ci/run installs it)");
+        eprintln!("skipped: no tmux");
+        return;
+    }
+    let job = Job::start("top", "3", &["sleep", "1000"]);
+    let server = format!("kolo-top-test-{}", std::process::id());
+    let tmux = |args: &[&str]| Command::new("tmux").arg("-L").arg(&server).args(args).output().unwrap();
+    let command = format!("env XDG_RUNTIME_DIR={} {} top", job.runtime.path().display(), env!("CARGO_BIN_EXE_kolo"));
+    let out = tmux(&["new-session", "-d", "-s", "top", "-x", "120", "-y", "20", &command]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    struct Server<'a>(&'a dyn Fn(&[&str]) -> std::process::Output);
+    impl Drop for Server<'_> {
+        fn drop(&mut self) {
+            (self.0)(&["kill-server"]);
+        }
+    }
+    let _server = Server(&tmux);
+    let screen = || stdout(&tmux(&["capture-pane", "-p", "-t", "top"]));
+    wait_for("every rank's row", Duration::from_secs(20), || {
+        let s = screen();
+        s.contains("kolo top: job")
+            && (0..3).all(|r| s.lines().any(|l| l.starts_with(&format!("│{r} ")) && l.contains("sleeping")))
+    });
+    assert!(screen().contains("RANK") && screen().contains("q quits"), "{}", screen());
+    // narrow: the table is cut, not the program
+    tmux(&["resize-window", "-t", "top", "-x", "40", "-y", "8"]);
+    wait_for("the narrow screen", Duration::from_secs(10), || {
+        screen().lines().next().is_some_and(|l| l.chars().count() == 40)
+    });
+    assert!(screen().contains("│0 "), "{}", screen());
+    tmux(&["send-keys", "-t", "top", "q"]);
+    wait_for("kolo top to quit", Duration::from_secs(10), || !tmux(&["has-session", "-t", "top"]).status.success());
+    // the job goes on meanwhile
+    assert_eq!(job.status()["ranks"][0]["state"], "sleeping");
+}
+
+#[test]
+fn top_without_a_terminal_says_what_to_use_instead() {
+    let job = Job::start("top-pipe", "1", &["sleep", "1000"]);
+    let out = job.kolo(&["top"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("kolo top draws on a terminal; for a pipe or a file use kolo status --json"),
+        "{}",
+        stderr(&out)
+    );
+}

@@ -108,9 +108,11 @@ def _kolo_count(dist):
     import time
 
     with open(os.environ["KOLO_PROGRESS_FILE"], "r+b") as f:
-        counters = mmap.mmap(f.fileno(), 32)
+        counters = mmap.mmap(f.fileno(), 40)
     word = struct.Struct("<Q")
     depth = [0]
+    # counting from now on: zeros mean none yet, not "not counted"
+    word.pack_into(counters, 32, 1)
 
     def add(at, n):
         word.pack_into(counters, at, word.unpack_from(counters, at)[0] + n)
