@@ -350,7 +350,7 @@ fn stack_and_status_across_hosts() {
                   print('up', flush=True)\n\
                   on_h2() if os.environ['HOROVOD_HOSTNAME'] == 'h2' else on_h3()\n";
     let t = testhosts();
-    let child = Command::new(t.join("hx"))
+    let mut child = Command::new(t.join("hx"))
         .args(["h1", "env", &xdg, &path, env!("CARGO_BIN_EXE_kolo"), "run", "-H", "h2:1,h3:1", "--ssh-config", &cfg])
         .args(["--", &python, "-c", script])
         .stdout(std::process::Stdio::piped())
@@ -381,6 +381,7 @@ fn stack_and_status_across_hosts() {
     assert!(h2 < h3, "{text}");
     assert!(text[h2..h3].contains("(idle)\n      on_h2 (<string>:3)"), "{text}");
     assert!(text[h3..].contains("(idle)\n      on_h3 (<string>:5)"), "{text}");
-    drop(_reap);
+    let _ = child.kill();
+    let _ = child.wait();
     assert_nothing_left();
 }
