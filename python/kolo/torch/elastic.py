@@ -131,15 +131,8 @@ def in_place_job():
 
 # ---- moving state over the round's communicator ---------------------------
 
-_WIRE = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.uint8: "u8",
-}
+# the backend's wire names of torch's types
+_WIRE = _backend._DTYPES
 
 
 def _broadcast_tensors(tensors, root):

@@ -48,30 +48,13 @@ def _kolo_register(clusters):
 
 
 def _kolo_watch_jax():
-    import importlib.abc
-    import importlib.util
+    def register(module):
+        try:
+            _kolo_register(module)
+        except Exception as e:  # a JAX this does not know: say so, change nothing
+            print(f"kolo: cannot register kolo's JAX cluster environment: {e}", file=sys.stderr)
 
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name != "jax._src.clusters":
-                return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
-            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                return spec
-            run = spec.loader.exec_module
-
-            def run_then_register(module):
-                run(module)
-                try:
-                    _kolo_register(module)
-                except Exception as e:  # a JAX this does not know: say so, change nothing
-                    print(f"kolo: cannot register kolo's JAX cluster environment: {e}", file=sys.stderr)
-
-            spec.loader.exec_module = run_then_register
-            return spec
-
-    sys.meta_path.insert(0, Finder())
+    _kolo_after_import("jax._src.clusters", register)
 
 
 def _kolo_alias_horovod():
