@@ -111,6 +111,74 @@ pub fn explain(ranks: &[RankView], still: Duration) -> String {
     )
 }
 
+/// Which rank the others waited for, window after window (for the line a
+/// job prints at its end when one rank was persistently the slowest).
+#[derive(Default)]
+pub struct StragglerTally {
+    last: Option<Vec<Option<u64>>>,
+    windows: u32,
+    slowest: std::collections::BTreeMap<u32, u32>,
+    /// Per rank, the share of the windows' time it waited in collectives.
+    waited: std::collections::BTreeMap<u32, (f64, u32)>,
+}
+
+impl StragglerTally {
+    /// Takes the ranks' progress at the end of a window of `length`.
+    pub fn window(&mut self, ranks: &[RankView], length: Duration) {
+        let now: Vec<Option<u64>> = ranks.iter().map(|r| r.progress.map(|p| p.wait_ns)).collect();
+        let Some(last) = self.last.replace(now.clone()) else { return };
+        if last.len() != now.len() || length.is_zero() {
+            return;
+        }
+        let shares: Vec<(u32, f64)> = ranks
+            .iter()
+            .zip(now.iter().zip(&last))
+            .filter_map(|(r, (n, l))| {
+                Some((r.rank, n.as_ref()?.saturating_sub(*l.as_ref()?) as f64 / length.as_nanos() as f64))
+            })
+            .collect();
+        if shares.len() < 2 {
+            return;
+        }
+        self.windows += 1;
+        for (rank, share) in &shares {
+            let entry = self.waited.entry(*rank).or_default();
+            entry.0 += share;
+            entry.1 += 1;
+        }
+        let (rank, least) = shares.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).expect("two or more");
+        let mut others: Vec<f64> = shares.iter().filter(|(r, _)| *r != rank).map(|(_, s)| *s).collect();
+        others.sort_by(f64::total_cmp);
+        let median = others[others.len() / 2];
+        if median >= 0.1 && least < median / 2.0 {
+            *self.slowest.entry(rank).or_default() += 1;
+        }
+    }
+
+    /// The line to print, when one rank was the one waited for in at
+    /// least three quarters of three or more windows.
+    pub fn summary(&self) -> Option<String> {
+        if self.windows < 3 {
+            return None;
+        }
+        let (rank, times) = self.slowest.iter().max_by_key(|(_, n)| **n)?;
+        let share = f64::from(*times) / f64::from(self.windows);
+        if share < 0.75 {
+            return None;
+        }
+        let mean = |r: &u32| self.waited.get(r).map_or(0.0, |(sum, n)| sum / f64::from((*n).max(1)));
+        let others: Vec<f64> = self.waited.keys().filter(|r| *r != rank).map(mean).collect();
+        let others = others.iter().sum::<f64>() / others.len().max(1) as f64;
+        Some(format!(
+            "rank {rank} was the slowest in {:.0}% of the job's windows: it waited {:.0}% of the time in \
+             collectives, the others {:.0}% (waiting for it)",
+            share * 100.0,
+            mean(rank) * 100.0,
+            others * 100.0
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +215,34 @@ mod tests {
         let mut quiet = rank(0, 0, 0);
         quiet.progress = None;
         assert!(explain(&[quiet], Duration::from_secs(9)).contains("no rank made progress"));
+    }
+
+    fn waited(rank: u32, wait_ms: u64) -> RankView {
+        let mut r = super::tests::rank(rank, 0, 0);
+        r.progress = Some(Progress { entered: 0, done: 0, wait_ns: wait_ms * 1_000_000, steps: 0 });
+        r
+    }
+
+    #[test]
+    fn a_rank_the_others_wait_for_window_after_window_is_summed_up() {
+        let mut tally = StragglerTally::default();
+        let window = Duration::from_secs(1);
+        let mut totals = [0u64; 3];
+        for _ in 0..5 {
+            // each second ranks 0 and 2 wait 500 ms for rank 1, which waits 20
+            totals[0] += 500;
+            totals[1] += 20;
+            totals[2] += 500;
+            tally.window(&[waited(0, totals[0]), waited(1, totals[1]), waited(2, totals[2])], window);
+        }
+        let line = tally.summary().expect("a summary");
+        assert!(line.starts_with("rank 1 was the slowest in 100% of the job's windows: it waited 2%"), "{line}");
+        // balanced ranks: nothing to say
+        let mut even = StragglerTally::default();
+        for i in 1..6 {
+            even.window(&[waited(0, i * 300), waited(1, i * 310)], window);
+        }
+        assert_eq!(even.summary(), None);
     }
 
     #[test]

@@ -72,15 +72,46 @@ async fn run_job(
     note_omp_default(command, job.env(), &executor);
     // a hang ends the job as a signal would, its report kept for the end
     let watch = watch_for_hang(executor.inspector(), hang_timeout, hung);
+    let tally = std::sync::Arc::new(std::sync::Mutex::new(kolo_exec::hang::StragglerTally::default()));
+    let stragglers = tally_stragglers(executor.inspector(), tally.clone());
+    let started = std::time::Instant::now();
     let interrupt = async move {
         tokio::select! {
             signal = interrupt => signal,
             () = watch => Signal::SIGTERM,
+            () = stragglers => unreachable!("the tally never ends"),
         }
     };
     let outcome = executor.wait_command(interrupt).await;
+    if started.elapsed() >= STRAGGLER_SUMMARY_AFTER {
+        if let Some(line) = tally.lock().unwrap_or_else(|p| p.into_inner()).summary() {
+            tell(&format!("kolo: {line}"));
+        }
+    }
     executor.shutdown().await;
     Ok(outcome?)
+}
+
+/// Jobs at least this long say at their end which rank, if one, the
+/// others waited for most of the time.
+const STRAGGLER_SUMMARY_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+/// How often the ranks' waiting is tallied for that line.
+const STRAGGLER_WINDOW: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Tallies, window by window, which rank the others waited for; never ends.
+async fn tally_stragglers(
+    inspector: Option<kolo_exec::control::Inspector>,
+    tally: std::sync::Arc<std::sync::Mutex<kolo_exec::hang::StragglerTally>>,
+) {
+    let Some(inspector) = inspector else { return std::future::pending().await };
+    let mut last = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(STRAGGLER_WINDOW).await;
+        let views = inspector.views().await;
+        let now = std::time::Instant::now();
+        tally.lock().unwrap_or_else(|p| p.into_inner()).window(&views, now.duration_since(last));
+        last = now;
+    }
 }
 
 /// Resolves once no rank has made progress for `timeout`, with the hang

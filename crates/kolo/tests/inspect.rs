@@ -341,3 +341,27 @@ fn top_without_a_terminal_says_what_to_use_instead() {
         stderr(&out)
     );
 }
+
+/// A job of over a minute whose rank 1 does five times the work per step
+/// ends with a line naming it; the others are not named.
+#[test]
+fn a_long_job_says_at_its_end_which_rank_the_others_waited_for() {
+    let Some(python) = python_with("torch") else { return };
+    let script = "import time\n\
+                  import torch, torch.distributed as dist\n\
+                  dist.init_process_group('gloo')\n\
+                  work = 0.1 if dist.get_rank() == 1 else 0.02\n\
+                  t = torch.ones(4)\n\
+                  began = time.time()\n\
+                  while True:\n    time.sleep(work)\n    dist.all_reduce(t)\n    stop = torch.tensor([float(time.time() - began > 65)])\n    dist.all_reduce(stop)\n    if stop.item() > 0:\n        break\n";
+    let runtime = TempDir::new("straggler-summary");
+    let out = kolo()
+        .env("XDG_RUNTIME_DIR", runtime.path())
+        .args(["run", "-np", "3", "--", &python, "-c", script])
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("kolo: rank 1 was the slowest in "), "{err}");
+    assert!(!err.contains("kolo: rank 0 was the slowest") && !err.contains("kolo: rank 2 was the slowest"), "{err}");
+}
