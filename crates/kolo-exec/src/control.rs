@@ -57,6 +57,33 @@ pub fn endpoint_dir() -> io::Result<PathBuf> {
     Ok(dir)
 }
 
+/// Removes what drivers killed with their janitors left in `dir`
+/// (listings whose driver is gone, and their sockets); the live jobs'
+/// listings, in the order they started.
+pub fn sweep(dir: &Path) -> Vec<(JobListing, PathBuf)> {
+    let mut live = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Some(listing) = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice::<JobListing>(&b).ok())
+        else {
+            continue;
+        };
+        let socket = path.with_extension("sock");
+        let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(listing.driver_pid as i32), None).is_ok();
+        if alive {
+            live.push((listing, socket));
+        } else {
+            let _ = std::fs::remove_file(&path);
+            let _ = std::fs::remove_file(&socket);
+        }
+    }
+    live.sort_by(|a, b| a.0.started.total_cmp(&b.0.started));
+    live
+}
+
 /// What `kolo ps` shows of a job.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JobListing {
@@ -125,6 +152,10 @@ impl Drop for Endpoint {
         self.task.abort();
         let _ = std::fs::remove_file(&self.socket);
         let _ = std::fs::remove_file(&self.listing);
+        // the directory too once no other job of the user's is in it
+        if let Some(dir) = self.socket.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
@@ -135,18 +166,39 @@ struct Job {
     started: Instant,
 }
 
-/// Opens the job's endpoint and serves it until dropped.
-pub(crate) fn open(listing: JobListing, links: Vec<Arc<Link>>) -> io::Result<Endpoint> {
-    let dir = endpoint_dir()?;
+/// Opens the job's endpoint and serves it until dropped; `janitor`
+/// removes its files (and the directory, once empty) if the driver is
+/// killed.
+pub(crate) fn open(
+    listing: JobListing,
+    links: Vec<Arc<Link>>,
+    janitor: Option<&crate::guard::Guard>,
+) -> io::Result<Endpoint> {
     // an elastic job's cohorts are executors of one job: one endpoint each
     static OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = OPENED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let name = format!("{}.{}.{n}", sanitized(&listing.job), std::process::id());
+    let mut tries = 0;
+    let (dir, listener) = loop {
+        let dir = endpoint_dir()?;
+        sweep(&dir);
+        if let Some(janitor) = janitor {
+            // the directory before what it holds: the janitor removes it last
+            let _ = janitor.remove_path(&dir);
+        }
+        match UnixListener::bind(dir.join(format!("{name}.sock"))) {
+            Ok(listener) => break (dir, listener),
+            // another job's end removed the empty directory meanwhile
+            Err(e) if e.kind() == io::ErrorKind::NotFound && tries == 0 => tries += 1,
+            Err(e) => return Err(e),
+        }
+    };
     let socket = dir.join(format!("{name}.sock"));
     let listing_path = dir.join(format!("{name}.json"));
-    // a socket left by a killed driver of the same job id
-    let _ = std::fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket)?;
+    if let Some(janitor) = janitor {
+        let _ = janitor.remove_path(&socket);
+        let _ = janitor.remove_path(&listing_path);
+    }
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
     write_private(&listing_path, &serde_json::to_vec(&listing).map_err(io::Error::other)?)?;
     let job = Arc::new(Job { listing, links, started: Instant::now() });
@@ -322,12 +374,12 @@ impl Inspector {
     pub async fn views(&self) -> Vec<crate::hang::RankView> {
         futures_join(self.0.links.iter().map(|link| async move {
             let ended = link.lost_reason().is_some();
-            let progress = if ended {
-                None
+            let (progress, cpu_percent) = if ended {
+                (None, None)
             } else {
                 match tokio::time::timeout(SAMPLE_WAIT, link.inspect(false, None)).await {
-                    Ok(Ok(sample)) => sample.progress,
-                    _ => None,
+                    Ok(Ok(sample)) => (sample.progress, sample.cpu_percent),
+                    _ => (None, None),
                 }
             };
             crate::hang::RankView {
@@ -335,6 +387,7 @@ impl Inspector {
                 host: link.info.hostname.clone(),
                 progress,
                 since_output: link.since_output(),
+                cpu_percent,
                 ended,
             }
         }))

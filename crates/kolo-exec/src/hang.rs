@@ -16,6 +16,8 @@ pub struct RankView {
     pub progress: Option<Progress>,
     /// Since its last line of output.
     pub since_output: Duration,
+    /// Its CPU use over the agent's last second, where known.
+    pub cpu_percent: Option<f64>,
     /// Its command ended: it holds nobody back by running.
     pub ended: bool,
 }
@@ -28,6 +30,9 @@ pub struct HangWatch {
     last_look: Instant,
     seen: Vec<Option<(u64, u64, u64)>>,
 }
+
+/// CPU % above which a rank that counts nothing is taken to be working.
+const BUSY: f64 = 5.0;
 
 fn key(p: &Progress) -> (u64, u64, u64) {
     (p.entered, p.done, p.steps)
@@ -44,7 +49,11 @@ impl HangWatch {
         let keys: Vec<Option<(u64, u64, u64)>> = ranks.iter().map(|r| r.progress.as_ref().map(key)).collect();
         let counted = keys.len() != self.seen.len() || keys.iter().zip(&self.seen).any(|(k, seen)| k != seen);
         let wrote = ranks.iter().any(|r| !r.ended && r.since_output < window);
-        if counted || wrote {
+        // a rank that counts nothing yet (importing torch on a loaded
+        // machine, or not Python) moves while it computes; once it counts,
+        // only its counts do (a collective may spin while it hangs)
+        let busy = ranks.iter().any(|r| !r.ended && r.progress.is_none() && r.cpu_percent.is_some_and(|c| c >= BUSY));
+        if counted || wrote || busy {
             self.last_move = now;
         }
         self.seen = keys;
@@ -189,6 +198,7 @@ mod tests {
             host: format!("h{rank}"),
             progress: Some(Progress { entered, done, wait_ns: 0, steps: 0 }),
             since_output: Duration::from_secs(100),
+            cpu_percent: Some(0.0),
             ended: false,
         }
     }
@@ -262,5 +272,20 @@ mod tests {
         ranks[0].since_output = Duration::from_secs(100);
         assert_eq!(watch.observe(&ranks, at(20)), None);
         assert_eq!(watch.observe(&ranks, at(21)), Some(Duration::from_secs(8)));
+        // a rank still starting (no counts yet) that computes holds the clock
+        let mut starting = HangWatch::new(Duration::from_secs(8), start);
+        let mut busy = rank(0, 0, 0);
+        busy.progress = None;
+        busy.cpu_percent = Some(90.0);
+        assert_eq!(starting.observe(&[busy.clone()], at(30)), None);
+        busy.cpu_percent = Some(0.0);
+        assert_eq!(starting.observe(&[busy.clone()], at(37)), None);
+        assert_eq!(starting.observe(&[busy.clone()], at(38)), Some(Duration::from_secs(8)));
+        // one that counts does not, however it spins
+        let mut spinning = rank(0, 3, 2);
+        spinning.cpu_percent = Some(100.0);
+        let mut counted = HangWatch::new(Duration::from_secs(8), start);
+        assert_eq!(counted.observe(&[spinning.clone()], at(1)), None);
+        assert_eq!(counted.observe(&[spinning], at(9)), Some(Duration::from_secs(8)));
     }
 }

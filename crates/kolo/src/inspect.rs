@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
-use kolo_exec::control::{endpoint_dir, JobListing};
+use kolo_exec::control::{endpoint_dir, sweep, JobListing};
 
 /// How long a driver may take to answer (a stack dump of every rank).
 const ANSWER_WAIT: Duration = Duration::from_secs(30);
@@ -26,28 +26,7 @@ struct Endpoint {
 /// removed on the way.
 fn endpoints() -> Result<Vec<Endpoint>> {
     let dir = endpoint_dir().context("the directory of kolo's job endpoints")?;
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir(&dir)?.flatten() {
-        let path = entry.path();
-        if path.extension().is_none_or(|e| e != "json") {
-            continue;
-        }
-        let Ok(listing) =
-            std::fs::read(&path).map_err(drop).and_then(|b| serde_json::from_slice::<JobListing>(&b).map_err(drop))
-        else {
-            continue;
-        };
-        let socket = path.with_extension("sock");
-        let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(listing.driver_pid as i32), None).is_ok();
-        if !alive {
-            let _ = std::fs::remove_file(&path);
-            let _ = std::fs::remove_file(&socket);
-            continue;
-        }
-        found.push(Endpoint { listing, socket });
-    }
-    found.sort_by(|a, b| a.listing.started.total_cmp(&b.listing.started));
-    Ok(found)
+    Ok(sweep(&dir).into_iter().map(|(listing, socket)| Endpoint { listing, socket }).collect())
 }
 
 /// The endpoints of `job` (an id or its start), or of the one job running.

@@ -223,7 +223,7 @@ impl Executor {
             started: crate::control::unix_now(),
         };
         // the job runs without it if it cannot open: said, not fatal
-        let control = crate::control::open(listing, links.clone())
+        let control = crate::control::open(listing, links.clone(), self.janitor.as_deref())
             .map_err(|e| tracing::warn!("no control endpoint for kolo status and kolo stack: {e}"))
             .ok();
         Ok(Running { links, server, torch_store, output, events, readers, background, stopping, job, control })
