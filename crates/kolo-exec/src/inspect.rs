@@ -226,9 +226,11 @@ mod tests {
     }
 
     #[test]
-    fn this_process_samples_as_running_with_memory() {
+    fn this_process_samples_as_alive_with_memory() {
         let (me, _) = sample(std::process::id()).unwrap();
-        assert_eq!(me.state, "running");
+        // the process's state is its main thread's: the test harness's may
+        // be waiting for this test's thread
+        assert!(["running", "sleeping"].contains(&me.state.as_str()), "{}", me.state);
         assert!(me.rss_bytes > 0);
         assert!(sample(u32::MAX).is_err());
     }
