@@ -574,6 +574,24 @@ def _splits(sizes, t, n, what):
     return sizes
 
 
+def broadcast_object(comm, obj, root):
+    """`root`'s object (cloudpickled: length, then bytes) on every rank of
+    the `TorchComm` `comm` (kolo's Horovod and kolo.torch.elastic)."""
+    import cloudpickle
+
+    data = cloudpickle.dumps(obj) if comm.rank == root else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    comm.broadcast(length.data_ptr(), 1, "i64", root)
+    n = int(length)
+    if comm.rank == root:
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    else:
+        buf = torch.empty(n, dtype=torch.uint8)
+    if n:
+        comm.broadcast(buf.data_ptr(), n, "u8", root)
+    return obj if comm.rank == root else cloudpickle.loads(buf.numpy().tobytes())
+
+
 # a communicator kolo.torch.elastic has joined for the next default group
 _staged = None
 

@@ -155,20 +155,7 @@ def _broadcast_tensors(tensors, root):
 
 
 def _broadcast_object(obj, root):
-    import cloudpickle
-
-    comm = current().comm
-    data = cloudpickle.dumps(obj) if comm.rank == root else b""
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    comm.broadcast(length.data_ptr(), 1, "i64", root)
-    n = int(length)
-    if comm.rank == root:
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-    else:
-        buf = torch.empty(n, dtype=torch.uint8)
-    if n:
-        comm.broadcast(buf.data_ptr(), n, "u8", root)
-    return obj if comm.rank == root else cloudpickle.loads(buf.numpy().tobytes())
+    return _backend.broadcast_object(current().comm, obj, root)
 
 
 def _allgather_int(value):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from kolo import _kolo
+import kolo.torch as _kolo_torch
 from kolo.torch import _DTYPES, _bytes
 
 from ..common.exceptions import HorovodInternalError
@@ -714,17 +715,11 @@ def join(device=-1):
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Rank `root_rank`'s object (cloudpickle), on every rank."""
-    import cloudpickle
-
     _global_only(process_set)
-    comm = _comm()
-    data = cloudpickle.dumps(obj) if comm.rank == root_rank else b""
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    _now(comm.broadcast, length.data_ptr(), 1, "i64", root_rank)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if comm.rank == root_rank else torch.empty(int(length), dtype=torch.uint8)
-    if int(length):
-        _now(comm.broadcast, buf.data_ptr(), int(length), "u8", root_rank)
-    return obj if comm.rank == root_rank else cloudpickle.loads(buf.numpy().tobytes())
+    try:
+        return _kolo_torch.broadcast_object(_comm(), obj, root_rank)
+    except _kolo.CollectiveError as e:
+        raise _failed(e) from None
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
