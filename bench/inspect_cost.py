@@ -45,6 +45,7 @@ for _ in range(int(os.environ["STEPS"])):
 dist.barrier()
 if dist.get_rank() == 0:
     print(f"step_ms {(time.perf_counter() - began) * 1000 / int(os.environ['STEPS']):.3f}", flush=True)
+dist.destroy_process_group()
 """
 
 HANG = """

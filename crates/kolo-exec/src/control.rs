@@ -211,11 +211,15 @@ pub fn sanitized(job: &str) -> String {
     job.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }
 
+/// Writes `path` whole or not at all: clients take a listing for a job
+/// ready to answer, so none may read it half written.
 fn write_private(path: &Path, data: &[u8]) -> io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
-    f.write_all(data)
+    let partial = path.with_extension("json.partial");
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&partial)?;
+    f.write_all(data)?;
+    std::fs::rename(&partial, path)
 }
 
 async fn serve(listener: UnixListener, job: Arc<Job>) {

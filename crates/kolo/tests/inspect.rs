@@ -30,7 +30,8 @@ impl Job {
             .spawn()
             .unwrap();
         let job = Job { child, runtime };
-        wait_for("the job's endpoint", Duration::from_secs(30), || job.socket().is_some());
+        // the listing is written last: what clients take for a job ready to answer
+        wait_for("the job's listing", Duration::from_secs(30), || job.listing().is_some());
         job
     }
 
@@ -43,8 +44,16 @@ impl Job {
     }
 
     fn socket(&self) -> Option<std::path::PathBuf> {
+        self.file_ending("sock")
+    }
+
+    fn listing(&self) -> Option<std::path::PathBuf> {
+        self.file_ending("json")
+    }
+
+    fn file_ending(&self, extension: &str) -> Option<std::path::PathBuf> {
         let entries = std::fs::read_dir(self.dir()).ok()?;
-        entries.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == "sock"))
+        entries.flatten().map(|e| e.path()).find(|p| p.extension().is_some_and(|e| e == extension))
     }
 
     fn status(&self) -> serde_json::Value {
@@ -361,7 +370,8 @@ fn a_long_job_says_at_its_end_which_rank_the_others_waited_for() {
                   work = 0.1 if dist.get_rank() == 1 else 0.02\n\
                   t = torch.ones(4)\n\
                   began = time.time()\n\
-                  while True:\n    time.sleep(work)\n    dist.all_reduce(t)\n    stop = torch.tensor([float(time.time() - began > 65)])\n    dist.all_reduce(stop)\n    if stop.item() > 0:\n        break\n";
+                  while True:\n    time.sleep(work)\n    dist.all_reduce(t)\n    stop = torch.tensor([float(time.time() - began > 65)])\n    dist.all_reduce(stop)\n    if stop.item() > 0:\n        break\n\
+                  dist.destroy_process_group()\n";
     let runtime = TempDir::new("straggler-summary");
     let out = kolo()
         .env("XDG_RUNTIME_DIR", runtime.path())
