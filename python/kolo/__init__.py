@@ -6,13 +6,14 @@ kolo's Rust worker agent. `kolo.Executor` is horovod.ray's RayExecutor API:
 `from kolo import Executor as RayExecutor`."""
 
 from . import elastic
-from ._kolo import JobStopped, PlacementError, WorkerLost, __version__
+from ._kolo import HangError, JobStopped, PlacementError, WorkerLost, __version__
 from .executor import Executor, Handle, Settings, WorkerError, get, report
 
 __all__ = [
     "__version__",
     "Executor",
     "Handle",
+    "HangError",
     "JobStopped",
     "PlacementError",
     "Settings",

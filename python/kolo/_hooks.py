@@ -1,8 +1,9 @@
 """What kolo's ranks and workers get in their Python: `import horovod`
 (and `horovod.torch`, `horovod.common`...) gives `kolo.horovod` when
 Horovod itself is not installed. The rank's sitecustomize (kolo run) and
-the worker agent (kolo.Executor) install `ALIAS`; `KOLO_PYTHON_HOOKS=0`
-keeps it out."""
+the worker agent (kolo.Executor) install `ALIAS`; the worker agent also
+counts torch.distributed's collectives and optimizer steps with the
+rank's hook (`count_progress`). `KOLO_PYTHON_HOOKS=0` keeps both out."""
 
 import importlib
 import importlib.abc
@@ -43,3 +44,14 @@ def install():
         # first: a submodule must not be found again through the
         # package's __path__ under its alias name
         sys.meta_path.insert(0, ALIAS)
+
+
+def count_progress():
+    """torch.distributed's collectives and optimizer steps in this worker,
+    counted as `kolo run`'s ranks count them: by the functions of the
+    ranks' own hook (kolo's core holds it and the counters)."""
+    from . import _kolo
+
+    hooks = {"__name__": "kolo._rank_hooks"}
+    exec(compile(_kolo.PYTHON_HOOKS, "<kolo rank hooks>", "exec"), hooks)
+    hooks["_kolo_watch_torch"](_kolo.own_progress_file())

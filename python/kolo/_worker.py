@@ -7,6 +7,7 @@ from . import _hooks, _kolo
 
 if os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
     _hooks.install()
+    _hooks.count_progress()
 
 _kolo.serve_worker()
 raise SystemExit("kolo._worker is started by kolo on each host as a worker agent; run the `kolo` command instead")

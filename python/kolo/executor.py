@@ -36,6 +36,9 @@ class Settings:
     nics: Optional[set] = None
     # kolo's: an ssh client config for the ssh engine (`ssh -F`)
     ssh_config_file: Optional[str] = None
+    # kolo's: a call ends with HangError once no worker made progress for
+    # this long (`kolo run --hang-timeout`)
+    hang_timeout_s: Optional[float] = None
 
 
 class Handle:
@@ -115,15 +118,29 @@ class Executor:
 
     @staticmethod
     def create_settings(
-        timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100, nics=None, ssh_config_file=None
+        timeout_s=30,
+        ssh_identity_file=None,
+        ssh_str=None,
+        placement_group_timeout_s=100,
+        nics=None,
+        ssh_config_file=None,
+        hang_timeout_s=None,
     ):
         """horovod.ray's settings. `ssh_str` is a private key's text: as
         upstream, it is written to `ssh_identity_file` (0600) if that file
         does not exist; without `ssh_identity_file` it lives in a private
-        temporary file only while `start` connects to the hosts."""
+        temporary file only while `start` connects to the hosts.
+
+        kolo's: `hang_timeout_s`: a call in which no worker makes progress
+        (completes a torch.distributed collective or optimizer step, writes
+        a line, reports) for this long raises `kolo.HangError`, whose
+        message names the rank holding the others back and shows every
+        rank's stacks; the workers are stopped."""
         if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
             _write_key(ssh_identity_file, ssh_str)
-        return Settings(timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics, ssh_config_file)
+        return Settings(
+            timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics, ssh_config_file, hang_timeout_s
+        )
 
     def __init__(
         self,
@@ -226,6 +243,7 @@ class Executor:
             worker_program=sys.executable,
             worker_args=["-m", "kolo._worker"],
             ssh_identity_file=identity_file,
+            hang_timeout_s=s.hang_timeout_s,
             **self._ray_cluster(),
         )
         # the driver's import path goes along, so that what pickles by

@@ -115,6 +115,10 @@ pub struct RankStatus {
     pub wait_fraction: Option<f64>,
     /// Optimizer steps the rank took, where kolo can count them.
     pub steps: Option<u64>,
+    /// The utilisation of the busiest GPU the rank runs on, where NVML is.
+    pub gpu_percent: Option<f64>,
+    /// GPU memory the rank's processes hold, where NVML is.
+    pub gpu_memory_bytes: Option<u64>,
     /// Why the sample is missing, if it is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -321,6 +325,8 @@ async fn status(job: &Job) -> Vec<RankStatus> {
             collectives: None,
             wait_fraction: None,
             steps: None,
+            gpu_percent: None,
+            gpu_memory_bytes: None,
             error: None,
         };
         if let Some(reason) = link.lost_reason() {
@@ -334,6 +340,8 @@ async fn status(job: &Job) -> Vec<RankStatus> {
                 status.state = sample.state;
                 status.cpu_percent = sample.cpu_percent;
                 status.rss_bytes = Some(sample.rss_bytes);
+                status.gpu_percent = sample.gpu_percent;
+                status.gpu_memory_bytes = sample.gpu_memory_bytes;
                 if let Some(p) = sample.progress {
                     status.collectives = Some(p.done);
                     status.steps = Some(p.steps);
@@ -402,6 +410,28 @@ impl Inspector {
     pub async fn stacks(&self) -> Vec<serde_json::Value> {
         let answer = respond(Request::Stack { rank: None, py_spy: None }, &self.0).await;
         answer["ranks"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// What `kolo status --json` prints.
+    pub async fn status(&self) -> serde_json::Value {
+        respond(Request::Status, &self.0).await
+    }
+
+    /// Resolves once no rank has made progress for `timeout`, with the
+    /// hang report: who holds the job back, then every rank's stacks.
+    pub async fn hang_report(&self, timeout: Duration) -> String {
+        let mut watch = crate::hang::HangWatch::new(timeout, Instant::now());
+        let look_every = (timeout / 4).clamp(Duration::from_millis(250), Duration::from_secs(1));
+        loop {
+            tokio::time::sleep(look_every).await;
+            let views = self.views().await;
+            if let Some(still) = watch.observe(&views, Instant::now()) {
+                let mut text = crate::hang::explain(&views, still);
+                text.push_str("\nstacks of every rank:\n");
+                text.push_str(&crate::hang::merged_stacks(&self.stacks().await));
+                return text;
+            }
+        }
     }
 }
 

@@ -188,9 +188,43 @@ impl StragglerTally {
     }
 }
 
+/// Ranks grouped by identical stacks: the smallest groups (the ranks
+/// that differ) first.
+pub fn merged_stacks(ranks: &[serde_json::Value]) -> String {
+    let mut groups: Vec<(String, Vec<(u64, String)>)> = Vec::new();
+    for r in ranks {
+        let stacks = r["stacks"].as_str().unwrap_or("").to_string();
+        let who = (r["rank"].as_u64().unwrap_or(0), r["host"].as_str().unwrap_or("?").to_string());
+        match groups.iter_mut().find(|(s, _)| *s == stacks) {
+            Some((_, members)) => members.push(who),
+            None => groups.push((stacks, vec![who])),
+        }
+    }
+    groups.sort_by_key(|(_, members)| (members.len(), members[0].0));
+    let mut out = String::new();
+    for (stacks, members) in groups {
+        let ids: Vec<String> = members.iter().map(|(r, _)| r.to_string()).collect();
+        let mut hosts: Vec<&str> = members.iter().map(|(_, h)| h.as_str()).collect();
+        hosts.dedup();
+        let noun = if members.len() == 1 { "rank" } else { "ranks" };
+        out.push_str(&format!("{noun} {} (host {}):\n", ids.join(","), hosts.join(",")));
+        for line in stacks.lines() {
+            out.push_str(&format!("  {line}\n"));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn identical_stacks_merge_and_the_odd_rank_comes_first() {
+        let rank = |r: u64, stacks: &str| serde_json::json!({"rank": r, "host": "h", "stacks": stacks});
+        let text = merged_stacks(&[rank(0, "A\n"), rank(1, "A\n"), rank(2, "B\n"), rank(3, "A\n")]);
+        assert_eq!(text, "rank 2 (host h):\n  B\nranks 0,1,3 (host h):\n  A\n");
+    }
 
     fn rank(rank: u32, entered: u64, done: u64) -> RankView {
         RankView {

@@ -42,6 +42,8 @@ pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
         rss_bytes: number(21) * page,
         stacks: None,
         progress: None,
+        gpu_percent: None,
+        gpu_memory_bytes: None,
     };
     Ok((sample, number(11) + number(12)))
 }
@@ -68,7 +70,35 @@ pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&crate::
 /// What the rank's hook counted so far; none until a hook counts (the
 /// rank is not Python, or has not imported torch).
 pub(crate) fn read_progress(file: &std::path::Path) -> Option<crate::proto::Progress> {
-    let bytes = std::fs::read(file).ok()?;
+    parse_progress(&std::fs::read(file).ok()?)
+}
+
+/// The counters of a worker that runs calls in its own Python
+/// (`kolo.Executor`'s): in memory only, so that nothing is left behind
+/// whatever ends the worker.
+static OWN_PROGRESS: std::sync::OnceLock<std::fs::File> = std::sync::OnceLock::new();
+
+/// The path by which this process's Python hook opens its own counters
+/// (`/proc/self/fd/N` of an anonymous file); made once.
+pub fn own_progress_file() -> std::io::Result<String> {
+    if OWN_PROGRESS.get().is_none() {
+        let fd = nix::sys::memfd::memfd_create(c"kolo-progress", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        let file = std::fs::File::from(fd);
+        file.set_len(PROGRESS_LEN as u64)?;
+        let _ = OWN_PROGRESS.set(file);
+    }
+    let file = OWN_PROGRESS.get().expect("made above");
+    Ok(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(file)))
+}
+
+/// What this process's own hook counted, where it has one.
+pub(crate) fn read_own_progress() -> Option<crate::proto::Progress> {
+    let mut bytes = [0u8; PROGRESS_LEN];
+    std::os::unix::fs::FileExt::read_exact_at(OWN_PROGRESS.get()?, &mut bytes, 0).ok()?;
+    parse_progress(&bytes)
+}
+
+fn parse_progress(bytes: &[u8]) -> Option<crate::proto::Progress> {
     let word = |i: usize| Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?));
     if word(4)? != 1 {
         return None;
@@ -107,7 +137,9 @@ impl CpuWatch {
 }
 
 /// Where py-spy is: `KOLO_PY_SPY`, the asking user's (`hint`), beside
-/// this program (a virtualenv's Python), or on `PATH`.
+/// this program as started (a virtualenv's `bin/python`, which
+/// `current_exe` resolves to the Python it links to) or as it is, or on
+/// `PATH`.
 fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("KOLO_PY_SPY") {
         return Some(PathBuf::from(path));
@@ -115,12 +147,14 @@ fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
     if let Some(hint) = hint.map(PathBuf::from).filter(|p| p.is_absolute() && p.is_file()) {
         return Some(hint);
     }
-    let beside = std::env::current_exe().ok().and_then(|exe| Some(exe.parent()?.join("py-spy")));
+    let started_as = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
+    let beside =
+        started_as.into_iter().chain(std::env::current_exe().ok()).filter_map(|exe| Some(exe.parent()?.join("py-spy")));
     let on_path = std::env::var_os("PATH")
         .into_iter()
         .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
         .map(|dir| dir.join("py-spy"));
-    beside.into_iter().chain(on_path).find(|p| p.is_file())
+    beside.chain(on_path).find(|p| p.is_file())
 }
 
 /// Every thread's stack of process `pid`, innermost call first, as text

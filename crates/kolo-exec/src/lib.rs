@@ -48,6 +48,7 @@
 pub mod control;
 mod driver;
 mod engine;
+mod gpu;
 mod guard;
 pub mod hang;
 mod hurry;
@@ -70,6 +71,7 @@ pub use engine::{
 };
 pub use guard::{Guard, GuardOptions};
 pub use hurry::{hurried, hurry};
+pub use inspect::own_progress_file;
 pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;
@@ -80,6 +82,10 @@ pub use registry::{
 };
 pub use settings::{Settings, SharedJob, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
+
+/// The Python hooks of kolo's ranks: the `sitecustomize` of every command
+/// kolo starts, whose functions `kolo.Executor`'s workers call themselves.
+pub const PYTHON_HOOKS: &str = include_str!("worker/sitecustomize.py");
 
 use std::path::PathBuf;
 

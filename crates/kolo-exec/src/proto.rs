@@ -209,6 +209,9 @@ pub(crate) struct RankSample {
     pub(crate) stacks: Option<String>,
     /// What the rank's Python hook counted, where it runs.
     pub(crate) progress: Option<Progress>,
+    /// Its GPUs' utilisation (the busiest) and the memory it holds, where NVML is.
+    pub(crate) gpu_percent: Option<f64>,
+    pub(crate) gpu_memory_bytes: Option<u64>,
 }
 
 /// A rank's collectives and steps, as its Python hook counts them in its

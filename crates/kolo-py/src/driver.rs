@@ -13,7 +13,7 @@ use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWor
 use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
 
 use crate::worker::{registry, PyCall, PyWorker};
-use crate::{error, exec_error, JobStopped};
+use crate::{error, exec_error, HangError, JobStopped};
 
 /// How `kolo.Executor`'s messages name its arguments: horovod.ray's names.
 const PYTHON_NAMES: OptionNames = OptionNames::HOROVOD_RAY;
@@ -178,11 +178,18 @@ fn interruptible<T>(
     runtime: &tokio::runtime::Runtime,
     work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
 ) -> PyResult<T> {
+    interruptible_py(runtime, async { work.await.map_err(exec_error) })
+}
+
+fn interruptible_py<T>(
+    runtime: &tokio::runtime::Runtime,
+    work: impl std::future::Future<Output = PyResult<T>>,
+) -> PyResult<T> {
     runtime.block_on(async {
         tokio::pin!(work);
         loop {
             tokio::select! {
-                done = &mut work => return done.map_err(exec_error),
+                done = &mut work => return done,
                 _ = tokio::time::sleep(SIGNAL_CHECK) => {
                     Python::with_gil(|py| py.check_signals())?;
                 }
@@ -206,15 +213,41 @@ fn driver_runtime() -> PyResult<tokio::runtime::Runtime> {
 /// How often a driver waiting on the workers looks for Ctrl-C.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
+/// `work`, unless no rank moves for `timeout` first (a hang): then
+/// `HangError` with the report (who holds the job back, every stack).
+async fn unless_hung<T>(
+    work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+    watch: Option<(kolo_exec::control::Inspector, Duration)>,
+) -> PyResult<T> {
+    let Some((inspector, timeout)) = watch else { return work.await.map_err(exec_error) };
+    tokio::select! {
+        done = work => done.map_err(exec_error),
+        report = inspector.hang_report(timeout) => Err(HangError::new_err(format!(
+            "{report}kolo stopped the executor's workers (hang_timeout_s={}): start() a new executor",
+            timeout.as_secs_f64()
+        ))),
+    }
+}
+
 /// kolo-exec's Executor on its own runtime, for `kolo.Executor`.
 #[pyclass(module = "kolo._kolo")]
 pub(crate) struct Driver {
     inner: Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
     /// The job, for an elastic job's worlds and cohorts.
     job: kolo_job::Job,
+    /// What `status()` asks, once the workers run: apart from `inner`,
+    /// which a running call holds.
+    view: Mutex<Option<(tokio::runtime::Handle, kolo_exec::control::Inspector)>>,
+    /// Calls end with a hang report once no rank moved for this long.
+    hang_timeout: Option<Duration>,
 }
 
 impl Driver {
+    /// What watches a call for a hang, if anything does.
+    fn hang_watch(&self, ex: &Executor) -> Option<(kolo_exec::control::Inspector, Duration)> {
+        Some((ex.inspector()?, self.hang_timeout?))
+    }
+
     fn with<T: Send>(
         &self,
         py: Python<'_>,
@@ -224,11 +257,14 @@ impl Driver {
             let mut inner = lock(&self.inner);
             let (runtime, executor) = inner.as_mut().ok_or_else(|| error("the executor was shut down"))?;
             let result = work(runtime, executor);
-            // interrupted (Ctrl-C): nothing of the job outlives the call
-            if result
-                .as_ref()
-                .is_err_and(|e| Python::with_gil(|py| e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)))
-            {
+            // interrupted (Ctrl-C) or hung: nothing of the job outlives the call
+            let ended = result.as_ref().is_err_and(|e| {
+                Python::with_gil(|py| {
+                    e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) || e.is_instance_of::<HangError>(py)
+                })
+            });
+            if ended {
+                lock(&self.view).take();
                 if let Some((runtime, mut executor)) = inner.take() {
                     runtime.block_on(executor.shutdown());
                 }
@@ -243,7 +279,8 @@ impl Driver {
     /// The driver of `job`, its workers `worker_program worker_args...`;
     /// `ssh_identity_file` and the Ray cluster are known when it starts.
     #[new]
-    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None))]
+    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, hang_timeout_s=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         job: &Job,
         worker_program: String,
@@ -251,7 +288,20 @@ impl Driver {
         ssh_identity_file: Option<String>,
         ray_address: Option<String>,
         ray_placement_group: Option<String>,
+        hang_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
+        let hang_timeout = match hang_timeout_s {
+            None => None,
+            Some(s) if s.is_finite() && s >= 1.0 => Some(Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(value_error(format!("hang_timeout_s must be a number of seconds of at least 1, not {s}")))
+            }
+        };
+        if hang_timeout.is_some() && job.spec.elastic.is_some() {
+            return Err(value_error(
+                "hang_timeout_s watches fixed executors: drop it or the elastic arguments (min_workers, max_workers, max_restarts)",
+            ));
+        }
         let mut spec = job.spec.clone();
         spec.settings.ssh.identity_file = ssh_identity_file.map(Into::into);
         spec.settings.worker_program = Some(worker_program.clone().into());
@@ -276,12 +326,16 @@ impl Driver {
             false => Some(runtime.block_on(job.executor()).map_err(exec_error)?),
         };
         let inner = executor.map(|executor| (runtime, executor));
-        Ok(Driver { inner: Mutex::new(inner), job })
+        Ok(Driver { inner: Mutex::new(inner), job, view: Mutex::new(None), hang_timeout })
     }
 
     /// Starts the workers and creates each one's state from `args`.
     fn start(&self, py: Python<'_>, args: Vec<u8>, env: Vec<(String, String)>) -> PyResult<()> {
-        self.with(py, |rt, ex| interruptible(rt, ex.start::<PyWorker>(&args, &env)))
+        self.with(py, |rt, ex| {
+            interruptible(rt, ex.start::<PyWorker>(&args, &env))?;
+            *lock(&self.view) = ex.inspector().map(|inspector| (rt.handle().clone(), inspector));
+            Ok(())
+        })
     }
 
     /// Runs the pickled call on every worker; the answers in rank order.
@@ -292,19 +346,26 @@ impl Driver {
     fn execute(&self, py: Python<'_>, payload: Vec<u8>, on_report: Option<Py<PyAny>>) -> PyResult<Vec<Py<PyBytes>>> {
         let call = PyCall { payload, elastic: false };
         let answers = self.with(py, |rt, ex| match &on_report {
-            None => interruptible(rt, ex.execute::<PyWorker, PyCall>(&call)),
+            None => {
+                let watch = self.hang_watch(ex);
+                interruptible_py(rt, unless_hung(ex.execute::<PyWorker, PyCall>(&call), watch))
+            }
             Some(callback) => {
                 let mut failed: Option<PyErr> = None;
-                let answers = interruptible(
+                let watch = self.hang_watch(ex);
+                let answers = interruptible_py(
                     rt,
-                    ex.execute_reporting::<PyWorker, PyCall>(&call, |report| {
-                        if failed.is_none() {
-                            Python::with_gil(|py| {
-                                let data = PyBytes::new(py, &report.data);
-                                failed = callback.call1(py, (report.rank, data)).err();
-                            });
-                        }
-                    }),
+                    unless_hung(
+                        ex.execute_reporting::<PyWorker, PyCall>(&call, |report| {
+                            if failed.is_none() {
+                                Python::with_gil(|py| {
+                                    let data = PyBytes::new(py, &report.data);
+                                    failed = callback.call1(py, (report.rank, data)).err();
+                                });
+                            }
+                        }),
+                        watch,
+                    ),
                 )?;
                 failed.map_or(Ok(answers), Err)
             }
@@ -315,7 +376,10 @@ impl Driver {
     /// Runs the pickled call on rank 0 only.
     fn execute_single(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Py<PyBytes>> {
         let call = PyCall { payload, elastic: false };
-        let answer = self.with(py, |rt, ex| interruptible(rt, ex.execute_single::<PyWorker, PyCall>(&call)))?;
+        let answer = self.with(py, |rt, ex| {
+            let watch = self.hang_watch(ex);
+            interruptible_py(rt, unless_hung(ex.execute_single::<PyWorker, PyCall>(&call), watch))
+        })?;
         Ok(PyBytes::new(py, &answer).unbind())
     }
 
@@ -402,12 +466,21 @@ impl Driver {
 
     /// `kolo status --json`'s object for this job, as JSON text.
     fn status(&self, py: Python<'_>) -> PyResult<String> {
-        self.with(py, |runtime, ex| runtime.block_on(ex.status()).map(|v| v.to_string()).map_err(exec_error))
+        py.allow_threads(|| {
+            // held while asking: shutdown waits for it rather than ending
+            // the runtime under it
+            let view = lock(&self.view);
+            let (handle, inspector) = view
+                .as_ref()
+                .ok_or_else(|| error("the executor's workers are not running (not started, shut down, or without a control endpoint: see the warning at start)"))?;
+            Ok(handle.block_on(inspector.status()).to_string())
+        })
     }
 
     /// Stops the workers; the driver cannot be used afterwards.
     fn shutdown(&self, py: Python<'_>) {
         py.allow_threads(|| {
+            lock(&self.view).take();
             if let Some((runtime, mut executor)) = lock(&self.inner).take() {
                 runtime.block_on(executor.shutdown());
             }

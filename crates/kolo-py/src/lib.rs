@@ -39,6 +39,13 @@ fn serve_worker(py: Python<'_>) {
     py.allow_threads(|| kolo_exec::serve_if_worker(worker::registry()));
 }
 
+/// The path through which this worker's Python counts its collectives
+/// and steps (kolo.Executor's workers: `kolo status`, `hang_timeout_s`).
+#[pyfunction]
+fn own_progress_file() -> PyResult<String> {
+    kolo_exec::own_progress_file().map_err(error)
+}
+
 fn error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
@@ -54,6 +61,12 @@ pyo3::create_exception!(
     WorkerLost,
     PyRuntimeError,
     "A worker died, or its host stopped answering, during a call (a RuntimeError)."
+);
+pyo3::create_exception!(
+    _kolo,
+    HangError,
+    PyRuntimeError,
+    "No worker made progress (a collective, a step, a line of output, a report) for the executor's hang_timeout_s: the message says which rank held the others back and every rank's stacks (a RuntimeError)."
 );
 pyo3::create_exception!(
     _kolo,
@@ -91,11 +104,14 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(worker::report, m)?)?;
+    m.add_function(wrap_pyfunction!(own_progress_file, m)?)?;
+    m.add("PYTHON_HOOKS", kolo_exec::PYTHON_HOOKS)?;
     m.add_class::<driver::Job>()?;
     m.add_class::<driver::Driver>()?;
     m.add("PlacementError", m.py().get_type::<PlacementError>())?;
     m.add("WorkerLost", m.py().get_type::<WorkerLost>())?;
     m.add("JobStopped", m.py().get_type::<JobStopped>())?;
+    m.add("HangError", m.py().get_type::<HangError>())?;
     elastic::register(m)?;
     torch::register(m)?;
     Ok(())

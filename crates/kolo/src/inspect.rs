@@ -108,6 +108,14 @@ pub(crate) fn ps(json: bool) -> Result<i32> {
     Ok(0)
 }
 
+pub(crate) fn gpu_percent_text(rank: &serde_json::Value) -> String {
+    rank["gpu_percent"].as_f64().map_or("-".to_string(), |p| format!("{p:.0}"))
+}
+
+pub(crate) fn gpu_memory_text(rank: &serde_json::Value) -> String {
+    rank["gpu_memory_bytes"].as_u64().map_or("-".to_string(), |b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
+}
+
 fn age_text(s: f64) -> String {
     match s as u64 {
         s if s < 60 => format!("{s}s"),
@@ -142,8 +150,11 @@ pub(crate) fn status(job: Option<&str>, json: bool) -> Result<i32> {
         return Ok(0);
     }
     println!("job {}: {}", value["job"].as_str().unwrap_or("?"), value["command"].as_str().unwrap_or(""));
+    // GPU columns where NVML answered for some rank
+    let gpus = value["ranks"].as_array().into_iter().flatten().any(|r| r["gpu_memory_bytes"].is_u64());
+    let gpu_header = if gpus { format!(" {:>5} {:>10}", "GPU%", "GPU MEM") } else { String::new() };
     println!(
-        "{:>5} {:<16} {:>8} {:<10} {:>6} {:>10} {:>12}",
+        "{:>5} {:<16} {:>8} {:<10} {:>6} {:>10} {:>12}{gpu_header}",
         "RANK", "HOST", "PID", "STATE", "CPU%", "RSS", "LAST OUTPUT"
     );
     for r in value["ranks"].as_array().into_iter().flatten() {
@@ -151,8 +162,12 @@ pub(crate) fn status(job: Option<&str>, json: bool) -> Result<i32> {
         let cpu = r["cpu_percent"].as_f64().map_or("-".to_string(), |c| format!("{c:.0}"));
         let rss = r["rss_bytes"].as_u64().map_or("-".to_string(), |b| format!("{:.1} MiB", b as f64 / 1048576.0));
         let last = r["last_output_s"].as_f64().map_or("-".to_string(), |s| format!("{} ago", age_text(s)));
+        let gpu = match gpus {
+            false => String::new(),
+            true => format!(" {:>5} {:>10}", gpu_percent_text(r), gpu_memory_text(r)),
+        };
         println!(
-            "{:>5} {:<16} {:>8} {:<10} {:>6} {:>10} {:>12}",
+            "{:>5} {:<16} {:>8} {:<10} {:>6} {:>10} {:>12}{gpu}",
             r["rank"].as_u64().unwrap_or(0),
             r["host"].as_str().unwrap_or("?"),
             pid,
@@ -190,47 +205,13 @@ pub(crate) fn stack(job: Option<&str>, rank: Option<u32>) -> Result<i32> {
         let answer = ask(endpoint, &request)?;
         ranks.extend(answer["ranks"].as_array().cloned().unwrap_or_default());
     }
-    print!("{}", merged_stacks(&ranks));
+    print!("{}", kolo_exec::hang::merged_stacks(&ranks));
     Ok(0)
-}
-
-/// Ranks grouped by identical stacks: the smallest groups (the ranks
-/// that differ) first.
-pub(crate) fn merged_stacks(ranks: &[serde_json::Value]) -> String {
-    let mut groups: Vec<(String, Vec<(u64, String)>)> = Vec::new();
-    for r in ranks {
-        let stacks = r["stacks"].as_str().unwrap_or("").to_string();
-        let who = (r["rank"].as_u64().unwrap_or(0), r["host"].as_str().unwrap_or("?").to_string());
-        match groups.iter_mut().find(|(s, _)| *s == stacks) {
-            Some((_, members)) => members.push(who),
-            None => groups.push((stacks, vec![who])),
-        }
-    }
-    groups.sort_by_key(|(_, members)| (members.len(), members[0].0));
-    let mut out = String::new();
-    for (stacks, members) in groups {
-        let ids: Vec<String> = members.iter().map(|(r, _)| r.to_string()).collect();
-        let mut hosts: Vec<&str> = members.iter().map(|(_, h)| h.as_str()).collect();
-        hosts.dedup();
-        let noun = if members.len() == 1 { "rank" } else { "ranks" };
-        out.push_str(&format!("{noun} {} (host {}):\n", ids.join(","), hosts.join(",")));
-        for line in stacks.lines() {
-            out.push_str(&format!("  {line}\n"));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn identical_stacks_merge_and_the_odd_rank_comes_first() {
-        let rank = |r: u64, stacks: &str| serde_json::json!({"rank": r, "host": "h", "stacks": stacks});
-        let text = merged_stacks(&[rank(0, "A\n"), rank(1, "A\n"), rank(2, "B\n"), rank(3, "A\n")]);
-        assert_eq!(text, "rank 2 (host h):\n  B\nranks 0,1,3 (host h):\n  A\n");
-    }
 
     #[test]
     fn ages_read_as_people_write_them() {

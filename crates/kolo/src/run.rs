@@ -115,27 +115,15 @@ async fn tally_stragglers(
 }
 
 /// Resolves once no rank has made progress for `timeout`, with the hang
-/// report (who holds the job back, then every rank's stacks) in `hung`;
-/// never without a timeout.
+/// report in `hung`; never without a timeout.
 async fn watch_for_hang(
     inspector: Option<kolo_exec::control::Inspector>,
     timeout: Option<std::time::Duration>,
     hung: std::sync::Arc<std::sync::Mutex<Option<String>>>,
 ) {
     let (Some(inspector), Some(timeout)) = (inspector, timeout) else { return std::future::pending().await };
-    let mut watch = kolo_exec::hang::HangWatch::new(timeout, std::time::Instant::now());
-    let look_every = (timeout / 4).clamp(std::time::Duration::from_millis(250), std::time::Duration::from_secs(1));
-    loop {
-        tokio::time::sleep(look_every).await;
-        let views = inspector.views().await;
-        if let Some(still) = watch.observe(&views, std::time::Instant::now()) {
-            let mut text = kolo_exec::hang::explain(&views, still);
-            text.push_str("\nstacks of every rank:\n");
-            text.push_str(&crate::inspect::merged_stacks(&inspector.stacks().await));
-            *hung.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
-            return;
-        }
-    }
+    let report = inspector.hang_report(timeout).await;
+    *hung.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
 }
 
 fn interrupted(signal: Signal) -> JobOutcome {

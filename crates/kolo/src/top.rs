@@ -82,6 +82,8 @@ fn rate(now: &Value, rates: Option<(&Value, f64)>, i: usize, key: &str) -> Strin
 fn draw(frame: &mut Frame, now: &Value, rates: Option<(&Value, f64)>, ended: bool) {
     let stragglers: Vec<u64> = now["stragglers"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
     let ranks = now["ranks"].as_array().cloned().unwrap_or_default();
+    // GPU columns where NVML answered for some rank
+    let gpus = ranks.iter().any(|r| r["gpu_memory_bytes"].is_u64());
     let rows: Vec<Row> = ranks
         .iter()
         .enumerate()
@@ -93,19 +95,26 @@ fn draw(frame: &mut Frame, now: &Value, rates: Option<(&Value, f64)>, ended: boo
             let wait = r["wait_fraction"].as_f64().map_or("-".into(), |w| format!("{:.0}%", w * 100.0));
             let output = r["last_output_s"].as_f64().map_or("-".into(), |s| format!("{s:.0}s"));
             let mark = if stragglers.contains(&rank) { "straggler" } else { "" };
-            let row = Row::new(vec![
+            let mut cells = vec![
                 rank.to_string(),
                 r["host"].as_str().unwrap_or("?").to_string(),
                 pid,
                 r["state"].as_str().unwrap_or("?").to_string(),
                 cpu,
                 rss,
+            ];
+            if gpus {
+                cells.push(crate::inspect::gpu_percent_text(r));
+                cells.push(crate::inspect::gpu_memory_text(r));
+            }
+            cells.extend([
                 rate(now, rates, i, "steps"),
                 rate(now, rates, i, "collectives"),
                 wait,
                 output,
                 mark.to_string(),
             ]);
+            let row = Row::new(cells);
             if mark.is_empty() {
                 row
             } else {
@@ -113,21 +122,28 @@ fn draw(frame: &mut Frame, now: &Value, rates: Option<(&Value, f64)>, ended: boo
             }
         })
         .collect();
-    let header = Row::new(["RANK", "HOST", "PID", "STATE", "CPU%", "RSS", "STEP/s", "COLL/s", "WAIT", "OUTPUT", ""])
-        .style(Style::default().add_modifier(Modifier::REVERSED));
-    let widths = [
+    let mut names = vec!["RANK", "HOST", "PID", "STATE", "CPU%", "RSS"];
+    let mut widths = vec![
         Constraint::Length(5),
         Constraint::Min(6),
         Constraint::Length(8),
         Constraint::Length(9),
         Constraint::Length(5),
         Constraint::Length(6),
+    ];
+    if gpus {
+        names.extend(["GPU%", "GPU MEM"]);
+        widths.extend([Constraint::Length(5), Constraint::Length(9)]);
+    }
+    names.extend(["STEP/s", "COLL/s", "WAIT", "OUTPUT", ""]);
+    let header = Row::new(names).style(Style::default().add_modifier(Modifier::REVERSED));
+    widths.extend([
         Constraint::Length(7),
         Constraint::Length(7),
         Constraint::Length(5),
         Constraint::Length(7),
         Constraint::Length(9),
-    ];
+    ]);
     let state = if ended { " (ended)" } else { "" };
     let title = format!(
         " kolo top: job {}{state}, {} ranks: {} ",

@@ -73,6 +73,13 @@ impl Drop for TempDir {
     }
 }
 
+/// The line a rank wrote into `path` (`echo ... > path`), once it is
+/// there whole: the shell creates the file before it writes.
+pub(crate) fn line_in(path: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    text.ends_with('\n').then(|| text.trim().to_string())
+}
+
 /// Pids written one a file into `dir` by the ranks.
 pub(crate) fn pids_in(dir: &Path) -> Vec<i32> {
     let mut pids = Vec::new();

@@ -71,9 +71,8 @@ fn a_killed_rank_restarts_the_world_and_nothing_of_the_old_one_is_left() {
         .spawn()
         .unwrap();
     let first_round = |i: u32| dir.path().join(format!("{i}.0.pid"));
-    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| first_round(i).exists()));
-    let pids: Vec<i32> =
-        (0..4).map(|i| std::fs::read_to_string(first_round(i)).unwrap().trim().parse().unwrap()).collect();
+    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&first_round(i)).is_some()));
+    let pids: Vec<i32> = (0..4).map(|i| line_in(&first_round(i)).unwrap().parse().unwrap()).collect();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
@@ -99,8 +98,8 @@ fn a_lost_host_is_left_out_of_the_next_world() {
         .spawn()
         .unwrap();
     let file = |i: u32| dir.path().join(format!("{i}.0.pid"));
-    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| file(i).exists()));
-    let agent_of_3: i32 = std::fs::read_to_string(file(3)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
+    wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&file(i)).is_some()));
+    let agent_of_3: i32 = line_in(&file(3)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent_of_3), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = child.wait_with_output().unwrap();
     let text = stdout(&out);

@@ -318,6 +318,6 @@ fn write_python_hooks(dir: &std::path::Path, guard: Option<&Guard>) -> Option<st
         let _ = guard.remove_path(&file);
     }
     let mut out = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&file).ok()?;
-    std::io::Write::write_all(&mut out, include_bytes!("sitecustomize.py")).ok()?;
+    std::io::Write::write_all(&mut out, crate::PYTHON_HOOKS.as_bytes()).ok()?;
     Some(dir.to_path_buf())
 }

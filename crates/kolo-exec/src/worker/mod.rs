@@ -192,8 +192,15 @@ impl Agent {
         let pid = self.rank_pid();
         let (mut sample, _) = crate::inspect::sample(pid)?;
         sample.cpu_percent = crate::lock(&self.cpu).percent(pid);
-        let progress = crate::lock(&self.command).as_ref().and_then(|r| r.progress.clone());
-        sample.progress = progress.and_then(|file| crate::inspect::read_progress(&file));
+        if let Some(gpu) = crate::gpu::usage(pid) {
+            sample.gpu_percent = Some(gpu.percent);
+            sample.gpu_memory_bytes = Some(gpu.memory_bytes);
+        }
+        sample.progress = match crate::lock(&self.command).as_ref() {
+            Some(running) => running.progress.as_deref().and_then(crate::inspect::read_progress),
+            // a worker that runs calls is the rank: its own counters
+            None => crate::inspect::read_own_progress(),
+        };
         if let Some(hint) = stacks {
             if pid == std::process::id() {
                 // py-spy, a child of this process, may trace it (Yama's

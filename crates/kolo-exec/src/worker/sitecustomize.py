@@ -11,7 +11,8 @@
 # kolo only then. When torch.distributed loads, its collectives and every
 # optimizer step are counted in the rank's progress file (`kolo status`,
 # `kolo run --hang-timeout`). Then it runs the sitecustomize this file
-# hides, if there is one.
+# hides, if there is one. kolo.Executor's workers run its functions
+# without it (`_kolo_watch_torch` only, with their own counters).
 import os
 import sys
 
@@ -80,7 +81,7 @@ _KOLO_COLLECTIVES = (
 )
 
 
-def _kolo_count(dist):
+def _kolo_count(dist, progress_file):
     # kolo's progress file: collectives entered and done, nanoseconds in
     # them, optimizer steps (little-endian u64s), read by the rank's agent
     # for `kolo status` and `--hang-timeout`. In the rank's own memory: no
@@ -90,7 +91,7 @@ def _kolo_count(dist):
     import struct
     import time
 
-    with open(os.environ["KOLO_PROGRESS_FILE"], "r+b") as f:
+    with open(progress_file, "r+b") as f:
         counters = mmap.mmap(f.fileno(), 40)
     word = struct.Struct("<Q")
     depth = [0]
@@ -160,12 +161,12 @@ def _kolo_after_import(module_name, then):
     sys.meta_path.insert(0, Finder())
 
 
-def _kolo_watch_torch():
+def _kolo_watch_torch(progress_file):
     # once torch is whole (torch.distributed loads while torch itself is
     # half-imported: nothing may import torch's modules then)
     def count(module):
         try:
-            _kolo_count(module)
+            _kolo_count(module, progress_file)
         except Exception as e:  # a torch this does not know: say so, change nothing
             print(f"kolo: cannot count this rank's collectives: {e}", file=sys.stderr)
 
@@ -176,7 +177,10 @@ def _kolo_watch_torch():
         else:
             _kolo_after_import("torch.distributed", count)
 
-    _kolo_after_import("torch", torch_loaded)
+    if "torch" in sys.modules:
+        torch_loaded(sys.modules["torch"])
+    else:
+        _kolo_after_import("torch", torch_loaded)
 
 
 def _kolo_chain():
@@ -203,10 +207,11 @@ def _kolo_forget_bytecode():
         pass
 
 
-_kolo_forget_bytecode()
-if "KOLO_JOB_ID" in os.environ and os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
-    _kolo_watch_jax()
-    _kolo_alias_horovod()
-    if os.environ.get("KOLO_PROGRESS_FILE"):
-        _kolo_watch_torch()
-_kolo_chain()
+if __name__ == "sitecustomize":
+    _kolo_forget_bytecode()
+    if "KOLO_JOB_ID" in os.environ and os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
+        _kolo_watch_jax()
+        _kolo_alias_horovod()
+        if os.environ.get("KOLO_PROGRESS_FILE"):
+            _kolo_watch_torch(os.environ["KOLO_PROGRESS_FILE"])
+    _kolo_chain()

@@ -130,8 +130,10 @@ fn restart_mode_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
         &script,
     ]);
     let pid = |rank: u32, restart: u32| dir.path().join(format!("{rank}.{restart}.pid"));
-    wait_for("the first world", Duration::from_secs(30), || pid(0, 0).exists() && pid(1, 0).exists());
-    let on_h2: i32 = std::fs::read_to_string(pid(1, 0)).unwrap().trim().parse().unwrap();
+    wait_for("the first world", Duration::from_secs(30), || {
+        line_in(&pid(0, 0)).is_some() && line_in(&pid(1, 0)).is_some()
+    });
+    let on_h2: i32 = line_in(&pid(1, 0)).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(on_h2), nix::sys::signal::Signal::SIGKILL).unwrap();
     wait_for("the restarted world", Duration::from_secs(30), || pid(0, 1).exists() && pid(1, 1).exists());
     std::fs::write(&grow, "").unwrap();
