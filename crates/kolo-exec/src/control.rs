@@ -202,6 +202,7 @@ pub(crate) fn open(
     if let Some(janitor) = janitor {
         let _ = janitor.remove_path(&socket);
         let _ = janitor.remove_path(&listing_path);
+        let _ = janitor.remove_path(&partial(&listing_path));
     }
     std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))?;
     write_private(&listing_path, &serde_json::to_vec(&listing).map_err(io::Error::other)?)?;
@@ -220,10 +221,15 @@ pub fn sanitized(job: &str) -> String {
 fn write_private(path: &Path, data: &[u8]) -> io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    let partial = path.with_extension("json.partial");
+    let partial = partial(path);
     let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&partial)?;
     f.write_all(data)?;
     std::fs::rename(&partial, path)
+}
+
+/// Where a listing is written before it is renamed into place.
+fn partial(listing: &Path) -> PathBuf {
+    listing.with_extension("json.partial")
 }
 
 async fn serve(listener: UnixListener, job: Arc<Job>) {

@@ -148,13 +148,15 @@ fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
         return Some(hint);
     }
     let started_as = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
-    let beside =
+    let mut beside =
         started_as.into_iter().chain(std::env::current_exe().ok()).filter_map(|exe| Some(exe.parent()?.join("py-spy")));
-    let on_path = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|dir| dir.join("py-spy"));
-    beside.chain(on_path).find(|p| p.is_file())
+    beside.find(|p| p.is_file()).or_else(py_spy_on_path)
+}
+
+/// `py-spy` in the first of `PATH`'s directories that has it.
+pub fn py_spy_on_path() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path).map(|dir| dir.join("py-spy")).find(|p| p.is_file())
 }
 
 /// Every thread's stack of process `pid`, innermost call first, as text

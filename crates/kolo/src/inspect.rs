@@ -189,12 +189,7 @@ pub(crate) fn stack(job: Option<&str>, rank: Option<u32>) -> Result<i32> {
     let endpoints = chosen(job)?;
     let mut request = serde_json::json!({"op": "stack"});
     // this user's py-spy, for agents that find none of their own
-    let mine = std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|dir| dir.join("py-spy"))
-        .find(|p| p.is_file());
-    if let Some(path) = mine.and_then(|p| p.canonicalize().ok()) {
+    if let Some(path) = kolo_exec::py_spy_on_path().and_then(|p| p.canonicalize().ok()) {
         request["py_spy"] = path.to_string_lossy().into_owned().into();
     }
     if let Some(r) = rank {
