@@ -116,6 +116,10 @@ fn status_gives_every_rank_with_its_process_and_last_output() {
         {
             assert!(r.get(key).is_some(), "{key} missing in {r}");
         }
+        // `sleep` holds no GPU, NVML or not: the fields are there, null
+        for key in ["gpu_percent", "gpu_memory_bytes"] {
+            assert_eq!(r.get(key), Some(&serde_json::Value::Null), "{key} in {r}");
+        }
         let pid = r["pid"].as_u64().unwrap() as i32;
         assert!(alive(pid));
         // the rank's own process: sleep, after the shell exec'd it
