@@ -133,6 +133,25 @@ def test_a_quiet_call_that_keeps_completing_collectives_is_not_a_hang():
     assert counts[0] == counts[1] and counts[0] > 10, counts
 
 
+def report_quietly(seconds):
+    """No output, no collectives, next to no CPU: only reports."""
+    began = time.monotonic()
+    n = 0
+    while time.monotonic() - began < seconds:
+        time.sleep(0.2)
+        kolo.report(n)
+        n += 1
+    return n
+
+
+def test_a_call_that_keeps_reporting_is_not_a_hang():
+    heard = []
+    with kolo.Executor(settings(hang_timeout_s=1), num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        counts = ex.run(report_quietly, args=(4,), callbacks=[heard.append])
+    assert min(counts) > 10 and len(heard) > 10, (counts, heard)
+
+
 def test_a_quiet_worker_between_calls_is_not_a_hang():
     with kolo.Executor(settings(hang_timeout_s=1), num_workers=2, hosts="localhost:2") as ex:
         ex.start()

@@ -404,7 +404,8 @@ impl Inspector {
                 rank: link.info.rank,
                 host: link.info.hostname.clone(),
                 progress,
-                since_output: link.since_output(),
+                // a value reported is a sign of life as a line is
+                since_output: link.since_output().min(link.since_report()),
                 cpu_percent,
                 ended,
             }

@@ -14,7 +14,7 @@ pub struct RankView {
     /// What its Python hook counted; none where it has no hook (not
     /// Python, hooks off) or its agent did not answer.
     pub progress: Option<Progress>,
-    /// Since its last line of output.
+    /// Since its last line of output or reported value.
     pub since_output: Duration,
     /// Its CPU use over the agent's last second, where known.
     pub cpu_percent: Option<f64>,

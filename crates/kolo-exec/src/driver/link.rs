@@ -72,6 +72,8 @@ pub(crate) struct Link {
     inspections: Mutex<HashMap<u64, oneshot::Sender<Result<RankSample, String>>>>,
     /// When the rank last wrote output, in ms after `epoch`.
     last_output_ms: AtomicU64,
+    /// When it last reported a value (`kolo.report`), likewise.
+    last_report_ms: AtomicU64,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -102,6 +104,7 @@ impl Link {
             told_to_stop: AtomicBool::new(false),
             inspections: Mutex::new(HashMap::new()),
             last_output_ms: AtomicU64::new(0),
+            last_report_ms: AtomicU64::new(0),
         }
     }
 
@@ -150,6 +153,12 @@ impl Link {
     /// How long since the rank last wrote output (since it registered if never).
     pub(crate) fn since_output(&self) -> Duration {
         let at = Duration::from_millis(self.last_output_ms.load(Ordering::Relaxed));
+        self.epoch.elapsed().saturating_sub(at)
+    }
+
+    /// How long since the rank last reported a value (since it registered if never).
+    pub(crate) fn since_report(&self) -> Duration {
+        let at = Duration::from_millis(self.last_report_ms.load(Ordering::Relaxed));
         self.epoch.elapsed().saturating_sub(at)
     }
 
@@ -286,6 +295,7 @@ pub(crate) async fn read_worker(
                 if data.len() > MAX_REPORT {
                     break format!("it reported {} bytes at once, over the limit of {MAX_REPORT}", data.len());
                 }
+                link.last_report_ms.store(link.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
                 let sink = crate::lock(&link.reports).get(&id).cloned();
                 if let Some(sink) = sink {
                     // a caller that stopped listening loses its reports, nothing else
