@@ -166,30 +166,37 @@ pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>) -> String {
     let Some(py_spy) = py_spy(hint) else {
         return format!("py-spy is not installed on host {host}: pip install py-spy (or set KOLO_PY_SPY)");
     };
-    let started = Command::new(&py_spy)
-        .args(["dump", "--json", "--pid", &pid.to_string()])
-        .stdin(Stdio::null())
-        .output_within(DUMP_WAIT);
-    let output = match started {
-        Ok(out) => out,
-        Err(e) => return format!("py-spy ({}) failed: {e}", py_spy.display()),
-    };
-    let text = String::from_utf8_lossy(&output.stdout);
-    match serde_json::from_str::<serde_json::Value>(&text) {
-        Ok(threads) if output.status.success() => render(&threads),
-        _ => {
-            let why = String::from_utf8_lossy(&output.stderr);
-            let why = why.lines().find(|l| !l.trim().is_empty()).unwrap_or("no output").trim().to_string();
-            let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-            if why.to_lowercase().contains("python") {
-                let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
-                let waits =
-                    if wchan.is_empty() || wchan == "0" { String::new() } else { format!(", waiting in {wchan}") };
-                format!("no Python in this rank (pid {pid}, {}{waits})", program.trim())
-            } else {
-                format!("py-spy could not read pid {pid} ({}): {why}", program.trim())
-            }
+    let dump = |native: bool| {
+        let mut command = Command::new(&py_spy);
+        command.args(["dump", "--json", "--pid", &pid.to_string()]);
+        if native {
+            command.arg("--native");
         }
+        let output = command.stdin(Stdio::null()).output_within(DUMP_WAIT)?;
+        let threads =
+            serde_json::from_slice::<serde_json::Value>(&output.stdout).ok().filter(|_| output.status.success());
+        Ok::<_, std::io::Error>((threads, output))
+    };
+    // native frames (where a collective's C++ waits) where py-spy can
+    // unwind them, else Python's alone
+    let mut failed = None;
+    for native in [true, false] {
+        match dump(native) {
+            Ok((Some(threads), _)) => return render(&threads),
+            Ok((None, output)) => failed = Some(output),
+            Err(e) => return format!("py-spy ({}) failed: {e}", py_spy.display()),
+        }
+    }
+    let output = failed.expect("both dumps failed");
+    let why = String::from_utf8_lossy(&output.stderr);
+    let why = why.lines().find(|l| !l.trim().is_empty()).unwrap_or("no output").trim().to_string();
+    let program = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    if why.to_lowercase().contains("python") {
+        let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan")).unwrap_or_default();
+        let waits = if wchan.is_empty() || wchan == "0" { String::new() } else { format!(", waiting in {wchan}") };
+        format!("no Python in this rank (pid {pid}, {}{waits})", program.trim())
+    } else {
+        format!("py-spy could not read pid {pid} ({}): {why}", program.trim())
     }
 }
 
@@ -203,10 +210,18 @@ fn render(threads: &serde_json::Value) -> String {
         let gil = if thread["owns_gil"].as_bool().unwrap_or(false) { ", holds the GIL" } else { "" };
         out.push_str(&format!("Thread{name} ({activity}{gil})\n"));
         for frame in thread["frames"].as_array().into_iter().flatten() {
-            let function = frame["name"].as_str().unwrap_or("?");
+            let mut function = frame["name"].as_str().unwrap_or("?");
+            // an unresolved native frame's address differs between
+            // processes (ASLR): ranks in the same place must read alike
+            if function.strip_prefix("0x").is_some_and(|hex| u64::from_str_radix(hex, 16).is_ok()) {
+                function = "??";
+            }
             let file = frame["short_filename"].as_str().or_else(|| frame["filename"].as_str()).unwrap_or("?");
-            let line = frame["line"].as_i64().unwrap_or(0);
-            out.push_str(&format!("    {function} ({file}:{line})\n"));
+            match frame["line"].as_i64().unwrap_or(0) {
+                // native frames have no line
+                0 => out.push_str(&format!("    {function} ({file})\n")),
+                line => out.push_str(&format!("    {function} ({file}:{line})\n")),
+            }
         }
     }
     if out.is_empty() {
@@ -249,14 +264,17 @@ mod tests {
             "pid": 4242, "thread_id": 140000, "thread_name": "MainThread", "os_thread_id": 4242,
             "active": true, "owns_gil": true,
             "frames": [
+                {"name": "recv", "filename": "/lib/libgloo.so", "short_filename": "libgloo.so", "line": 0},
                 {"name": "wait", "filename": "/x/y/dist.py", "short_filename": "dist.py", "line": 12},
-                {"name": "<module>", "filename": "/x/train.py", "short_filename": "train.py", "line": 3}
+                {"name": "<module>", "filename": "/x/train.py", "short_filename": "train.py", "line": 3},
+                {"name": "0x7f7e8424524a", "filename": "/lib/libc.so.6", "short_filename": "libc.so.6", "line": 0}
             ]
         }]);
         let text = render(&dump);
         assert_eq!(
             text,
-            "Thread MainThread (active, holds the GIL)\n    wait (dist.py:12)\n    <module> (train.py:3)\n"
+            "Thread MainThread (active, holds the GIL)\n    recv (libgloo.so)\n    wait (dist.py:12)\n    \
+             <module> (train.py:3)\n    ?? (libc.so.6)\n"
         );
         assert!(!text.contains("4242"));
     }
