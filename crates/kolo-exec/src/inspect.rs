@@ -161,8 +161,9 @@ pub fn py_spy_on_path() -> Option<PathBuf> {
 
 /// Every thread's stack of process `pid`, innermost call first, as text
 /// that is the same for ranks doing the same thing (no pids, no thread
-/// ids); or a line saying why there is none.
-pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>) -> String {
+/// ids); or a line saying why there is none. `native`: with native frames
+/// where py-spy can unwind them.
+pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>, native: bool) -> String {
     let Some(py_spy) = py_spy(hint) else {
         return format!("py-spy is not installed on host {host}: pip install py-spy (or set KOLO_PY_SPY)");
     };
@@ -180,7 +181,8 @@ pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>) -> String {
     // native frames (where a collective's C++ waits) where py-spy can
     // unwind them, else Python's alone
     let mut failed = None;
-    for native in [true, false] {
+    let tries: &[bool] = if native { &[true, false] } else { &[false] };
+    for &native in tries {
         match dump(native) {
             Ok((Some(threads), _)) => return render(&threads),
             Ok((None, output)) => failed = Some(output),

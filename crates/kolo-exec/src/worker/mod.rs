@@ -208,7 +208,10 @@ impl Agent {
                 // SAFETY: prctl with these arguments only sets a flag
                 unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::c_ulong::from(pid), 0, 0, 0) };
             }
-            sample.stacks = Some(crate::inspect::stacks(pid, &real_hostname(), hint.as_deref()));
+            // a worker's own calls come from kolo's Rust, which py-spy
+            // cannot unwind into Python's frames: Python's alone there
+            let native = pid != std::process::id();
+            sample.stacks = Some(crate::inspect::stacks(pid, &real_hostname(), hint.as_deref(), native));
         }
         Ok(sample)
     }
