@@ -175,3 +175,32 @@ def test_an_elastic_executor_refuses_a_hang_timeout():
     ex = kolo.Executor(settings(hang_timeout_s=5), min_workers=1, hosts="localhost:2")
     with pytest.raises(ValueError, match="hang_timeout_s watches fixed executors"):
         ex.start()
+
+
+def hold_gpu_memory(path):
+    x = torch.ones(1 << 28, device="cuda")  # 1 GiB
+    while not os.path.exists(path):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return x.numel()
+
+
+def test_status_shows_the_gpu_each_worker_uses(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: GPU use in status (NVML) is tested where one is")
+    go = tmp_path / "go"
+    with kolo.Executor(settings(), num_workers=1, hosts="localhost:1") as ex:
+        ex.start()
+        handles = ex.run_remote(hold_gpu_memory, args=(str(go),))
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                rank = ex.status()["ranks"][0]
+                if (rank["gpu_memory_bytes"] or 0) >= 1 << 30 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert rank["gpu_memory_bytes"] >= 1 << 30, rank
+            assert 0 <= rank["gpu_percent"] <= 100, rank
+        finally:
+            go.touch()
+        assert kolo.get(handles) == [1 << 28]
