@@ -379,8 +379,10 @@ fn stack_and_status_across_hosts() {
     // py-spy names the main thread only where threading was imported
     let (h2, h3) = (text.find("rank 0 (host h2):").expect(&text), text.find("rank 1 (host h3):").expect(&text));
     assert!(h2 < h3, "{text}");
-    assert!(text[h2..h3].contains("(idle)\n      on_h2 (<string>:3)"), "{text}");
-    assert!(text[h3..].contains("(idle)\n      on_h3 (<string>:5)"), "{text}");
+    // each rank's own Python frame, under the native ones (time.sleep's C)
+    assert!(text[h2..h3].contains("(idle)\n") && text[h2..h3].contains("      on_h2 (<string>:3)\n"), "{text}");
+    assert!(text[h3..].contains("(idle)\n") && text[h3..].contains("      on_h3 (<string>:5)\n"), "{text}");
+    assert!(text.contains("      time_sleep ("), "no native frames: {text}");
     let _ = child.kill();
     let _ = child.wait();
     assert_nothing_left();
