@@ -144,11 +144,6 @@ impl Endpoint {
     pub(crate) fn inspector(&self) -> Inspector {
         Inspector(self.job.clone())
     }
-
-    /// What `kolo status --json` prints, for the driver's own callers.
-    pub(crate) async fn status(&self) -> serde_json::Value {
-        respond(Request::Status, &self.job).await
-    }
 }
 
 impl Drop for Endpoint {
@@ -363,24 +358,11 @@ async fn status(job: &Job) -> Vec<RankStatus> {
     .await
 }
 
-/// Ranks that wait markedly less in collectives than the others do: the
-/// ones the others wait for. Under half the median of the rest, where the
-/// rest wait a tenth of their time or more.
+/// The ranks the others wait for, by their share of time in collectives
+/// ([`crate::hang::stragglers`]).
 pub fn stragglers(ranks: &[RankStatus]) -> Vec<u32> {
     let waits: Vec<(u32, f64)> = ranks.iter().filter_map(|r| Some((r.rank, r.wait_fraction?))).collect();
-    if waits.len() < 2 {
-        return Vec::new();
-    }
-    waits
-        .iter()
-        .filter(|(rank, wait)| {
-            let mut others: Vec<f64> = waits.iter().filter(|(r, _)| r != rank).map(|(_, w)| *w).collect();
-            others.sort_by(f64::total_cmp);
-            let median = others[others.len() / 2];
-            median >= 0.1 && *wait < median / 2.0
-        })
-        .map(|(rank, _)| *rank)
-        .collect()
+    crate::hang::stragglers(&waits)
 }
 
 /// What a driver's own callers (hang detection) ask of the ranks.

@@ -120,6 +120,26 @@ pub fn explain(ranks: &[RankView], still: Duration) -> String {
     )
 }
 
+/// Ranks that wait markedly less in collectives than the others do, from
+/// `(rank, share of time waiting)`: the ones the others wait for. Under
+/// half the median of the rest, where the rest wait a tenth of their time
+/// or more.
+pub fn stragglers(waits: &[(u32, f64)]) -> Vec<u32> {
+    if waits.len() < 2 {
+        return Vec::new();
+    }
+    waits
+        .iter()
+        .filter(|(rank, wait)| {
+            let mut others: Vec<f64> = waits.iter().filter(|(r, _)| r != rank).map(|(_, w)| *w).collect();
+            others.sort_by(f64::total_cmp);
+            let median = others[others.len() / 2];
+            median >= 0.1 && *wait < median / 2.0
+        })
+        .map(|(rank, _)| *rank)
+        .collect()
+}
+
 /// Which rank the others waited for, window after window (for the line a
 /// job prints at its end when one rank was persistently the slowest).
 #[derive(Default)]
@@ -155,11 +175,9 @@ impl StragglerTally {
             entry.0 += share;
             entry.1 += 1;
         }
-        let (rank, least) = shares.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).expect("two or more");
-        let mut others: Vec<f64> = shares.iter().filter(|(r, _)| *r != rank).map(|(_, s)| *s).collect();
-        others.sort_by(f64::total_cmp);
-        let median = others[others.len() / 2];
-        if median >= 0.1 && least < median / 2.0 {
+        // the one waited for most: the straggler that waited least
+        let (rank, _) = shares.iter().copied().min_by(|a, b| a.1.total_cmp(&b.1)).expect("two or more");
+        if stragglers(&shares).contains(&rank) {
             *self.slowest.entry(rank).or_default() += 1;
         }
     }

@@ -235,18 +235,6 @@ impl Executor {
         self.running.as_ref()?.control.as_ref().map(|c| c.inspector())
     }
 
-    /// Every rank's state, CPU, memory and last output, as `kolo status
-    /// --json` prints them (one JSON object).
-    pub async fn status(&self) -> Result<serde_json::Value, ExecError> {
-        let running = self.running.as_ref().ok_or(ExecError::NotStarted)?;
-        match &running.control {
-            Some(control) => Ok(control.status().await),
-            None => {
-                Err(ExecError::BadSettings("this job has no control endpoint (see the warning at its start)".into()))
-            }
-        }
-    }
-
     /// Starts the workers and creates the executable `E` in each from `args`.
     pub async fn start<E: Executable>(
         &mut self,
