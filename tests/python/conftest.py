@@ -12,6 +12,14 @@ import pytest
 LEFTOVER_WAIT_S = 15
 
 
+def alive(pid):
+    """Whether process `pid` runs (a zombie is dead for every purpose here)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def live_agents():
     """Pids of live kolo worker agents (`python -m kolo._worker`) on this
     machine; zombies are dead."""

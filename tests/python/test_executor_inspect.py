@@ -9,22 +9,13 @@ import time
 import pytest
 
 import kolo
+from conftest import alive
 
 torch = pytest.importorskip("torch")
 
 
 def settings(**kwargs):
     return kolo.Executor.create_settings(timeout_s=30, **kwargs)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for every purpose here
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def group():

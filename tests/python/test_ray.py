@@ -20,7 +20,7 @@ else:
 
 import ddp_step  # noqa: E402
 import kolo  # noqa: E402
-from conftest import live_agents  # noqa: E402
+from conftest import alive, live_agents  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
 
@@ -424,9 +424,9 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in commands) and time.monotonic() < deadline:
+    while any(alive(p) for p in commands) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in commands)  # the commands too, not only the agents (nothing_left)
+    assert not any(alive(p) for p in commands)  # the commands too, not only the agents (nothing_left)
     # the agents were asked to stop (SIGTERM) before they were killed: they removed their files
     deadline = time.monotonic() + 10
     while rank_dirs & _rank_dirs() and time.monotonic() < deadline:
@@ -448,9 +448,3 @@ def _parent_is_agent(pid):
     except OSError:
         return False
 
-
-def _alive(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
