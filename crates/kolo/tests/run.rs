@@ -390,6 +390,8 @@ fn the_training_demo_converges() {
 
 /// A rank that is done no longer needs its agent: the agent goes while the
 /// others still run (not all at the job's end), and its going is no loss.
+/// The ranks are on two (simulated) nodes, so each has an agent process
+/// of its own.
 #[test]
 fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
     let dir = TempDir::new("released-agent");
@@ -401,7 +403,7 @@ fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
         go = go.display()
     );
     let child = kolo()
-        .args(["run", "-np", "2", "--", "sh", "-c", &script])
+        .args(["run", "--engine", "local", "-H", "a:1,b:1", "--nics", "lo", "-np", "2", "--", "sh", "-c", &script])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -417,6 +419,43 @@ fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+}
+
+/// The agents of one node's commands share one process (one start instead
+/// of one per rank); ranks that end early leave the others running, and
+/// the job ends well.
+#[test]
+fn the_ranks_of_a_node_share_one_agent_process() {
+    let dir = TempDir::new("shared-agent");
+    let go = dir.path().join("go");
+    // ranks 0 and 1 end at once; ranks 2 and 3 wait for `go`
+    let script = format!(
+        "echo $$ $PPID > {d}/$RANK.pid; [ $RANK -lt 2 ] && exit 0; while [ ! -e {go} ]; do sleep 0.01; done; echo done",
+        d = dir.path().display(),
+        go = go.display()
+    );
+    let child = kolo()
+        .args(["run", "-np", "4", "--", "sh", "-c", &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _kill = KillOnDrop(child.id());
+    wait_for("every rank to write its pids", Duration::from_secs(20), || pids_in(dir.path()).len() == 8);
+    let pids = |rank: u32| -> Vec<i32> {
+        let text = std::fs::read_to_string(dir.path().join(format!("{rank}.pid"))).unwrap();
+        text.split_whitespace().map(|p| p.parse().unwrap()).collect()
+    };
+    let agents: Vec<i32> = (0..4).map(|rank| pids(rank)[1]).collect();
+    assert!(agents.iter().all(|a| *a == agents[0]), "one agent process for the node's ranks: {agents:?}");
+    wait_for("ranks 0 and 1 to end", Duration::from_secs(20), || !alive(pids(0)[0]) && !alive(pids(1)[0]));
+    assert!(alive(agents[0]) && alive(pids(2)[0]) && alive(pids(3)[0]), "the waiting ranks or their agent ended");
+    std::fs::write(&go, "").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).matches(":done").count(), 2);
+    wait_for("the agent process to end", Duration::from_secs(10), || !alive(agents[0]));
 }
 
 /// A rank's private directory (its error file, its Python hook) is in

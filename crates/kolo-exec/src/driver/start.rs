@@ -106,6 +106,7 @@ impl Executor {
                 args: settings.worker_args.iter().map(Into::into).collect(),
                 secret: settings.secret().to_string(),
                 kill_grace: settings.kill_grace,
+                command_only: command,
             })
             .collect();
         let janitor = Guard::spawn(GuardOptions { grace: settings.kill_grace + Duration::from_secs(1), silence: None })

@@ -24,7 +24,8 @@ use crate::{worker, ExecError};
 /// colocation, local/cross ranks and GPU sharing work on one machine.
 pub struct LocalEngine {
     hosts: Vec<HostSpec>,
-    children: Vec<(u32, Child)>,
+    /// Each process with the workers (indices) it serves.
+    children: Vec<(Vec<u32>, Child)>,
     /// Threads still watching or ending commands (`CommandWatch`): the
     /// workers are not all gone before they are done.
     watching: Arc<AtomicUsize>,
@@ -69,7 +70,9 @@ impl Engine for LocalEngine {
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         let mut registries = Vec::with_capacity(workers.len());
         let grace = workers.first().map_or(Duration::ZERO, |w| w.kill_grace);
-        for w in workers {
+        for group in sharing_a_process(workers) {
+            let w = &group[0];
+            let indices: Vec<u32> = group.iter().map(|w| w.index).collect();
             let mut command = Command::new(&w.program);
             command.args(&w.args);
             for (name, _) in std::env::vars_os() {
@@ -78,10 +81,14 @@ impl Engine for LocalEngine {
                 }
             }
             command.envs(w.env.iter().map(|(k, v)| (k, v)));
+            if indices.len() > 1 {
+                let list = indices.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+                command.env_remove(worker::env::INDEX).env(worker::env::INDICES, list);
+            }
             command.env(worker::env::SECRET_ON_STDIN, "1").env(worker::env::GROUPS_ON_STDOUT, "1");
             // the worker's own output goes to the driver over the protocol;
             // what it prints before that (a crash at start) reaches our
-            // stderr; its stdout carries its command's process group
+            // stderr; its stdout carries its commands' process groups
             command.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
             command.process_group(0);
             let mut child = command.spawn().map_err(|source| ExecError::Io {
@@ -95,9 +102,9 @@ impl Engine for LocalEngine {
             }
             let _ = janitor.watch_group(child.id());
             if let Some(stdout) = child.stdout.take() {
-                registries.push(OwnedFd::from(stdout));
+                registries.push(Registered::new(OwnedFd::from(stdout), indices.len()));
             }
-            self.children.push((w.index, child));
+            self.children.push((indices, child));
         }
         let watch =
             CommandWatch { registries, janitor: janitor.group_writer().ok(), grace, busy: Busy::enter(&self.watching) };
@@ -115,10 +122,11 @@ impl Engine for LocalEngine {
     fn exited(&mut self) -> Vec<(u32, String)> {
         self.children
             .iter_mut()
-            .filter_map(|(index, child)| match child.try_wait() {
-                Ok(Some(status)) => Some((*index, crate::process::describe(status))),
+            .filter_map(|(indices, child)| match child.try_wait() {
+                Ok(Some(status)) => Some(indices.iter().map(move |i| (*i, crate::process::describe(status)))),
                 _ => None,
             })
+            .flatten()
             .collect()
     }
 
@@ -136,6 +144,29 @@ impl Engine for LocalEngine {
     }
 }
 
+/// The workers in the processes that serve them: the agents of one node
+/// that only start OS commands share one (one exec and one start-up
+/// instead of one per rank: most of what starting a job of small commands
+/// costs); any other agent has its own (the user's code runs in it).
+fn sharing_a_process(workers: Vec<WorkerLaunch>) -> Vec<Vec<WorkerLaunch>> {
+    let mut groups: Vec<Vec<WorkerLaunch>> = Vec::new();
+    let alike = |a: &WorkerLaunch, b: &WorkerLaunch| {
+        let env = |w: &WorkerLaunch| {
+            w.env.iter().filter(|(k, _)| k != worker::env::INDEX).cloned().collect::<Vec<(String, String)>>()
+        };
+        a.host.node_id == b.host.node_id
+            && (a.program.as_path(), &a.args, &a.secret) == (b.program.as_path(), &b.args, &b.secret)
+            && env(a) == env(b)
+    };
+    for w in workers {
+        match groups.iter_mut().find(|g| w.command_only && g[0].command_only && alike(&g[0], &w)) {
+            Some(group) => group.push(w),
+            None => groups.push(vec![w]),
+        }
+    }
+    groups
+}
+
 /// Ends the commands of agents that die: each agent's command registers
 /// its process group on the agent's stdout before it runs (and the agent
 /// says when the group is gone; `worker::group_record`), so when an agent's stdout closes with a
@@ -143,7 +174,7 @@ impl Engine for LocalEngine {
 /// ending it, and this does. The janitor learns the groups too, for when
 /// the driver itself is killed.
 struct CommandWatch {
-    registries: Vec<OwnedFd>,
+    registries: Vec<Registered>,
     janitor: Option<GroupWriter>,
     grace: Duration,
     busy: Busy,
@@ -168,7 +199,7 @@ impl Drop for Busy {
 impl CommandWatch {
     fn run(self) {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-        let mut open: Vec<Registered> = self.registries.into_iter().map(Registered::new).collect();
+        let mut open = self.registries;
         while !open.is_empty() {
             let ready: Vec<bool> = {
                 let mut fds: Vec<PollFd> = open.iter().map(|r| PollFd::new(r.fd.as_fd(), PollFlags::POLLIN)).collect();
@@ -181,7 +212,7 @@ impl CommandWatch {
                 fds.iter().map(|fd| fd.revents().is_some_and(|r| !r.is_empty())).collect()
             };
             let mut closed = Vec::new();
-            for (at, Registered { fd, pending, groups, trusted, dirs }) in
+            for (at, Registered { fd, pending, groups, trusted, dirs, most }) in
                 open.iter_mut().enumerate().filter(|(at, _)| ready[*at])
             {
                 let mut buf = [0u8; 512];
@@ -191,7 +222,7 @@ impl CommandWatch {
                         pending.extend_from_slice(&buf[..n]);
                         for record in take_records(pending, trusted) {
                             match record {
-                                Record::Group(group) if groups.len() < 64 => {
+                                Record::Group(group) if groups.len() < *most => {
                                     groups.insert(group);
                                     if let Some(janitor) = &self.janitor {
                                         let _ = janitor.watch_group(group);
@@ -201,7 +232,7 @@ impl CommandWatch {
                                 Record::Gone(group) => {
                                     groups.remove(&group);
                                 }
-                                Record::Dir(dir) if dirs.len() < 64 => dirs.push(dir),
+                                Record::Dir(dir) if dirs.len() < *most => dirs.push(dir),
                                 Record::Dir(_) => {}
                             }
                         }
@@ -235,11 +266,15 @@ struct Registered {
     /// False once it sent something that is not a record.
     trusted: bool,
     dirs: Vec<std::path::PathBuf>,
+    /// Groups (and directories) it may register: a bound for a registry
+    /// that misbehaves, generous for the commands of its agents.
+    most: usize,
 }
 
 impl Registered {
-    fn new(fd: OwnedFd) -> Self {
-        Registered { fd, pending: Vec::new(), groups: HashSet::new(), trusted: true, dirs: Vec::new() }
+    fn new(fd: OwnedFd, agents: usize) -> Self {
+        let most = 64 * agents.max(1);
+        Registered { fd, pending: Vec::new(), groups: HashSet::new(), trusted: true, dirs: Vec::new(), most }
     }
 }
 
@@ -331,7 +366,7 @@ mod tests {
         drop(write);
         let watching = Arc::new(AtomicUsize::new(0));
         let watch = CommandWatch {
-            registries: vec![read],
+            registries: vec![Registered::new(read, 1)],
             janitor: None,
             grace: Duration::from_secs(1),
             busy: Busy::enter(&watching),

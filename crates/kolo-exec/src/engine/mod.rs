@@ -36,6 +36,10 @@ pub struct WorkerLaunch {
     pub secret: String,
     /// Between SIGTERM and SIGKILL when a command must be ended.
     pub kill_grace: Duration,
+    /// The agent only starts an OS command: no code of the user's runs in
+    /// it, so it may share its process with its host's other agents
+    /// (`worker::env::INDICES`), where the engine starts them itself.
+    pub command_only: bool,
 }
 
 /// What an engine does. The driver calls these off its async runtime

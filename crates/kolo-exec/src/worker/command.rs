@@ -67,7 +67,9 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // driver's report shows it) unless the caller chose one, and the
     // Python hook that lets JAX find the job; gone with the command
     // (and first, those of jobs on this host whose every process was killed)
-    super::rank_dir::sweep_abandoned(&super::rank_dir::base());
+    // (once per process: the agents sharing one would each sweep the others')
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| drop(super::rank_dir::sweep_abandoned(&super::rank_dir::base())));
     let rank_dir = super::rank_dir::RankDir::create(guard.as_deref());
     let lookup = |name: &str| {
         env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())

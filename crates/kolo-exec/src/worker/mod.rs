@@ -35,6 +35,11 @@ pub mod env {
     pub const DRIVER: &str = "KOLO_WORKER_DRIVER";
     /// The worker's index in creation order (its world rank).
     pub const INDEX: &str = "KOLO_WORKER_INDEX";
+    /// Set instead of `INDEX` by an engine that starts one process for
+    /// several agents of a host (the local engine, for OS commands):
+    /// their indices, comma-separated. Each agent keeps its own
+    /// connection; one exec and one runtime start serve them all.
+    pub const INDICES: &str = "KOLO_WORKER_INDICES";
     /// The job secret, for engines that cannot pass it on stdin (Slurm).
     pub use kolo_topology::ENV_SECRET as SECRET;
     /// `INDEX` set to this means: the index is Slurm's task id (`SLURM_PROCID`).
@@ -101,6 +106,28 @@ struct Agent {
     own_output: Mutex<Option<OwnOutput>>,
     /// The rank's CPU use, looked at every heartbeat.
     cpu: Mutex<crate::inspect::CpuWatch>,
+    /// The agents this process serves, when it serves several
+    /// (`env::INDICES`): an agent that ends leaves, the last one exits.
+    host: Option<Arc<Host>>,
+}
+
+/// The agents of one process started for several (`env::INDICES`). They
+/// only start OS commands: nothing process-wide (the environment, fds 1
+/// and 2) is any one agent's.
+struct Host {
+    agents: Mutex<Vec<Arc<Agent>>>,
+    /// Agents not yet ended, and the highest exit code of those that did.
+    left: Mutex<(usize, i32)>,
+}
+
+impl Host {
+    /// Counts an agent out; the process's exit code once it was the last.
+    fn leave(&self, code: i32) -> Option<i32> {
+        let mut left = crate::lock(&self.left);
+        left.0 = left.0.saturating_sub(1);
+        left.1 = left.1.max(code);
+        (left.0 == 0).then_some(left.1)
+    }
 }
 
 /// A started command: its process group and the guard watching over it
@@ -251,6 +278,17 @@ impl Agent {
         }
         let _ = io::stdout().flush();
         let _ = io::stderr().flush();
+        if let Some(host) = &self.host {
+            let Some(code) = host.leave(code) else {
+                // the driver sees this agent's end as its connection's;
+                // the process stays for the host's other agents
+                let _ = crate::lock(&self.writer).shutdown(std::net::Shutdown::Both);
+                loop {
+                    std::thread::park();
+                }
+            };
+            std::process::exit(code)
+        }
         if let Some(own) = crate::lock(&self.own_output).take() {
             // closing our ends lets the pumps see EOF and forward the rest
             if let Ok(null) = File::open("/dev/null") {
@@ -291,18 +329,28 @@ fn connect(driver: &str) -> io::Result<TcpStream> {
 }
 
 fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
+    let hosted = std::env::var(env::INDICES).ok();
     let guard = match std::env::var_os(env::GUARD) {
+        Some(_) if hosted.is_some() => return Err(format!("{} and {} exclude each other", env::GUARD, env::INDICES)),
         Some(_) => Some(
             Guard::spawn(crate::guard::GuardOptions { grace: Duration::ZERO, silence: None })
                 .map_err(|e| format!("cannot start the guard process: {e}"))?,
         ),
         None => None,
     };
-    let index: u32 = std::env::var(env::INDEX)
-        .ok()
-        .and_then(|v| if v == env::INDEX_FROM_SLURM { std::env::var(env::INDEX_FROM_SLURM).ok() } else { Some(v) })
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| format!("{} is missing or not a number", env::INDEX))?;
+    let indices: Vec<u32> = match &hosted {
+        Some(list) => list
+            .split(',')
+            .map(|i| i.parse().ok())
+            .collect::<Option<Vec<u32>>>()
+            .filter(|all| !all.is_empty())
+            .ok_or_else(|| format!("{} must list worker indices, got '{list}'", env::INDICES))?,
+        None => vec![std::env::var(env::INDEX)
+            .ok()
+            .and_then(|v| if v == env::INDEX_FROM_SLURM { std::env::var(env::INDEX_FROM_SLURM).ok() } else { Some(v) })
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("{} is missing or not a number", env::INDEX))?],
+    };
     let secret = match std::env::var(env::SECRET_ON_STDIN) {
         // remote engines pass the secret on stdin, out of sight of `ps`
         Ok(_) => {
@@ -318,7 +366,7 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
             secret
         }
     };
-    let secret = kolo_auth::Secret::new(secret).map_err(|e| e.to_string())?;
+    let secret = Arc::new(kolo_auth::Secret::new(secret).map_err(|e| e.to_string())?);
     // SIGTERM/SIGINT/SIGHUP stop the command cleanly; handlers (unlike a
     // blocked mask) do not pass on to the command
     let mut signals = signal_hook::iterator::Signals::new([
@@ -327,23 +375,109 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         libc_signal(Signal::SIGHUP),
     ])
     .map_err(|e| format!("cannot handle signals: {e}"))?;
+    let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    // taken before fd 1 is pointed elsewhere; close-on-exec, so a command
+    // holds it only until it runs
+    let mut group_registries = Vec::with_capacity(indices.len());
+    for _ in &indices {
+        group_registries.push(match std::env::var_os(env::GROUPS_ON_STDOUT) {
+            Some(_) => Some(io::stdout().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?),
+            None => None,
+        });
+    }
+    // the agent's own fd 1 and 2 go to the driver from when the user's code
+    // first runs in it (`serve`): a command job never needs the two pipes
+    // and threads. Until then nothing may write into the group registry
+    if std::env::var_os(env::GROUPS_ON_STDOUT).is_some() {
+        let null = File::options().write(true).open("/dev/null").map_err(|e| e.to_string())?;
+        nix::unistd::dup2_stdout(null.as_fd()).map_err(|e| e.to_string())?;
+    }
+    let start = |index: u32, group_registry: Option<OwnedFd>, guard: Option<Guard>, host: Option<Arc<Host>>| {
+        let diagnostics = original_stderr.try_clone().map_err(|e| e.to_string())?;
+        let launch = Launch { index, secret: secret.clone(), group_registry, guard, diagnostics, host };
+        start_agent(driver, launch)
+    };
 
+    if hosted.is_none() {
+        let (agent, stream) = start(indices[0], group_registries.pop().flatten(), guard, None)?;
+        {
+            let agent = agent.clone();
+            std::thread::spawn(move || {
+                if let Some(signal) = signals.forever().next() {
+                    agent.exit(128 + signal, agent.kill_grace);
+                }
+            });
+        }
+        if std::env::var_os(env::STDIN_LIFELINE).is_some() {
+            let agent = agent.clone();
+            std::thread::spawn(move || {
+                let mut sink = [0u8; 256];
+                while matches!(io::stdin().read(&mut sink), Ok(n) if n > 0) {}
+                agent.say("its launcher is gone (stdin closed); stopping");
+                agent.exit(1, agent.kill_grace);
+            });
+        }
+        return serve(&agent, &registry, stream);
+    }
+
+    // several agents, one thread each; the last to end exits the process
+    let host = Arc::new(Host { agents: Mutex::new(Vec::new()), left: Mutex::new((indices.len(), 0)) });
+    std::thread::scope(|scope| {
+        for (index, group_registry) in indices.iter().zip(group_registries) {
+            let (host, registry, start) = (host.clone(), registry.clone(), &start);
+            scope.spawn(move || match start(*index, group_registry, None, Some(host.clone())) {
+                Ok((agent, stream)) => {
+                    crate::lock(&host.agents).push(agent.clone());
+                    let code = serve(&agent, &registry, stream).unwrap_or(1);
+                    agent.exit(code, Duration::ZERO)
+                }
+                Err(e) => {
+                    // the driver learns of it as of every agent here: the
+                    // process ends, and the engine names its exit
+                    eprintln!("kolo worker {index}: {e}");
+                    std::process::exit(1)
+                }
+            });
+        }
+        if let Some(signal) = signals.forever().next() {
+            let agents = crate::lock(&host.agents).clone();
+            if agents.len() < indices.len() {
+                // not every agent registered: no command has started
+                std::process::exit(128 + signal);
+            }
+            for agent in agents {
+                std::thread::spawn(move || agent.exit(128 + signal, agent.kill_grace));
+            }
+        }
+        loop {
+            std::thread::park();
+        }
+    })
+}
+
+/// What one agent starts with.
+struct Launch {
+    index: u32,
+    secret: Arc<kolo_auth::Secret>,
+    group_registry: Option<OwnedFd>,
+    guard: Option<Guard>,
+    diagnostics: OwnedFd,
+    host: Option<Arc<Host>>,
+}
+
+/// Dials the driver, proves the secret and starts the agent's heartbeat.
+fn start_agent(driver: &str, launch: Launch) -> Result<(Arc<Agent>, TcpStream), String> {
+    let Launch { index, secret, group_registry, guard, diagnostics, host } = launch;
     let mut stream = connect(driver).map_err(|e| format!("cannot reach the driver at {driver}: {e}"))?;
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
     stream.set_read_timeout(Some(crate::wait::WELCOME_WAIT)).map_err(|e| e.to_string())?;
     let welcome = handshake(&mut stream, index, &secret).map_err(|e| format!("driver {driver}: {e}"))?;
     stream.set_read_timeout(None).map_err(|e| e.to_string())?;
-
-    let original_stderr = io::stderr().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
-    // taken before fd 1 is pointed elsewhere; close-on-exec, so a command
-    // holds it only until it runs
-    let group_registry = match std::env::var_os(env::GROUPS_ON_STDOUT) {
-        Some(_) => Some(io::stdout().as_fd().try_clone_to_owned().map_err(|e| e.to_string())?),
-        None => None,
-    };
+    let interval = Duration::from_millis(welcome.heartbeat_interval_ms.max(1));
+    let timeout = Duration::from_millis(welcome.heartbeat_timeout_ms.max(1));
     let agent = Arc::new(Agent {
         index,
-        secret: Arc::new(secret),
+        secret,
         writer: Mutex::new(stream.try_clone().map_err(|e| e.to_string())?),
         command: Mutex::new(None),
         guard: Mutex::new(guard.map(Arc::new)),
@@ -354,45 +488,19 @@ fn run_agent(registry: Arc<Registry>, driver: &str) -> Result<i32, String> {
         calls: Calls::default(),
         not_reading: std::sync::atomic::AtomicBool::new(false),
         kill_grace: Duration::from_millis(welcome.kill_grace_ms),
-        heartbeat_interval: Duration::from_millis(welcome.heartbeat_interval_ms.max(1)),
-        heartbeat_timeout: Duration::from_millis(welcome.heartbeat_timeout_ms.max(1)),
-        diagnostics: Mutex::new(File::from(original_stderr)),
+        heartbeat_interval: interval,
+        heartbeat_timeout: timeout,
+        diagnostics: Mutex::new(File::from(diagnostics)),
         exiting: Mutex::new(()),
         own_output: Mutex::new(None),
         cpu: Mutex::new(crate::inspect::CpuWatch::default()),
+        host,
     });
-    // the agent's own fd 1 and 2 go to the driver from when the user's code
-    // first runs in it (`serve`): a command job never needs the two pipes
-    // and threads. Until then nothing may write into the group registry
-    if agent.group_registry.is_some() {
-        let null = File::options().write(true).open("/dev/null").map_err(|e| e.to_string())?;
-        nix::unistd::dup2_stdout(null.as_fd()).map_err(|e| e.to_string())?;
-    }
-
-    {
-        let agent = agent.clone();
-        std::thread::spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                agent.exit(128 + signal, agent.kill_grace);
-            }
-        });
-    }
-    if std::env::var_os(env::STDIN_LIFELINE).is_some() {
-        let agent = agent.clone();
-        std::thread::spawn(move || {
-            let mut sink = [0u8; 256];
-            while matches!(io::stdin().read(&mut sink), Ok(n) if n > 0) {}
-            agent.say("its launcher is gone (stdin closed); stopping");
-            agent.exit(1, agent.kill_grace);
-        });
-    }
-    let interval = Duration::from_millis(welcome.heartbeat_interval_ms.max(1));
-    let timeout = Duration::from_millis(welcome.heartbeat_timeout_ms.max(1));
     {
         let agent = agent.clone();
         std::thread::spawn(move || heartbeat(&agent, interval, timeout));
     }
-    serve(&agent, &registry, stream)
+    Ok((agent, stream))
 }
 
 fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::Secret) -> Result<Welcome, String> {
@@ -551,6 +659,10 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
             break message;
         }
     };
+    if agent.host.is_some() {
+        agent.say("an agent that shares its process with others runs OS commands only, not calls; stopping");
+        agent.exit(1, Duration::ZERO);
+    }
     if let Err(e) = redirect_own_output(agent) {
         agent.say(&format!("cannot redirect output: {e}; stopping"));
         agent.exit(1, Duration::ZERO);
@@ -652,9 +764,12 @@ fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State, message: T
         ToWorker::SetEnv(vars) => {
             // user code in this process reads its rank from the environment;
             // SetEnv comes once, right after the handshake, while this
-            // thread is the only one that touches the environment
-            for (k, v) in &vars {
-                std::env::set_var(k, v);
+            // thread is the only one that touches the environment. Agents
+            // that share a process run no code of the user's in it
+            if agent.host.is_none() {
+                for (k, v) in &vars {
+                    std::env::set_var(k, v);
+                }
             }
             state.env.extend(vars);
             state.ctx =
