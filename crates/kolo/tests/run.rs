@@ -449,6 +449,15 @@ fn the_ranks_of_a_node_share_one_agent_process() {
     let agents: Vec<i32> = (0..4).map(|rank| pids(rank)[1]).collect();
     assert!(agents.iter().all(|a| *a == agents[0]), "one agent process for the node's ranks: {agents:?}");
     wait_for("ranks 0 and 1 to end", Duration::from_secs(20), || !alive(pids(0)[0]) && !alive(pids(1)[0]));
+    // their agents leave: they stop beating, and say nothing of it
+    let beating = |rank: u32| {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", agents[0])).unwrap();
+        tasks.flatten().any(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == format!("kolo-beat-{rank}"))
+        })
+    };
+    wait_for("the agents of ranks 0 and 1 to leave", Duration::from_secs(20), || !beating(0) && !beating(1));
+    assert!(beating(2) && beating(3), "the agents of the waiting ranks left");
     assert!(alive(agents[0]) && alive(pids(2)[0]) && alive(pids(3)[0]), "the waiting ranks or their agent ended");
     std::fs::write(&go, "").unwrap();
     let out = child.wait_with_output().unwrap();

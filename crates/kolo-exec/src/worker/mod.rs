@@ -109,6 +109,9 @@ struct Agent {
     /// The agents this process serves, when it serves several
     /// (`env::INDICES`): an agent that ends leaves, the last one exits.
     host: Option<Arc<Host>>,
+    /// Set when this agent left a process its host's other agents still
+    /// use: its threads go quiet (its connection is closed on purpose).
+    left: std::sync::atomic::AtomicBool,
 }
 
 /// The agents of one process started for several (`env::INDICES`). They
@@ -250,6 +253,9 @@ impl Agent {
     }
 
     fn say(&self, text: &str) {
+        if self.left.load(Ordering::SeqCst) {
+            return;
+        }
         let mut d = crate::lock(&self.diagnostics);
         let _ = writeln!(d, "kolo worker {}: {text}", self.index);
     }
@@ -282,6 +288,7 @@ impl Agent {
             let Some(code) = host.leave(code) else {
                 // the driver sees this agent's end as its connection's;
                 // the process stays for the host's other agents
+                self.left.store(true, Ordering::SeqCst);
                 let _ = crate::lock(&self.writer).shutdown(std::net::Shutdown::Both);
                 loop {
                     std::thread::park();
@@ -495,10 +502,14 @@ fn start_agent(driver: &str, launch: Launch) -> Result<(Arc<Agent>, TcpStream), 
         own_output: Mutex::new(None),
         cpu: Mutex::new(crate::inspect::CpuWatch::default()),
         host,
+        left: std::sync::atomic::AtomicBool::new(false),
     });
     {
         let agent = agent.clone();
-        std::thread::spawn(move || heartbeat(&agent, interval, timeout));
+        std::thread::Builder::new()
+            .name(format!("kolo-beat-{index}"))
+            .spawn(move || heartbeat(&agent, interval, timeout))
+            .map_err(|e| format!("cannot start the heartbeat: {e}"))?;
     }
     Ok((agent, stream))
 }
@@ -590,6 +601,9 @@ fn pump(agent: &Agent, mut from: impl Read, stderr: bool) {
 fn heartbeat(agent: &Agent, interval: Duration, timeout: Duration) {
     loop {
         std::thread::sleep(interval);
+        if agent.left.load(Ordering::SeqCst) {
+            return;
+        }
         let ended = crate::lock(&agent.command).as_mut().and_then(|running| running.end_if_stopped(timeout));
         if let Some(why) = ended {
             agent.say(&why);
