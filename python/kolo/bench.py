@@ -1,7 +1,11 @@
 """`python -m kolo.bench executor [--workers 4 16] [--rounds 200]`: kolo.Executor
 from Python: start to first result, the execute round, shutdown, and the
 memory of kolo's machinery (driver and agents, proportional set size, this
-interpreter's own imports included)."""
+interpreter's own imports included). With `--engine ray` this Python first
+connects to the cluster (`ray.init`, outside the timing), as a horovod.ray
+script does and as `bench/upstream_ray_executor.py` does;
+`--bridge process` leaves it unconnected, so that kolo's Ray bridge runs
+in a Python of its own."""
 
 import argparse
 import os
@@ -45,6 +49,14 @@ def executor(workers, rounds, engine):
     return first, statistics.median(times), times[int(len(times) * 0.99) - 1], down, memory
 
 
+def connect_to_ray():
+    import ray
+
+    t = time.perf_counter()
+    ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False, logging_level="ERROR")
+    print(f"# ray.init {time.perf_counter() - t:.3f} s (not in the figures below)")
+
+
 def main():
     parser = argparse.ArgumentParser(prog="python -m kolo.bench", description=__doc__)
     parser.add_argument("what", choices=["executor"])
@@ -52,7 +64,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="ray: the cluster at RAY_ADDRESS (PSS then counts kolo's processes only)")
+    parser.add_argument("--bridge", choices=["here", "process"], default="here",
+                        help="with --engine ray: run kolo's Ray bridge in this Python, connected first "
+                             "(default), or in a Python of its own")
     args = parser.parse_args()
+    if args.engine == "ray" and args.bridge == "here":
+        connect_to_ray()
     print(f"{'workers':>8} {'first_result_ms':>16} {'round_p50_us':>13} {'round_p99_us':>13} {'shutdown_ms':>12} {'pss_mib':>8}")
     for n in args.workers:
         first, p50, p99, down, memory = executor(n, args.rounds, args.engine)

@@ -225,7 +225,10 @@ class Executor:
 
         if not ray.is_initialized():
             return {}
-        cluster = {"ray_address": ray.get_runtime_context().gcs_address}
+        from . import _ray_bridge
+
+        # the bridge runs here, on this connection: no second Python imports Ray
+        cluster = {"ray_address": ray.get_runtime_context().gcs_address, "ray_bridge": _ray_bridge.start}
         if self._use_current_placement_group:
             from ray.util import get_current_placement_group
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -90,6 +91,54 @@ def test_colocated_two_hosts_by_two_workers_land_on_distinct_nodes(cluster, sett
     nodes = [r["KOLO_NODE_ID"] for r in ranks]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
     assert set(nodes) <= {n["NodeID"] for n in ray.nodes()}
+
+
+def _bridge_processes():
+    """Pids of kolo's Ray bridges running as Pythons of their own (`python -c SOURCE`)."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and b"kolo's bridge to Ray" in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.add(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _bridge_threads():
+    return [t for t in threading.enumerate() if t.name == "kolo-ray-bridge"]
+
+
+def test_a_driver_connected_to_ray_runs_the_bridge_on_a_thread_of_its_own(cluster, settings, nothing_left):
+    # this Python is connected (the module's fixture), as a horovod.ray script is
+    before = _bridge_processes()
+    with RayExecutor(settings, num_workers=2, engine="ray") as ex:
+        ex.start()
+        assert len(_bridge_threads()) == 1
+        assert _bridge_processes() == before, "a bridge process was started"
+        assert ex.run(lambda: 1 + 1) == [2, 2]
+    deadline = time.monotonic() + 30
+    while _bridge_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _bridge_threads() == [], "the bridge's thread outlived the executor"
+
+
+UNCONNECTED_DRIVER = """
+import sys
+import kolo
+ex = kolo.Executor(kolo.Executor.create_settings(timeout_s=60), num_workers=2, engine="ray")
+ex.start()
+print(ex.run(lambda: 1 + 1), "ray" in sys.modules, flush=True)
+ex.shutdown()
+"""
+
+
+def test_a_driver_not_connected_to_ray_runs_the_bridge_in_a_python_of_its_own(cluster, nothing_left):
+    out = subprocess.run([sys.executable, "-c", UNCONNECTED_DRIVER], env=dict(os.environ, RAY_ADDRESS=cluster.address),
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    # the job ran on the cluster, and this Python never imported Ray: its bridge did
+    assert out.stdout.strip() == "[2, 2] False", out.stdout + out.stderr
 
 
 def test_pack_four_workers(cluster, settings, nothing_left):

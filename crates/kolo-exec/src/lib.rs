@@ -66,8 +66,8 @@ mod worker;
 
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo, REPORTS_QUEUED};
 pub use engine::{
-    is_this_machine, Engine, EngineChoice, EngineOptions, HostSource, LocalEngine, RayEngine, RayNodes, RayOptions,
-    SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
+    is_this_machine, BridgeHost, Engine, EngineChoice, EngineOptions, HostSource, LocalEngine, RayEngine, RayNodes,
+    RayOptions, RunsBridge, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};
 pub use hurry::{hurried, hurry};

@@ -2,13 +2,15 @@
 //! one job description (`Job`, checked when the Executor is made), and
 //! kolo-exec's Executor on its own runtime (`Driver`), fixed or elastic.
 
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
-use kolo_exec::{lock, EngineOptions, Executor, RayOptions, Settings, WorkerRequest};
+use kolo_exec::{lock, BridgeHost, EngineOptions, Executor, RayOptions, RunsBridge, Settings, WorkerRequest};
 use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
 use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
 
@@ -274,12 +276,32 @@ impl Driver {
     }
 }
 
+/// The Ray bridge on a thread of this Python (`kolo._ray_bridge.start`),
+/// which the caller connected to Ray already.
+struct PyBridge(Py<PyAny>);
+
+impl RunsBridge for PyBridge {
+    fn start(&self, source: &str, requests: OwnedFd, answers: OwnedFd) -> std::io::Result<()> {
+        // the fds are Python's from here: it closes them when the bridge ends
+        let (requests, answers) = (requests.into_raw_fd(), answers.into_raw_fd());
+        Python::with_gil(|py| self.0.call1(py, (source, requests, answers)).map(drop)).map_err(|e| {
+            // SAFETY: Python did not take them (the call failed before
+            // os.fdopen or raised): they are still only ours to close
+            unsafe {
+                drop(OwnedFd::from_raw_fd(requests));
+                drop(OwnedFd::from_raw_fd(answers));
+            }
+            std::io::Error::other(e.to_string())
+        })
+    }
+}
+
 #[pymethods]
 impl Driver {
     /// The driver of `job`, its workers `worker_program worker_args...`;
     /// `ssh_identity_file` and the Ray cluster are known when it starts.
     #[new]
-    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, hang_timeout_s=None))]
+    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, ray_bridge=None, hang_timeout_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         job: &Job,
@@ -288,6 +310,7 @@ impl Driver {
         ssh_identity_file: Option<String>,
         ray_address: Option<String>,
         ray_placement_group: Option<String>,
+        ray_bridge: Option<Py<PyAny>>,
         hang_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
         let hang_timeout = match hang_timeout_s {
@@ -313,6 +336,7 @@ impl Driver {
                 address: ray_address,
                 python: worker_program.into(),
                 placement_group: ray_placement_group,
+                bridge_host: ray_bridge.map(|start| BridgeHost(Arc::new(PyBridge(start)))),
             },
             ..Default::default()
         };
@@ -330,7 +354,8 @@ impl Driver {
     }
 
     /// Starts the workers and creates each one's state from `args`.
-    fn start(&self, py: Python<'_>, args: Vec<u8>, env: Vec<(String, String)>) -> PyResult<()> {
+    fn start(&self, py: Python<'_>, args: PyBackedBytes, env: Vec<(String, String)>) -> PyResult<()> {
+        let args = args.to_vec();
         self.with(py, |rt, ex| {
             interruptible(rt, ex.start::<PyWorker>(&args, &env))?;
             *lock(&self.view) = ex.inspector().map(|inspector| (rt.handle().clone(), inspector));
@@ -343,8 +368,13 @@ impl Driver {
     /// raises, it is not called again and its exception is raised once
     /// the call is done.
     #[pyo3(signature = (payload, on_report=None))]
-    fn execute(&self, py: Python<'_>, payload: Vec<u8>, on_report: Option<Py<PyAny>>) -> PyResult<Vec<Py<PyBytes>>> {
-        let call = PyCall { payload, elastic: false };
+    fn execute(
+        &self,
+        py: Python<'_>,
+        payload: PyBackedBytes,
+        on_report: Option<Py<PyAny>>,
+    ) -> PyResult<Vec<Py<PyBytes>>> {
+        let call = PyCall { payload: payload.to_vec(), elastic: false };
         let answers = self.with(py, |rt, ex| match &on_report {
             None => {
                 let watch = self.hang_watch(ex);
@@ -374,8 +404,8 @@ impl Driver {
     }
 
     /// Runs the pickled call on rank 0 only.
-    fn execute_single(&self, py: Python<'_>, payload: Vec<u8>) -> PyResult<Py<PyBytes>> {
-        let call = PyCall { payload, elastic: false };
+    fn execute_single(&self, py: Python<'_>, payload: PyBackedBytes) -> PyResult<Py<PyBytes>> {
+        let call = PyCall { payload: payload.to_vec(), elastic: false };
         let answer = self.with(py, |rt, ex| {
             let watch = self.hang_watch(ex);
             interruptible_py(rt, unless_hung(ex.execute_single::<PyWorker, PyCall>(&call), watch))
@@ -397,9 +427,9 @@ impl Driver {
     fn run_elastic(
         &self,
         py: Python<'_>,
-        args: Vec<u8>,
+        args: PyBackedBytes,
         env: Vec<(String, String)>,
-        payload: Vec<u8>,
+        payload: PyBackedBytes,
         on_event: Option<Py<PyAny>>,
         on_report: Option<Py<PyAny>>,
     ) -> PyResult<Vec<Py<PyBytes>>> {
@@ -428,7 +458,10 @@ impl Driver {
                 };
             });
         };
-        let work = TaskWork::<PyWorker, PyCall> { args, task: PyCall { payload, elastic: true } };
+        let work = TaskWork::<PyWorker, PyCall> {
+            args: args.to_vec(),
+            task: PyCall { payload: payload.to_vec(), elastic: true },
+        };
         let (config, discovery) = (job.elastic_config().map_err(exec_error)?, job.discovery().map_err(exec_error)?);
         let (factory, env) = (job.cohort_factory(), [job.env(), &env[..]].concat());
         // the job's own runtime: there is no executor to hold one

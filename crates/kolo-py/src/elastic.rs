@@ -10,6 +10,7 @@ use kolo_comm::elastic::Elastic;
 use kolo_comm::{CommError, Communicator, ReduceOp};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
 // a collective's failure too: kolo.horovod and kolo.torch catch
@@ -144,7 +145,13 @@ impl Comm {
 
     /// Reduces `data` (the bytes of `dtype` elements: float32, float64,
     /// int32 or int64) over every rank; the result's bytes.
-    fn allreduce<'py>(&self, py: Python<'py>, data: Vec<u8>, dtype: &str, op: &str) -> PyResult<Bound<'py, PyBytes>> {
+    fn allreduce<'py>(
+        &self,
+        py: Python<'py>,
+        data: PyBackedBytes,
+        dtype: &str,
+        op: &str,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let op = op_of(op)?;
         let out = py.allow_threads(|| -> PyResult<Vec<u8>> {
             let mut comm = self.lock();
@@ -165,10 +172,15 @@ impl Comm {
 
     /// `root`'s bytes, on every rank (others pass anything, or None).
     #[pyo3(signature = (data, root=0))]
-    fn broadcast<'py>(&self, py: Python<'py>, data: Option<Vec<u8>>, root: usize) -> PyResult<Bound<'py, PyBytes>> {
+    fn broadcast<'py>(
+        &self,
+        py: Python<'py>,
+        data: Option<PyBackedBytes>,
+        root: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let out = py.allow_threads(|| -> Result<Vec<u8>, CommError> {
             let mut comm = self.lock();
-            let mut bytes = data.unwrap_or_default();
+            let mut bytes = data.map(|d| d.to_vec()).unwrap_or_default();
             comm.broadcast_bytes(&mut bytes, root)?;
             Ok(bytes)
         });

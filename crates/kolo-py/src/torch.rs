@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
 use crate::ordered::{Done, Failure, Ordered};
@@ -52,7 +53,7 @@ impl AddressBook for PyBook {
     fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
         Python::with_gil(|py| {
             let got = self.0.call_method1(py, "wait", (key, timeout.as_secs_f64())).map_err(|e| e.to_string())?;
-            got.extract::<Option<Vec<u8>>>(py).map_err(|e| e.to_string())
+            got.extract::<Option<PyBackedBytes>>(py).map(|b| b.map(|b| b.to_vec())).map_err(|e| e.to_string())
         })
     }
 }

@@ -2,6 +2,7 @@
 //! and `kolo.report`.
 
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 use serde::{Deserialize, Serialize};
 
@@ -46,10 +47,10 @@ static REPORTER: std::sync::OnceLock<kolo_exec::Reporter> = std::sync::OnceLock:
 /// Sends pickled bytes to the driver's callbacks; false where no call of a
 /// kolo worker is running (the caller warns).
 #[pyfunction]
-pub(crate) fn report(py: Python<'_>, data: Vec<u8>) -> PyResult<bool> {
+pub(crate) fn report(py: Python<'_>, data: PyBackedBytes) -> PyResult<bool> {
     let Some(reporter) = REPORTER.get() else { return Ok(false) };
     // waits while the driver is behind: other Python threads go on
-    match py.allow_threads(|| reporter.report_bytes(data)) {
+    match py.allow_threads(|| reporter.report_bytes(data.to_vec())) {
         Ok(()) => Ok(true),
         Err(kolo_exec::ReportError::NoCall) => Ok(false),
         Err(e) => Err(crate::error(e)),
@@ -73,7 +74,8 @@ impl Task<PyWorker> for PyCall {
         Python::with_gil(|py| {
             let function = if self.elastic { &worker.call_elastic } else { &worker.call };
             let args = (worker.state.bind(py), PyBytes::new(py, &self.payload));
-            let answer = function.bind(py).call1(args).and_then(|a| a.extract::<Vec<u8>>());
+            // as bytes, not as a sequence of ints (pyo3's Vec<u8>: an int per byte)
+            let answer = function.bind(py).call1(args).and_then(|a| Ok(a.downcast::<PyBytes>()?.as_bytes().to_vec()));
             // the exception's own text: what the function raised, and where
             answer.map_err(|e| UserError::from(if self.elastic { e.value(py).to_string() } else { e.to_string() }))
         })

@@ -105,6 +105,7 @@ pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> 
                 address: args.ray_address.clone(),
                 python: args.ray_python.clone(),
                 placement_group: None,
+                bridge_host: None,
             },
         },
         env: extra_env(&args.export, &args.env)?,

@@ -8,7 +8,7 @@ mod slurm;
 mod ssh;
 
 pub use local::LocalEngine;
-pub use ray::{RayEngine, RayNodes, RayOptions};
+pub use ray::{BridgeHost, RayEngine, RayNodes, RayOptions, RunsBridge};
 pub use slurm::{SlurmEngine, SlurmOptions};
 pub use ssh::{SshEngine, SshOptions};
 

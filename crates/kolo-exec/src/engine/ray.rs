@@ -17,9 +17,11 @@
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::IpAddr;
+use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -55,11 +57,35 @@ pub struct RayOptions {
     /// The hex id of a placement group to use instead of making one
     /// (horovod.ray's `use_current_placement_group`).
     pub placement_group: Option<String>,
+    /// Runs the bridge in a Python connected to Ray already (the driver's
+    /// own, in kolo.Executor) instead of starting `python`.
+    pub bridge_host: Option<BridgeHost>,
+}
+
+/// Runs the bridge's source on a thread of a Python that has imported Ray
+/// and connected (kolo-py's driver): starting a Python for it imports Ray
+/// again and connects again, half a second of a start on one node.
+pub trait RunsBridge: Send + Sync {
+    /// Starts `source` in the background, reading requests from
+    /// `requests` and writing answers and events to `answers` (both its
+    /// own now); the bridge cleans up and closes `answers` when
+    /// `requests` ends.
+    fn start(&self, source: &str, requests: OwnedFd, answers: OwnedFd) -> std::io::Result<()>;
+}
+
+/// A `RunsBridge`, shared by the engines of one driver.
+#[derive(Clone)]
+pub struct BridgeHost(pub Arc<dyn RunsBridge>);
+
+impl std::fmt::Debug for BridgeHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("BridgeHost(in process)")
+    }
 }
 
 impl Default for RayOptions {
     fn default() -> Self {
-        RayOptions { address: None, python: "python3".into(), placement_group: None }
+        RayOptions { address: None, python: "python3".into(), placement_group: None, bridge_host: None }
     }
 }
 
@@ -81,8 +107,11 @@ pub struct RayEngine {
 }
 
 struct Bridge {
-    child: Child,
-    stdin: Option<ChildStdin>,
+    /// The bridge's process; none where it runs in the driver's Python.
+    child: Option<Child>,
+    stdin: Option<std::fs::File>,
+    /// The bridge closed its answers (it ended, wherever it runs).
+    closed: Arc<AtomicBool>,
     // in mutexes only so that an engine may be shared between threads (Sync)
     answers: Mutex<Receiver<Value>>,
     events: Mutex<Receiver<(u32, String)>>,
@@ -94,25 +123,49 @@ fn ray_err(detail: impl std::fmt::Display) -> ExecError {
 }
 
 impl Bridge {
-    fn start(python: &PathBuf) -> Result<Bridge, ExecError> {
-        let mut child = Command::new(python)
-            .arg("-c")
-            .arg(BRIDGE)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            // its own group: a Ctrl-C meant for kolo reaches kolo, which
-            // tears the job down in order
-            .process_group(0)
-            .spawn()
-            .map_err(|e| {
-                ray_err(format!("cannot run {} for the Ray bridge: {e} (give a Python with Ray)", python.display()))
-            })?;
-        let (answer_tx, answers) = mpsc::channel();
+    /// The bridge for `options`: in the driver's own Python where it has
+    /// one connected to Ray, else a new `python`.
+    fn start(options: &RayOptions) -> Result<Bridge, ExecError> {
+        let (stdin, answers, stderr, child): (std::fs::File, std::fs::File, _, _) = match &options.bridge_host {
+            Some(host) => {
+                let pipe = || nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from);
+                let ((requests, to_bridge), (from_bridge, answers)) = pipe()
+                    .and_then(|requests| Ok((requests, pipe()?)))
+                    .map_err(|e| ray_err(format!("cannot make pipes for the Ray bridge: {e}")))?;
+                host.0
+                    .start(BRIDGE, requests, answers)
+                    .map_err(|e| ray_err(format!("cannot start the Ray bridge in this Python: {e}")))?;
+                (std::fs::File::from(to_bridge), std::fs::File::from(from_bridge), None, None)
+            }
+            None => {
+                let mut child = Command::new(&options.python)
+                    .arg("-c")
+                    .arg(BRIDGE)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    // its own group: a Ctrl-C meant for kolo reaches kolo, which
+                    // tears the job down in order
+                    .process_group(0)
+                    .spawn()
+                    .map_err(|e| {
+                        ray_err(format!(
+                            "cannot run {} for the Ray bridge: {e} (give a Python with Ray)",
+                            options.python.display()
+                        ))
+                    })?;
+                let stdin = std::fs::File::from(OwnedFd::from(child.stdin.take().expect("piped")));
+                let stdout = std::fs::File::from(OwnedFd::from(child.stdout.take().expect("piped")));
+                let stderr = child.stderr.take();
+                (stdin, stdout, stderr, Some(child))
+            }
+        };
+        let (answer_tx, answers_rx) = mpsc::channel();
         let (event_tx, events) = mpsc::channel();
-        let stdout = child.stdout.take().expect("piped");
+        let closed = Arc::new(AtomicBool::new(false));
+        let reading = closed.clone();
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            for line in BufReader::new(answers).lines().map_while(Result::ok) {
                 let Ok(message) = serde_json::from_str::<Value>(&line) else { continue };
                 match (message.get("exited").and_then(Value::as_u64), message.get("reason").and_then(Value::as_str)) {
                     (Some(index), Some(reason)) => {
@@ -123,23 +176,26 @@ impl Bridge {
                     }
                 }
             }
+            reading.store(true, Ordering::Release);
         });
         let stderr_tail = Arc::new(Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().expect("piped");
-        let tail = stderr_tail.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                tracing::debug!(target: "kolo_exec::ray_bridge", "{line}");
-                let mut tail = crate::lock(&tail);
-                tail.push(line);
-                let excess = tail.len().saturating_sub(20);
-                tail.drain(..excess);
-            }
-        });
+        if let Some(stderr) = stderr {
+            let tail = stderr_tail.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    tracing::debug!(target: "kolo_exec::ray_bridge", "{line}");
+                    let mut tail = crate::lock(&tail);
+                    tail.push(line);
+                    let excess = tail.len().saturating_sub(20);
+                    tail.drain(..excess);
+                }
+            });
+        }
         Ok(Bridge {
-            stdin: child.stdin.take(),
+            stdin: Some(stdin),
             child,
-            answers: Mutex::new(answers),
+            closed,
+            answers: Mutex::new(answers_rx),
             events: Mutex::new(events),
             stderr_tail,
         })
@@ -164,7 +220,9 @@ impl Bridge {
                 )))
             }
             Err(RecvTimeoutError::Disconnected) => {
-                let _ = self.child.wait();
+                if let Some(child) = self.child.as_mut() {
+                    let _ = child.wait();
+                }
                 return Err(ray_err(format!("the bridge exited during {what}{}", self.last_words())));
             }
         };
@@ -186,7 +244,21 @@ impl Bridge {
     }
 
     fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)))
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(Some(_))),
+            None => self.closed.load(Ordering::Acquire),
+        }
+    }
+
+    /// Ends a bridge that did not finish in time: its process is killed;
+    /// one in the driver's Python has its requests closed and finishes by
+    /// itself (nothing else can end a thread of it).
+    fn kill(&mut self) {
+        self.stdin = None;
+        if let Some(child) = self.child.as_mut() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -274,7 +346,7 @@ impl Engine for RayEngine {
     /// bundle order, with their CPUs and the GPU ids Ray gave them.
     fn hosts(&mut self, placement_timeout: Duration) -> Result<Vec<HostResources>, ExecError> {
         let (bundles, strategy, bundle_slots) = self.bundles_asked();
-        let mut bridge = Bridge::start(&self.options.python)?;
+        let mut bridge = Bridge::start(&self.options)?;
         bridge.send(&json!({
             "op": "place",
             "address": self.options.address,
@@ -331,7 +403,9 @@ impl Engine for RayEngine {
     fn spawn(&mut self, workers: Vec<WorkerLaunch>, janitor: &Guard) -> Result<(), ExecError> {
         let mut free = self.bundle_slots.clone();
         let bridge = self.bridge.as_mut().ok_or_else(|| ray_err("spawn before placement"))?;
-        let _ = janitor.watch_group(bridge.child.id());
+        if let Some(child) = &bridge.child {
+            let _ = janitor.watch_group(child.id());
+        }
         let mut launches = Vec::with_capacity(workers.len());
         for w in &workers {
             let bundle = (0..self.bundle_nodes.len())
@@ -379,7 +453,7 @@ impl Engine for RayEngine {
         // a bridge that does not finish cleaning up in time is killed; Ray
         // then removes what its job held
         if self.kill_sent.is_some_and(|sent| sent.elapsed() > BRIDGE_CLOSE) {
-            let _ = bridge.child.kill();
+            bridge.kill();
         }
         false
     }
@@ -399,8 +473,7 @@ impl Drop for RayEngine {
         self.kill_all();
         crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || self.all_exited());
         if let Some(bridge) = self.bridge.as_mut() {
-            let _ = bridge.child.kill();
-            let _ = bridge.child.wait();
+            bridge.kill();
         }
     }
 }
@@ -444,7 +517,7 @@ impl super::HostSource for RayNodes {
     fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
         let mut held = crate::lock(&self.bridge);
         if held.as_mut().is_none_or(Bridge::exited) {
-            *held = Some(Bridge::start(&self.options.python)?);
+            *held = Some(Bridge::start(&self.options)?);
         }
         let bridge = held.as_mut().expect("just started");
         let answer = match Self::ask(bridge, &self.options.address) {
@@ -452,8 +525,7 @@ impl super::HostSource for RayNodes {
             Err(e) => {
                 // a late answer would be taken for the next one: start afresh
                 if let Some(mut gone) = held.take() {
-                    let _ = gone.child.kill();
-                    let _ = gone.child.wait();
+                    gone.kill();
                 }
                 return Err(e);
             }
@@ -480,8 +552,7 @@ impl Drop for RayNodes {
             let _ = bridge.send(&json!({"op": "kill"}));
             bridge.stdin = None;
             crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || bridge.exited());
-            let _ = bridge.child.kill();
-            let _ = bridge.child.wait();
+            bridge.kill();
         }
     }
 }

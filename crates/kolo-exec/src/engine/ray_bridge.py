@@ -1,6 +1,8 @@
 """kolo's bridge to Ray: the Ray engine (ray.rs) runs this with a Python
 that has Ray (`python -c SOURCE`) and speaks JSON lines with it over
-stdin/stdout. It asks Ray for a placement group, which holds the
+stdin/stdout; or, where the driver is a Python already connected to Ray
+(kolo.Executor), on a thread of that Python over two pipes (`main(...,
+in_process=True)`), sparing the start of a Python that imports Ray. It asks Ray for a placement group, which holds the
 resources of every bundle, puts a small launcher actor on each of its nodes
 (one per bundle when the bundles have GPUs, so that each learns its GPUs'
 ids), and has those start kolo's worker agents as their children. Nothing of Ray is in the
@@ -35,16 +37,18 @@ import sys
 import threading
 import time
 
-# stdout is the protocol: anything else that prints goes to stderr
-_protocol = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)
+# where answers and events go (`main`)
+_protocol = None
 _say_lock = threading.Lock()
 
 
 def say(message):
     with _say_lock:
-        _protocol.write(json.dumps(message) + "\n")
-        _protocol.flush()
+        try:
+            _protocol.write(json.dumps(message) + "\n")
+            _protocol.flush()
+        except (OSError, ValueError):
+            pass  # the engine is gone (or the in-process bridge closed)
 
 
 def _unnice():
@@ -148,6 +152,10 @@ class Bridge:
         except ImportError as e:
             return None, {"error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
                                    "bridge with a Python that has it (kolo run --ray-python PATH)"}
+        if ray.is_initialized():
+            # in the driver's own Python, connected by the caller
+            self.ray = ray
+            return ray, None
         ray.init(
             address=request.get("address") or "auto",
             namespace="kolo",
@@ -350,15 +358,18 @@ def _resources(resources):
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
 
 
-def main():
+def main(requests, protocol, in_process=False):
+    global _protocol
+    _protocol = protocol
     bridge = Bridge()
+    if not in_process:
 
-    def terminate(*_):
-        raise SystemExit(0)
+        def terminate(*_):
+            raise SystemExit(0)
 
-    signal.signal(signal.SIGTERM, terminate)
+        signal.signal(signal.SIGTERM, terminate)
     try:
-        for line in sys.stdin:
+        for line in requests:
             request = json.loads(line)
             op = request.get("op")
             if op == "kill":
@@ -376,10 +387,20 @@ def main():
     finally:
         bridge.close()
         say({"killed": True})
-        # Ray's own shutdown and the interpreter's take longer than the job:
-        # what this job held is given back already, and Ray ends the job
-        # when its connection closes
-        os._exit(0)
+        if in_process:
+            # the engine reads the end of the pipe as the bridge's end; the
+            # caller's connection to Ray stays theirs
+            protocol.close()
+            requests.close()
+        else:
+            # Ray's own shutdown and the interpreter's take longer than the
+            # job: what this job held is given back already, and Ray ends
+            # the job when its connection closes
+            os._exit(0)
 
 
-main()
+if "_kolo_in_process" not in globals():
+    # stdout is the protocol: anything else that prints goes to stderr
+    _stdout = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    main(sys.stdin, _stdout)
