@@ -2,7 +2,7 @@
 //! one job description (`Job`, checked when the Executor is made), and
 //! kolo-exec's Executor on its own runtime (`Driver`), fixed or elastic.
 
-use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -281,18 +281,11 @@ impl Driver {
 struct PyBridge(Py<PyAny>);
 
 impl RunsBridge for PyBridge {
-    fn start(&self, source: &str, requests: OwnedFd, answers: OwnedFd) -> std::io::Result<()> {
-        // the fds are Python's from here: it closes them when the bridge ends
-        let (requests, answers) = (requests.into_raw_fd(), answers.into_raw_fd());
-        Python::with_gil(|py| self.0.call1(py, (source, requests, answers)).map(drop)).map_err(|e| {
-            // SAFETY: Python did not take them (the call failed before
-            // os.fdopen or raised): they are still only ours to close
-            unsafe {
-                drop(OwnedFd::from_raw_fd(requests));
-                drop(OwnedFd::from_raw_fd(answers));
-            }
-            std::io::Error::other(e.to_string())
-        })
+    fn start(&self, source: &str, requests: BorrowedFd<'_>, answers: BorrowedFd<'_>) -> std::io::Result<()> {
+        // Python opens copies of its own: who closes which is never in doubt
+        let (requests, answers) = (requests.as_raw_fd(), answers.as_raw_fd());
+        Python::with_gil(|py| self.0.call1(py, (source, requests, answers)).map(drop))
+            .map_err(|e| std::io::Error::other(e.to_string()))
     }
 }
 

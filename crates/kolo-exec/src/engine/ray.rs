@@ -17,7 +17,7 @@
 use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::IpAddr;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -67,10 +67,11 @@ pub struct RayOptions {
 /// again and connects again, half a second of a start on one node.
 pub trait RunsBridge: Send + Sync {
     /// Starts `source` in the background, reading requests from
-    /// `requests` and writing answers and events to `answers` (both its
-    /// own now); the bridge cleans up and closes `answers` when
-    /// `requests` ends.
-    fn start(&self, source: &str, requests: OwnedFd, answers: OwnedFd) -> std::io::Result<()>;
+    /// `requests` and writing answers and events to `answers`, each
+    /// through a copy of its own (the caller closes its ends when this
+    /// returns, whatever happened); the bridge cleans up and closes its
+    /// `answers` when `requests` ends.
+    fn start(&self, source: &str, requests: BorrowedFd<'_>, answers: BorrowedFd<'_>) -> std::io::Result<()>;
 }
 
 /// A `RunsBridge`, shared by the engines of one driver.
@@ -133,7 +134,7 @@ impl Bridge {
                     .and_then(|requests| Ok((requests, pipe()?)))
                     .map_err(|e| ray_err(format!("cannot make pipes for the Ray bridge: {e}")))?;
                 host.0
-                    .start(BRIDGE, requests, answers)
+                    .start(BRIDGE, requests.as_fd(), answers.as_fd())
                     .map_err(|e| ray_err(format!("cannot start the Ray bridge in this Python: {e}")))?;
                 (std::fs::File::from(to_bridge), std::fs::File::from(from_bridge), None, None)
             }
