@@ -150,18 +150,21 @@ impl Engine for LocalEngine {
 /// costs); any other agent has its own (the user's code runs in it).
 fn sharing_a_process(workers: Vec<WorkerLaunch>) -> Vec<Vec<WorkerLaunch>> {
     let mut groups: Vec<Vec<WorkerLaunch>> = Vec::new();
-    let alike = |a: &WorkerLaunch, b: &WorkerLaunch| {
-        let env = |w: &WorkerLaunch| {
-            w.env.iter().filter(|(k, _)| k != worker::env::INDEX).cloned().collect::<Vec<(String, String)>>()
-        };
-        a.host.node_id == b.host.node_id
-            && (a.program.as_path(), &a.args, &a.secret) == (b.program.as_path(), &b.args, &b.secret)
-            && env(a) == env(b)
-    };
+    // a command agent's launch but for its index -> its group
+    let mut group_of: std::collections::HashMap<_, usize> = std::collections::HashMap::new();
     for w in workers {
-        match groups.iter_mut().find(|g| w.command_only && g[0].command_only && alike(&g[0], &w)) {
-            Some(group) => group.push(w),
-            None => groups.push(vec![w]),
+        if !w.command_only {
+            groups.push(vec![w]);
+            continue;
+        }
+        let env: Vec<(String, String)> = w.env.iter().filter(|(k, _)| k != worker::env::INDEX).cloned().collect();
+        let key = (w.host.node_id.clone(), w.program.clone(), w.args.clone(), w.secret.clone(), env);
+        match group_of.get(&key) {
+            Some(&at) => groups[at].push(w),
+            None => {
+                group_of.insert(key, groups.len());
+                groups.push(vec![w]);
+            }
         }
     }
     groups
