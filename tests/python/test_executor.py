@@ -306,6 +306,23 @@ def test_workers_stay_while_the_driver_is_busy_between_calls_longer_than_the_hea
         assert ex.run(os.getpid) == pids
 
 
+CALLS = 0
+
+
+def test_every_call_gets_its_own_copy_of_the_functions_state_as_with_ray(settings):
+    def count_calls(_):
+        global CALLS
+        CALLS += 1
+        return CALLS
+
+    with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
+        ex.start()
+        # the same pickled call again and again (what workers rebuild
+        # instead of unpickling it afresh) and a new one
+        assert [ex.execute(count_calls) for _ in range(3)] == [[1, 1]] * 3
+        assert ex.execute(lambda _: CALLS) == [0, 0]
+
+
 def test_results_made_in_the_worker_come_back_whatever_they_are(settings):
     def make():
         class Made:  # a class that exists only in the worker
