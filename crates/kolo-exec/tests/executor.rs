@@ -390,6 +390,34 @@ async fn remote_handles_can_be_awaited_polled_and_cancelled() -> Result<(), Fail
     Ok(())
 }
 
+async fn calls_sent_during_a_long_call_run_after_it_in_order() -> Result<(), Failed> {
+    let mut ex = counter_executor(2).await?;
+    let mut expected = ex.execute(&Get).await?[0];
+    // a call long enough for another thread of the agent to read in its
+    // place, calls sent meanwhile (queued there, some maybe already read
+    // with the long one), then short ones again, read by the agent itself
+    for round in 0..3 {
+        let mut sent = vec![ex.run_remote(&SlowAdd { millis: 100 }).await?];
+        for _ in 0..5 {
+            sent.push(ex.run_remote(&SlowAdd { millis: 0 }).await?);
+        }
+        for handles in sent {
+            expected += 1;
+            for handle in handles {
+                let value = handle.join().await?;
+                check(value == expected, format!("round {round}: got {value}, not {expected}"))?;
+            }
+        }
+        for _ in 0..20 {
+            expected += 1;
+            let values = ex.execute(&SlowAdd { millis: 0 }).await?;
+            check(values == vec![expected; 2], format!("round {round}: {values:?}, not {expected}"))?;
+        }
+    }
+    ex.shutdown().await;
+    Ok(())
+}
+
 async fn a_failing_task_names_its_rank_and_the_executor_goes_on() -> Result<(), Failed> {
     let mut ex = counter_executor(3).await?;
     for panic in [false, true] {
@@ -767,6 +795,7 @@ fn main() {
         a_report_after_its_call_returned_is_refused,
         remote_handles_can_be_awaited_polled_and_cancelled,
         shutdown_ends_calls_that_run_or_wait_without_waiting_for_them,
+        calls_sent_during_a_long_call_run_after_it_in_order,
         a_failing_task_names_its_rank_and_the_executor_goes_on,
         a_create_failure_is_an_error_naming_the_rank,
         a_worker_killed_mid_task_is_reported,

@@ -7,6 +7,7 @@
 mod command;
 mod rank_dir;
 mod reader;
+mod reading;
 
 use std::any::Any;
 use std::collections::{BTreeMap, HashSet};
@@ -28,6 +29,7 @@ use crate::proto::{
 };
 use crate::registry::{Registry, ReportError, Reporter, WorkerContext};
 use reader::FrameReader;
+use reading::Reading;
 
 /// Variables an engine sets to start a process in worker mode.
 pub mod env {
@@ -256,8 +258,9 @@ impl Agent {
         if self.left.load(Ordering::SeqCst) {
             return;
         }
-        let mut d = crate::lock(&self.diagnostics);
-        let _ = writeln!(d, "kolo worker {}: {text}", self.index);
+        // one write: the agents of a job share the terminal
+        let line = format!("kolo worker {}: {text}\n", self.index);
+        let _ = crate::lock(&self.diagnostics).write_all(line.as_bytes());
     }
 
     fn heard(&self) {
@@ -631,7 +634,7 @@ struct State {
 }
 
 /// Calls (and constructors) queued or running, and the calls cancelled
-/// before they ran: the thread that reads the driver's messages and the
+/// before they ran: the threads that read the driver's messages and the
 /// thread that runs calls share them.
 #[derive(Default)]
 struct Calls {
@@ -640,39 +643,82 @@ struct Calls {
 }
 
 /// Acts on the driver's messages in order, on this thread (calls run here:
-/// Python's signal handlers need its main thread). Until the user's code
-/// is first to run (an executable's constructor, a call), this thread also
-/// reads the messages: a command job never needs more. From then on a
-/// thread of its own reads them, so that what must not wait for the
-/// user's code does not: the driver's heartbeats, `Cancel`, `WhoOwns`, and
-/// `Stop`, which ends a call that runs or waits (the driver is shutting
-/// the job down, as horovod.ray's shutdown kills its actors mid-call).
+/// Python's signal handlers need its main thread), and reads them itself
+/// while no call runs. Once the user's code has run (an executable's
+/// constructor, a call), a helper thread stands by to read during calls
+/// that run long (`reading`), so that what must not wait for the user's
+/// code does not: the driver's heartbeats, `Cancel`, `WhoOwns`,
+/// `Inspect`, and `Stop`, which ends a call that runs or waits (the driver
+/// is shutting the job down, as horovod.ray's shutdown kills its actors
+/// mid-call). A command job never needs the helper.
 fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i32, String> {
-    let mut reader = FrameReader::new(stream);
     let calls = &agent.calls;
     let mut state = State { env: Vec::new(), ctx: WorkerContext::default(), executable: None };
-    let first = loop {
-        let mut user_code = None;
-        let read = read_batch(agent, &mut reader, |message| {
-            if runs_user_code(&message) {
-                // the rest of what was read stays in `reader`, for its thread
-                user_code.get_or_insert(message);
-                return Ok(false);
+    let mut first_reader = Some(FrameReader::new(stream));
+    let mut reading: Option<Arc<Reading>> = None;
+    loop {
+        let queued = reading.as_ref().and_then(|r| r.next_queued());
+        let message = match queued {
+            Some(message) => message,
+            None => {
+                let mut user_code = None;
+                let mut own_reader;
+                let reader = match (&reading, &mut first_reader) {
+                    (Some(r), _) => {
+                        own_reader = r.reader();
+                        &mut *own_reader
+                    }
+                    (None, Some(reader)) => reader,
+                    (None, None) => unreachable!("the reader is in `reading` once there"),
+                };
+                let read = read_batch(agent, reader, true, |message| {
+                    if runs_user_code(&message) {
+                        // the rest of what was read stays in the reader
+                        calls.pending.fetch_add(1, Ordering::SeqCst);
+                        user_code.get_or_insert(message);
+                        return Ok(false);
+                    }
+                    agent.not_reading.store(true, Ordering::Relaxed);
+                    handle(agent, registry, &mut state, message);
+                    // what arrived meanwhile is read next: count the driver heard
+                    agent.heard();
+                    agent.not_reading.store(false, Ordering::Relaxed);
+                    Ok(true)
+                });
+                if let Err(e) = read {
+                    lost_driver(agent, &e);
+                }
+                match user_code {
+                    Some(message) => message,
+                    None => continue,
+                }
             }
-            agent.not_reading.store(true, Ordering::Relaxed);
+        };
+        if !runs_user_code(&message) {
+            // read by the helper during a call, after it: in order
             handle(agent, registry, &mut state, message);
-            // what arrived meanwhile is read next: count the driver heard
-            agent.heard();
-            agent.not_reading.store(false, Ordering::Relaxed);
-            Ok(true)
-        });
-        if let Err(e) = read {
-            lost_driver(agent, &e);
+            continue;
         }
-        if let Some(message) = user_code {
-            break message;
+        let reading = match &reading {
+            Some(reading) => reading.clone(),
+            None => reading.insert(start_reading(agent, first_reader.take().expect("read until now"))?).clone(),
+        };
+        let skip = match &message {
+            ToWorker::Call { id, .. } => crate::lock(&calls.cancelled).remove(id),
+            _ => false,
+        };
+        if !skip {
+            reading.call_starts().map_err(|e| format!("cannot arm the reading timer: {e}"))?;
+            handle(agent, registry, &mut state, message);
+            reading.call_ended().map_err(|e| format!("cannot take the reading back: {e}"))?;
         }
-    };
+        calls.pending.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Before the user's code first runs: its output goes to the driver, and
+/// the helper that reads during long calls stands by.
+fn start_reading(agent: &Arc<Agent>, reader: FrameReader) -> Result<Arc<Reading>, String> {
     if agent.host.is_some() {
         agent.say("an agent that shares its process with others runs OS commands only, not calls; stopping");
         agent.exit(1, Duration::ZERO);
@@ -681,38 +727,27 @@ fn serve(agent: &Arc<Agent>, registry: &Registry, stream: TcpStream) -> Result<i
         agent.say(&format!("cannot redirect output: {e}; stopping"));
         agent.exit(1, Duration::ZERO);
     }
-    let (queue, messages) = mpsc::channel::<ToWorker>();
-    calls.pending.fetch_add(1, Ordering::SeqCst);
-    queue.send(first).map_err(|e| e.to_string())?;
-    {
-        let agent = agent.clone();
-        std::thread::spawn(move || loop {
-            let read = read_batch(&agent, &mut reader, |message| {
-                if runs_user_code(&message) {
-                    agent.calls.pending.fetch_add(1, Ordering::SeqCst);
-                }
-                queue.send(message).map(|()| true).map_err(|_| io::Error::other("the agent stopped serving"))
+    let reading = Reading::new(reader).map_err(|e| format!("cannot set up reading during calls: {e}"))?;
+    let (helper_agent, helper_reading) = (agent.clone(), reading.clone());
+    std::thread::Builder::new()
+        .name(format!("kolo-read-{}", agent.index))
+        .spawn(move || {
+            let agent = helper_agent;
+            let served = helper_reading.serve_helper(|reader, queue| {
+                read_batch(&agent, reader, false, |message| {
+                    if runs_user_code(&message) {
+                        agent.calls.pending.fetch_add(1, Ordering::SeqCst);
+                    }
+                    queue(message);
+                    Ok(true)
+                })
             });
-            if let Err(e) = read {
+            if let Err(e) = served {
                 lost_driver(&agent, &e);
             }
-        });
-    }
-    for message in messages {
-        let runs_user_code = runs_user_code(&message);
-        let skip = match &message {
-            ToWorker::Call { id, .. } => crate::lock(&calls.cancelled).remove(id),
-            _ => false,
-        };
-        if !skip {
-            handle(agent, registry, &mut state, message);
-        }
-        if runs_user_code {
-            calls.pending.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    // the reader ends only by exiting the process
-    Ok(1)
+        })
+        .map_err(|e| format!("cannot start the reading helper: {e}"))?;
+    Ok(reading)
 }
 
 fn lost_driver(agent: &Agent, e: &io::Error) -> ! {
@@ -726,17 +761,21 @@ fn runs_user_code(message: &ToWorker) -> bool {
     matches!(message, ToWorker::Call { .. } | ToWorker::Create { .. })
 }
 
-/// Reads what has arrived (waiting for it), answers at once what must not
+/// Reads what has arrived (waiting for it if `block`), answers at once what must not
 /// wait for the user's code, and gives the rest to `then` in order, while
 /// it says to go on.
 fn read_batch(
     agent: &Arc<Agent>,
     reader: &mut FrameReader,
+    block: bool,
     mut then: impl FnMut(ToWorker) -> io::Result<bool>,
 ) -> io::Result<()> {
     let calls = &agent.calls;
-    reader.fill(true)?;
-    agent.heard();
+    // frames left from the last batch come first, without waiting
+    if !(block && reader.has_frame()) {
+        reader.fill(block)?;
+        agent.heard();
+    }
     while let Some(message) = reader.frame()? {
         match message {
             ToWorker::Heartbeat => {}

@@ -19,6 +19,18 @@ impl FrameReader {
         FrameReader { stream, buf: vec![0; 256 * 1024], start: 0, end: 0 }
     }
 
+    pub(super) fn socket(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Whether a whole frame is already read (a blocking read would wait
+    /// for more while it sits here).
+    pub(super) fn has_frame(&self) -> bool {
+        let buffered = &self.buf[self.start..self.end];
+        buffered.len() >= 4
+            && buffered.len() - 4 >= u32::from_be_bytes([buffered[0], buffered[1], buffered[2], buffered[3]]) as usize
+    }
+
     /// Reads what the socket has; blocks for it only if `block`.
     pub(super) fn fill(&mut self, block: bool) -> io::Result<()> {
         use std::os::fd::AsRawFd;
