@@ -3,6 +3,7 @@ hvd_ranks.py SCENARIO`. Prints `ok <scenario>`; each checks against a
 single-process reference. `import horovod.torch` is kolo's here (Horovod
 itself is not installed): the rank's Python hook gives it."""
 
+import os
 import sys
 
 import torch
@@ -94,6 +95,45 @@ def ops():
     check(x.grad, torch.arange(3.0) * n * (r + 1), "allreduce backward")
 
 
+def fusion():
+    """grouped_allreduce fuses one type's tensors into one reduction up to
+    HOROVOD_FUSION_THRESHOLD: the results are the same whatever the
+    threshold, and the calls on the wire are the fused ones (ranks with
+    different thresholds disagree, and are told so)."""
+    r, n = hvd.rank(), hvd.size()
+    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((2, 2), torch.float32), ((3,), torch.float32),
+              ((4,), torch.float64)]
+
+    def everyone(i):
+        shape, dtype = shapes[i]
+        return [values(p, shape, dtype, salt=10 + i) for p in range(n)]
+
+    for threshold in ("0", "40", "64", str(128 << 20)):
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = threshold
+        mine = [everyone(i)[r] for i in range(len(shapes))]
+        got = hvd.grouped_allreduce(mine, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+        for i, t in enumerate(got):
+            total = torch.stack([e.double() for e in everyone(i)]).sum(0)
+            check(t, (total * 0.5).to(shapes[i][1]), f"grouped sum {i} at {threshold}")
+        copies = [t.clone() for t in mine]
+        out = hvd.synchronize(hvd.grouped_allreduce_async_(copies, name=f"g{threshold}"))
+        assert isinstance(out, tuple) and all(a is b for a, b in zip(out, copies))
+        for i, t in enumerate(copies):
+            total = torch.stack([e.double() for e in everyone(i)]).sum(0)
+            check(t, (total / n).to(shapes[i][1]), f"grouped average {i} at {threshold}")
+        # gradients through the fused forward and backward
+        xs = [torch.ones(3, requires_grad=True), torch.ones(2, 2, requires_grad=True)]
+        ys = hvd.grouped_allreduce([xs[0] * (r + 1), xs[1] * (r + 1)], op=hvd.Sum)
+        (ys[0].sum() + (ys[1] * 2).sum()).backward()
+        check(xs[0].grad, torch.full((3,), float(n * (r + 1))), f"grouped backward 0 at {threshold}")
+        check(xs[1].grad, torch.full((2, 2), float(2 * n * (r + 1))), f"grouped backward 1 at {threshold}")
+    if n == 2:  # rank 0 sends each tensor alone, rank 1 all fused: the first call differs
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = "0" if r == 0 else str(128 << 20)
+        group = [torch.ones(15), torch.ones(4), torch.ones(3)]
+        expect(lambda: hvd.grouped_allreduce(group, op=hvd.Sum), hvd.HorovodInternalError, "of 22 f32")
+    del os.environ["HOROVOD_FUSION_THRESHOLD"]
+
+
 def errors():
     r = hvd.rank()
     expect(lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), ValueError, "Tensor type torch.bool is not supported.")
@@ -128,16 +168,20 @@ def model():
 
 def optimizer():
     """DistributedOptimizer: the weights of one process on the whole batch,
-    with backward_passes_per_step 1 and 2, and a parameter without a
-    gradient."""
+    with backward_passes_per_step 1 and 2, a parameter without a gradient,
+    and gradients fused in groups (num_groups, groups)."""
     r, n = hvd.rank(), hvd.size()
-    for passes in (1, 2):
+    for passes, grouping in [(1, {}), (2, {}), (1, {"num_groups": 2}), (2, {"num_groups": 3}), (1, "listed"),
+                             (2, "listed")]:
         net, ref = model(), model()
         unused = torch.nn.Parameter(torch.ones(2))
+        if grouping == "listed":  # the unused parameter in a group: reduced as zeros at step()
+            grouping = {"groups": [[net[0].weight, net[2].weight], [net[0].bias, unused]]}
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(list(net.parameters()) + [unused], lr=0.1),
             named_parameters=list(net.named_parameters()) + [("unused", unused)],
             backward_passes_per_step=passes,
+            **grouping,
         )
         assert isinstance(opt, torch.optim.SGD)
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
@@ -155,7 +199,7 @@ def optimizer():
             ref_opt.step()
         for (name, p), q in zip(net.named_parameters(), ref.parameters()):
             if not torch.allclose(p, q, atol=1e-5):
-                raise AssertionError(f"passes {passes}: {name} differs by {(p - q).abs().max()}")
+                raise AssertionError(f"passes {passes} {grouping}: {name} differs by {(p - q).abs().max()}")
     # skip_synchronize: synchronize, clip, then step
     net = model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())

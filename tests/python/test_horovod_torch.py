@@ -47,6 +47,11 @@ def test_distributed_optimizer_trains_the_weights_of_one_process_on_the_whole_ba
     passed(kolo_run(n, RANKS, "optimizer"), n, "optimizer")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_grouped_reductions_are_fused_up_to_the_fusion_threshold(n):
+    passed(kolo_run(n, RANKS, "fusion"), n, "fusion")
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_sync_batch_norm_on_cpu_equals_batch_norm_on_the_whole_batch(n):
     passed(kolo_run(n, RANKS, "syncbn"), n, "syncbn")

@@ -302,6 +302,42 @@ impl TorchComm {
         )
     }
 
+    /// In place: several tensors of one type, `(addr, count)` each, reduced
+    /// over every rank as one call (Horovod's tensor fusion): copied into
+    /// one buffer, reduced, copied back, with no Python step per tensor.
+    #[pyo3(signature = (parts, dtype, op, later=false, then=None, keep=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce_fused(
+        &self,
+        py: Python<'_>,
+        parts: Vec<(usize, usize)>,
+        dtype: &str,
+        op: &str,
+        later: bool,
+        then: Option<Py<PyAny>>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<Option<Pending>> {
+        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
+        // SAFETY (every view below): kolo's Horovod passes live contiguous
+        // tensors that do not overlap, and keeps them until the call ends
+        self.issue(py, later, then, keep, move |c| {
+            typed!(dtype, T => {
+                let mut fused: Vec<T> = Vec::with_capacity(parts.iter().map(|&(_, count)| count).sum());
+                for &(addr, count) in &parts {
+                    fused.extend_from_slice(unsafe { view::<T>(addr, count) });
+                }
+                c.allreduce_in_place(&mut fused, op).inspect(|_| {
+                    let mut rest = &fused[..];
+                    for &(addr, count) in &parts {
+                        let (mine, others) = rest.split_at(count);
+                        unsafe { view::<T>(addr, count) }.copy_from_slice(mine);
+                        rest = others;
+                    }
+                })
+            })
+        })
+    }
+
     /// In place: rank `root`'s elements, on every rank.
     #[pyo3(signature = (addr, count, dtype, root, later=false, then=None, keep=None))]
     #[allow(clippy::too_many_arguments)]

@@ -422,6 +422,35 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
+def _fusion_threshold():
+    """Horovod's HOROVOD_FUSION_THRESHOLD: the most bytes one fused
+    reduction carries (128 MiB by default, as upstream; 0 turns fusion off)."""
+    return _env_int("HOROVOD_FUSION_THRESHOLD", default=128 * 1024 * 1024)
+
+
+def _fused(tensors, threshold):
+    """The CPU tensors of a group in runs of one type (types in the order
+    they first come, tensors in their order) of at most `threshold` bytes
+    each, a tensor over it alone: every rank makes the same runs from the
+    same group."""
+    by_type = {}
+    for t in tensors:
+        by_type.setdefault(t.dtype, []).append(t)
+    runs = []
+    for same_type in by_type.values():
+        current, current_bytes = [], 0
+        for t in same_type:
+            nbytes = t.numel() * t.element_size()
+            if current and current_bytes + nbytes > threshold:
+                runs.append(current)
+                current, current_bytes = [], 0
+            current.append(t)
+            current_bytes += nbytes
+        if current:
+            runs.append(current)
+    return runs
+
+
 def _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, single=False):
     _global_only(process_set)
     op = _op_of(average, op)
@@ -430,22 +459,38 @@ def _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor
     for t in tensors:
         _tensor(t, _REDUCIBLE, "allreduce")
     reserved = _reserve("allreduce", name)
+    cpu, cuda = [], []
     for t in tensors:
-        if prescale_factor != 1.0:
-            t.mul_(prescale_factor)
         if t.is_cuda:
+            cuda.append(t)
+            if prescale_factor != 1.0:
+                t.mul_(prescale_factor)
             import torch.distributed as dist
 
             opts = dist.AllreduceOptions()
             opts.reduceOp = _torch_op(op)
             pendings.append(_TorchPending(_nccl().allreduce([t], opts)))
-            continue
-        pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), _DTYPES[t.dtype], _KOLO_OPS[op], keep=t))
+        else:
+            cpu.append(t)
+    # a group's tensors go as few reductions (Horovod's tensor fusion): kolo
+    # copies each run of one type into one buffer, reduces it and copies
+    # it back
+    if prescale_factor != 1.0 and cpu:
+        torch._foreach_mul_(cpu, prescale_factor)
+    threshold = _fusion_threshold()
+    for run in _fused(cpu, threshold) if threshold > 0 and len(cpu) > 1 else [[t] for t in cpu]:
+        kind, op_name = _DTYPES[run[0].dtype], _KOLO_OPS[op]
+        if len(run) == 1:
+            t = run[0]
+            pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), kind, op_name, keep=t))
+        else:
+            parts = [(t.data_ptr(), t.numel()) for t in run]
+            pendings.append(_issue(comm.allreduce_fused, parts, kind, op_name, keep=run))
 
     def after():
-        if postscale_factor != 1.0:
-            for t in tensors:
-                t.mul_(postscale_factor)
+        for on_one_device in (cpu, cuda):
+            if postscale_factor != 1.0 and on_one_device:
+                torch._foreach_mul_(on_one_device, postscale_factor)
         return tensors[0] if single else tuple(tensors)
 
     return _register(reserved, pendings, tensors, after)
@@ -498,12 +543,32 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
+        return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.pre,
+                                    postscale_factor=ctx.post)
+        return (None, None, None, None, *reduced)
+
+
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set):
-    return [
-        allreduce(t, average, f"{name}.{i}" if name else None, compression, op, prescale_factor, postscale_factor, process_set)
-        for i, t in enumerate(tensors)
-    ]
+    """Each of `tensors` reduced over every rank, fused into as few
+    reductions as the fusion threshold allows; out of place and
+    differentiable."""
+    from .compression import Compression
+
+    _global_only(process_set)
+    op = _op_of(average, op)
+    compression = compression or Compression.none
+    compressed = [compression.compress(t) for t in tensors]
+    summed = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed])
+    return [compression.decompress(s, ctx) for s, (_, ctx) in zip(summed, compressed)]
 
 
 # ---- allgather -------------------------------------------------------------

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from .compression import Compression
-from .ops import Adasum, Average, _op_of, allreduce_async_, global_process_set, size, synchronize
+from .ops import Adasum, Average, _op_of, allreduce_async_, global_process_set, grouped_allreduce_async_, size, synchronize
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -53,10 +53,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = []
         self._synchronized = False
         self._should_synchronize = True
-        # `groups` fuse reductions upstream; kolo's queue sends each
-        # gradient as soon as it is ready, in the same order on every rank
-        if groups is not None and not isinstance(groups, (int, list)):
-            raise ValueError("groups must be an int or a list of lists of parameters")
+        # a group's gradients go as one fused reduction once all are ready;
+        # other gradients each as soon as it is ready, in the same order on
+        # every rank
+        self._groups = _groups_of(self.param_groups, groups)
+        self._group_of = {id(p): g for g, members in enumerate(self._groups) for p in members}
+        self._ready = {}
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             self._register_hooks()
 
@@ -77,6 +79,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             assert self._allreduce_delay[key] > 0
             handle, ctx = None, None
             self._allreduce_delay[key] -= 1
+            group = self._group_of.get(key)
+            if self._allreduce_delay[key] == 0 and group is not None:
+                self._handles[key] = (None, None, p)
+                ready = self._ready.setdefault(group, set())
+                ready.add(key)
+                if len(ready) == len(self._groups[group]):
+                    self._allreduce_group_async(group)
+                return
             if self._allreduce_delay[key] == 0:
                 handle, ctx = self._allreduce_grad_async(p)
             self._handles[key] = (handle, ctx, p)
@@ -105,6 +115,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                   process_set=self.process_set)
         return handle, (ctx, compressed)
 
+    def _allreduce_group_async(self, group):
+        members = self._groups[group]
+        compressed = []
+        for p in members:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise NotImplementedError("kolo's Horovod reduces dense gradients: pass sparse_as_dense=True")
+                p.grad = p.grad.to_dense()
+            compressed.append(self._compression.compress(p.grad))
+        pre, post = self._scale()
+        handle = grouped_allreduce_async_([c for c, _ in compressed], op=self.op, prescale_factor=pre,
+                                          postscale_factor=post, process_set=self.process_set)
+        for p, (tensor, ctx) in zip(members, compressed):
+            self._handles[id(p)] = (handle, (ctx, tensor), p)
+        self._ready.pop(group, None)
+
     def synchronize(self):
         """Waits for every gradient's reduction (starting those of
         parameters that got none) and puts the results in `p.grad`."""
@@ -115,14 +143,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in params:
             entry = self._handles.get(id(p))
             if entry is None or entry[0] is None:
-                handle, ctx = self._allreduce_grad_async(p)
-                self._handles[id(p)] = (handle, ctx, p)
+                group = self._group_of.get(id(p))
+                if group is not None:
+                    self._allreduce_group_async(group)
+                else:
+                    handle, ctx = self._allreduce_grad_async(p)
+                    self._handles[id(p)] = (handle, ctx, p)
+        waited = set()
         for key, (handle, (ctx, compressed), p) in list(self._handles.items()):
-            output = synchronize(handle)
+            if handle not in waited:  # a group's members share one handle
+                synchronize(handle)
+                waited.add(handle)
             self._allreduce_delay[key] = self.backward_passes_per_step
             if compressed is not p.grad:
-                p.grad.copy_(self._compression.decompress(output, ctx))
+                p.grad.copy_(self._compression.decompress(compressed, ctx))
         self._handles.clear()
+        self._ready.clear()
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -157,6 +193,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for key in self._allreduce_delay:
             self._allreduce_delay[key] = self.backward_passes_per_step
         return super(self.__class__, self).load_state_dict(*args, **kwargs)
+
+
+def _groups_of(param_groups, groups):
+    """The fusion groups of `DistributedOptimizer(groups=...)`: an int
+    splits the parameters that take gradients into that many runs in
+    order (the first ones a parameter longer where they do not divide
+    evenly), a list names each group's parameters; None: no groups."""
+    params = [p for group in param_groups for p in group["params"] if p.requires_grad]
+    if groups is None or groups == 0:
+        return []
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)):
+        raise ValueError("groups must be an int or a list of lists of parameters")
+    if isinstance(groups, int):
+        if groups < 0:
+            raise ValueError(f"num_groups must be 0 or more, not {groups}")
+        count = min(groups, len(params))
+        runs, start = [], 0
+        for i in range(count):
+            length = len(params) // count + (1 if i < len(params) % count else 0)
+            runs.append(params[start:start + length])
+            start += length
+        return [run for run in runs if run]
+    known = {id(p) for p in params}
+    seen = set()
+    result = []
+    for members in groups:
+        if not isinstance(members, (list, tuple)) or not all(isinstance(p, torch.Tensor) for p in members):
+            raise ValueError("groups must be an int or a list of lists of parameters")
+        for p in members:
+            if id(p) not in known:
+                raise ValueError("groups names a tensor that is not a parameter of the optimizer that takes gradients")
+            if id(p) in seen:
+                raise ValueError("a parameter is in more than one of groups")
+            seen.add(id(p))
+        if members:
+            result.append(list(members))
+    return result
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
