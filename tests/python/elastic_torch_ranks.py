@@ -3,9 +3,11 @@ and bench/torch_in_place.py: `python elastic_torch_ranks.py FLAVOUR OUT`,
 FLAVOUR one of hvd, kolo, gloo (the last two: DDP on that backend through
 kolo.torch.elastic). Trains a linear model on a fixed dataset through an
 ElasticSampler, committing after every step; every committed step records
-the samples all ranks processed in it, so the test can check that each
-sample of each epoch was done exactly once across faults. Writes
-OUT/<host>-<local_rank>.json at the end (weights, samples, steps).
+the samples each rank processed in it, so the test can check that each
+sample of each epoch was done exactly once across faults, and replay the
+committed steps in one process to the weights the job must end with.
+Writes OUT/<host>-<local_rank>.json at the end (weights, samples, batches,
+steps, sizes, this process's ranks, the sizes its reset callbacks saw).
 
 Faults, from the environment, done once by the process started as
 <host>:<local_rank> (FAULT_AT=host:local_rank:step,
@@ -54,11 +56,11 @@ if flavour == "hvd":
     hvd.init()
     elastic = hvd.elastic
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-    size, gather = hvd.size, hvd.allgather_object
+    size, rank, gather = hvd.size, hvd.rank, hvd.allgather_object
 else:
     import kolo.torch.elastic as elastic
 
-    size = dist.get_world_size
+    size, rank = dist.get_world_size, dist.get_rank
 
     def gather(obj):
         got = [None] * dist.get_world_size()
@@ -67,7 +69,9 @@ else:
 
 
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=3)
-state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[])
+state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[],
+                           batches=[])
+ranks = []  # this process's rank at each step it did (not state: its own)
 
 
 def maybe_fault(step):
@@ -119,8 +123,11 @@ def steps(state):
         loss.backward()
         maybe_fault(state.step)
         state.optimizer.step()
-        state.seen.extend(s for every in gather(batch) for s in every)
+        everyones = gather(batch)
+        state.seen.extend(s for every in everyones for s in every)
+        state.batches.append(everyones)
         state.sizes.append(size())
+        ranks.append(rank())
         state.sampler.record_batch(i // BATCH, BATCH)
         state.step += 1
         if pause:
@@ -149,5 +156,5 @@ def train(state):
 weights = train(state)
 if weights is not None:
     with open(os.path.join(out, f"{me.replace(':', '-')}.json"), "w") as f:
-        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes, "resets": resets},
-                  f)
+        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes, "resets": resets,
+                   "batches": state.batches, "ranks": ranks}, f)
