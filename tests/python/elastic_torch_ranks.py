@@ -1,7 +1,7 @@
 """A rank of an in-place elastic PyTorch job, for test_torch_elastic.py
 and bench/torch_in_place.py: `python elastic_torch_ranks.py FLAVOUR OUT`,
-FLAVOUR one of hvd, kolo, gloo (the last two: DDP on that backend through
-kolo.torch.elastic). Trains a linear model on a fixed dataset through an
+FLAVOUR one of hvd, kolo, gloo, nccl (the last three: DDP on that
+backend through kolo.torch.elastic; nccl with DEVICE=cuda). Trains a linear model on a fixed dataset through an
 ElasticSampler, committing after every step; every committed step records
 the samples each rank processed in it, so the test can check that each
 sample of each epoch was done exactly once across faults, and replay the
@@ -15,7 +15,8 @@ comma-separated for several processes):
 FAULT=kill (SIGKILL itself mid-step, after backward), host (SIGKILL its
 agent, then itself), stop (SIGSTOP itself), raise (an exception in the
 training code), exit (os._exit(3)).
-GROW_AT=step makes the ranks of a world of GROW_FROM create GROW_FILE at
+COMMIT_EVERY=k commits after every k-th step only (and at each epoch's
+end). GROW_AT=step makes the ranks of a world of GROW_FROM create GROW_FILE at
 that step (a discovery script adds a host when it exists) and commit
 until a round has more ranks, STEP_SLEEP slows steps down, TIMES=1 prints when
 each step ends (for the figures), DEVICE=cuda trains on the GPU."""
@@ -45,6 +46,9 @@ Y = X @ torch.arange(1.0, 9.0).unsqueeze(1)
 dataset = list(range(SAMPLES))
 
 device = torch.device(os.environ.get("DEVICE", "cpu"))
+if device.type == "cuda":  # a GPU of its own for each process (NCCL refuses two ranks on one)
+    device = torch.device("cuda", int(os.environ.get("KOLO_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
 X, Y = X.to(device), Y.to(device)
 torch.manual_seed(1)
 model = torch.nn.Linear(8, 1).to(device)
@@ -72,6 +76,7 @@ sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=3)
 state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[],
                            batches=[])
 ranks = []  # this process's rank at each step it did (not state: its own)
+commit_every = int(os.environ.get("COMMIT_EVERY", "1"))
 
 
 def maybe_fault(step):
@@ -105,7 +110,7 @@ def steps(state):
     if flavour == "hvd":
         net = state.model
     else:
-        net = torch.nn.parallel.DistributedDataParallel(state.model, device_ids=[0] if device.type == "cuda" else None)
+        net = torch.nn.parallel.DistributedDataParallel(state.model, device_ids=[device.index] if device.type == "cuda" else None)
     order = list(iter(state.sampler))
     for i in range(0, len(order), BATCH):
         batch = order[i : i + BATCH]
@@ -132,7 +137,8 @@ def steps(state):
         state.step += 1
         if pause:
             time.sleep(pause)
-        state.commit()
+        if state.step % commit_every == 0:
+            state.commit()
         if times:
             print(f"step {state.step} size {size()} at {time.time():.4f} on {device}", flush=True)
 

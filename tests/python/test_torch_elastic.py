@@ -167,7 +167,7 @@ def test_a_rank_stopped_past_the_heartbeat_timeout_is_ended_and_the_rest_go_on(t
     assert "was stopped for over 5 s while the other ranks waited; ending it" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("flavour", ["hvd", "gloo"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_every_process_of_a_host_killed_at_once(tmp_path, flavour):
     # both ranks of b and their agents: what a machine's loss looks like
     out = in_place(tmp_path, flavour, env=[("FAULT", "host"), ("FAULT_AT", "b:0:3,b:1:3")])
@@ -175,7 +175,7 @@ def test_every_process_of_a_host_killed_at_once(tmp_path, flavour):
     assert "on host b was lost" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("flavour", ["hvd", "kolo"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_an_exception_in_the_training_code_blacklists_its_host_as_horovod_does(tmp_path, flavour):
     out = in_place(tmp_path, flavour, env=[("FAULT", "raise"), ("FAULT_AT", "b:1:3")])
     check_trained(out, results(tmp_path), ["a-0", "a-1"])
@@ -184,7 +184,7 @@ def test_an_exception_in_the_training_code_blacklists_its_host_as_horovod_does(t
     assert "host b is blacklisted" in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("flavour", ["hvd", "kolo"])
+@pytest.mark.parametrize("flavour", FLAVOURS)
 def test_a_host_added_by_discovery_mid_epoch_joins_at_a_commit_with_the_survivors_state(tmp_path, flavour):
     grow = tmp_path / "grow"
     script = tmp_path / "discover.sh"
@@ -198,6 +198,29 @@ def test_a_host_added_by_discovery_mid_epoch_joins_at_a_commit_with_the_survivor
     # b's processes took the first two steps from a survivor: they never did them
     for r in got.values():
         assert r["sizes"][:2] == [2, 2] and set(r["sizes"][2:]) == {4}, r["sizes"]
+
+
+@pytest.mark.parametrize("flavour", ["hvd", "kolo"])
+def test_a_fault_redoes_only_the_steps_since_the_last_commit(tmp_path, flavour):
+    # commits every 3rd step; b:1 dies in step 7 (0-based), one after a commit
+    out = in_place(tmp_path, flavour, env=[("FAULT", "kill"), ("FAULT_AT", "b:1:7"), ("COMMIT_EVERY", "3")])
+    got = results(tmp_path)
+    check_trained(out, got, ["a-0", "a-1"])
+    for r in got.values():
+        # step 6 ran in the world of 4 but was not committed: it is done
+        # again in the world of 2, after the last commit (as is step 7,
+        # the one in flight)
+        assert r["sizes"][:6] == [4] * 6 and set(r["sizes"][6:]) == {2}, r["sizes"]
+        redone = len(r["ranks"]) - len(r["batches"])
+        assert redone == 1, (redone, r["ranks"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="DDP on NCCL in place needs two CUDA devices (one per rank); this machine has fewer")
+def test_ddp_on_nccl_goes_on_in_place_on_the_gpus(tmp_path):
+    out = in_place(tmp_path, "nccl", hosts="a:1,b:1", env=[("FAULT", "kill"), ("FAULT_AT", "b:0:3"), ("DEVICE", "cuda")],
+                   min_np=1)
+    check_trained(out, results(tmp_path), ["a-0"])
 
 
 def test_past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing(tmp_path):

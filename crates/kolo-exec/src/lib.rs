@@ -80,7 +80,7 @@ pub use registry::{
     build_id, set_build_id, Executable, Function, Registry, ReportError, Reporter, Task, UserError, WorkerContext,
     MAX_REPORT,
 };
-pub use settings::{Settings, SharedJob, WorkerRequest};
+pub use settings::{Settings, SharedJob, SharedTorchStore, WorkerRequest};
 pub use worker::{env as worker_env, serve_if_worker};
 
 /// The Python hooks of kolo's ranks: the `sitecustomize` of every command

@@ -48,6 +48,9 @@ pub struct Settings {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedJob {
     pub rendezvous: std::net::SocketAddr,
+    /// torch's store (`MASTER_ADDR:MASTER_PORT`): the ranks of every
+    /// executor meet on the first's, which lets the later ones' hosts in.
+    pub torch_store: SharedTorchStore,
     pub job_id: String,
     pub ifaces: Vec<String>,
 }
@@ -150,3 +153,21 @@ pub(crate) fn random_hex(bytes: usize) -> String {
     rand::rng().fill_bytes(&mut buf);
     buf.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// The first executor's torch store, held by every executor of the job.
+#[derive(Clone)]
+pub struct SharedTorchStore(pub(crate) std::sync::Arc<kolo_rendezvous::TorchStoreServer>);
+
+impl std::fmt::Debug for SharedTorchStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SharedTorchStore({})", self.0.addr())
+    }
+}
+
+impl PartialEq for SharedTorchStore {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for SharedTorchStore {}

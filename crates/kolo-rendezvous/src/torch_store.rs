@@ -104,6 +104,7 @@ impl TorchStoreConfig {
 pub struct TorchStoreServer {
     addr: SocketAddr,
     serving: Serving,
+    shared: Arc<Shared>,
 }
 
 impl TorchStoreServer {
@@ -111,15 +112,33 @@ impl TorchStoreServer {
     pub async fn start(config: TorchStoreConfig) -> Result<Self, RendezvousError> {
         let (listener, addr) = listen(config.bind, 1024)?;
         let (changed, _) = watch::channel(0u64);
-        let shared =
-            Arc::new(Shared { store: Mutex::new(Store::default()), changed, config, faults: AtomicU64::new(0) });
-        let serving = Serving::spawn(|stopped| accept_loop(listener, shared, stopped));
+        let allowed = std::sync::RwLock::new(config.allowed_peers.clone());
+        let shared = Arc::new(Shared {
+            store: Mutex::new(Store::default()),
+            changed,
+            config,
+            allowed,
+            faults: AtomicU64::new(0),
+        });
+        let serving = Serving::spawn({
+            let shared = shared.clone();
+            |stopped| accept_loop(listener, shared, stopped)
+        });
         tracing::debug!(%addr, "torch store listening");
-        Ok(TorchStoreServer { addr, serving })
+        Ok(TorchStoreServer { addr, serving, shared })
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Lets `peers` connect too (where the store admits listed peers only):
+    /// the hosts an elastic job takes in after its start.
+    pub fn allow(&self, peers: impl IntoIterator<Item = IpAddr>) {
+        let mut allowed = self.shared.allowed.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(allowed) = allowed.as_mut() {
+            allowed.extend(peers.into_iter().map(|ip| ip.to_canonical()));
+        }
     }
 
     /// Stops accepting, closes every connection and waits for the tasks to end.
@@ -133,6 +152,9 @@ struct Shared {
     /// Bumped on every change that can make a waiter ready.
     changed: watch::Sender<u64>,
     config: TorchStoreConfig,
+    /// The peers allowed to connect (`config.allowed_peers`, and those
+    /// allowed since).
+    allowed: std::sync::RwLock<Option<HashSet<IpAddr>>>,
     /// Disconnected clients, for rate-limited logging.
     faults: AtomicU64,
 }
@@ -222,7 +244,12 @@ async fn accept_loop(listener: tokio::net::TcpListener, shared: Arc<Shared>, mut
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     failures.recovered();
-                    let allowed = shared.config.allowed_peers.as_ref().is_none_or(|a| a.contains(&peer.ip().to_canonical()));
+                    let allowed = shared
+                        .allowed
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .as_ref()
+                        .is_none_or(|a| a.contains(&peer.ip().to_canonical()));
                     if !allowed || connections.len() >= shared.config.max_connections {
                         refused += 1;
                         if refused <= 5 || refused.is_power_of_two() {

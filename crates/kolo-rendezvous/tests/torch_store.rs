@@ -252,6 +252,11 @@ async fn only_the_jobs_hosts_may_connect() {
     let mut c = TcpStream::connect(srv.addr()).await.unwrap();
     let _ = c.write_all(&Req::new(0).u32(MAGIC).0).await;
     closed(&mut c).await;
+    // a host the job takes in later (an elastic job's new cohort)
+    srv.allow(["127.0.0.1".parse().unwrap()]);
+    let mut d = client(srv.addr()).await;
+    d.write_all(&Req::new(1).bytes(b"/in").bytes(b"1").0).await.unwrap();
+    assert_eq!(ask(&mut d, Req::new(7), 8).await, i64le(1));
     srv.stop().await;
 }
 

@@ -58,7 +58,7 @@ pub struct WorkerInfo {
 struct Running {
     links: Vec<Arc<Link>>,
     server: RendezvousServer,
-    torch_store: TorchStoreServer,
+    torch_store: std::sync::Arc<TorchStoreServer>,
     output: OutputWriter,
     events: mpsc::UnboundedReceiver<RankEvent>,
     /// One reader per worker; they end when the workers' connections do.
@@ -204,6 +204,7 @@ impl Executor {
         let running = self.running.as_ref()?;
         Some(crate::SharedJob {
             rendezvous: running.server.addr(),
+            torch_store: crate::SharedTorchStore(running.torch_store.clone()),
             job_id: running.job.job_id.clone(),
             ifaces: running.job.ifaces.clone(),
         })
@@ -326,7 +327,10 @@ impl Executor {
         tracing::debug!("engine stopped");
         drop(running.links);
         running.server.stop().await;
-        running.torch_store.stop().await;
+        // the job's later executors may still use it: the last one stops it
+        if let Ok(store) = std::sync::Arc::try_unwrap(running.torch_store) {
+            store.stop().await;
+        }
         running.output.finish().await;
     }
 

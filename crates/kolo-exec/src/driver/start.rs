@@ -140,11 +140,21 @@ impl Executor {
         self.nic_report = report;
         // torch's store is the driver's, like torchrun's agent's, open to
         // the job's hosts only (its protocol has no secret)
-        let mut store_config = TorchStoreConfig::new(SocketAddr::new(driver_ip, 0));
         let peers = hellos.iter().filter_map(|h| h.stream.peer_addr().ok()).map(|a| a.ip().to_canonical());
-        store_config.allowed_peers = Some(peers.collect());
-        store_config.gate = Some(peers::gate(settings.secret()));
-        let torch_store = TorchStoreServer::start(store_config).await?;
+        let torch_store = match &settings.shared {
+            // a later cohort of an elastic job: its ranks meet the others
+            // on the job's store
+            Some(shared) => {
+                shared.torch_store.0.allow(peers);
+                shared.torch_store.0.clone()
+            }
+            None => {
+                let mut store_config = TorchStoreConfig::new(SocketAddr::new(driver_ip, 0));
+                store_config.allowed_peers = Some(peers.collect());
+                store_config.gate = Some(peers::gate(settings.secret()));
+                std::sync::Arc::new(TorchStoreServer::start(store_config).await?)
+            }
+        };
         // JAX's coordinator lives in rank 0, wherever it runs: its address
         // on the shared interface and a port free there
         let deadline = Instant::now() + settings.start_timeout;
