@@ -267,14 +267,22 @@ fn in_place_pytorch_goes_on_without_a_cut_off_host() {
         assert!(ok, "{flavour}: {text}");
         assert!(text.contains("rank 2 on host h3 was lost: no heartbeat"), "{flavour}: {text}");
         assert!(text.contains("round 1: 2 processes on h1:1,h2:1"), "{flavour}: {text}");
-        let weights: Vec<serde_json::Value> = ["h1-0", "h2-0"]
+        let results: Vec<serde_json::Value> = ["h1-0", "h2-0"]
             .iter()
             .map(|p| {
                 let file = std::fs::read_to_string(out.path().join(format!("{p}.json"))).expect("a survivor's result");
-                serde_json::from_str::<serde_json::Value>(&file).unwrap()["weights"].clone()
+                serde_json::from_str::<serde_json::Value>(&file).unwrap()
             })
             .collect();
-        assert_eq!(weights[0], weights[1], "{flavour}: the survivors disagree");
+        assert_eq!(results[0]["weights"], results[1]["weights"], "{flavour}: the survivors disagree");
+        // the ranks' 96 samples (their default) once an epoch over the committed steps
+        let seen: Vec<u64> = results[0]["seen"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        assert_eq!(seen.len(), 96 * 3, "{flavour}: {text}");
+        for epoch in seen.chunks(96) {
+            let mut sorted = epoch.to_vec();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..96).collect::<Vec<u64>>(), "{flavour}: {text}");
+        }
         assert!(!out.path().join("h3-0.json").exists(), "{flavour}: h3 finished while cut off");
         drop(cut);
         assert_nothing_left();
