@@ -92,3 +92,41 @@ def train_horovod_elastic(steps, die_at, flag):
         return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
 
     return train(state)
+
+
+def train_ddp_elastic(steps, die_at, flag, backend):
+    """The same as a DDP function through kolo.torch.elastic (`backend`:
+    kolo or gloo): a new DDP over each round's default group."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kolo.torch.elastic as elastic
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+    first_size = []
+
+    @elastic.run(backend=backend)
+    def train(state):
+        ddp = DDP(state.model)
+        first_size.append(dist.get_world_size())
+        while state.step < steps:
+            victim = dist.get_world_size() == first_size[0] and dist.get_rank() == first_size[0] - 1
+            if victim and state.step == die_at and not os.path.exists(flag):
+                open(flag, "w").close()
+                os._exit(9)
+            x = torch.full((2, 4), float(state.step))
+            loss = ddp(x).pow(2).mean()
+            state.optimizer.zero_grad()
+            loss.backward()
+            state.optimizer.step()
+            state.sizes.append(dist.get_world_size())
+            state.step += 1
+            state.commit()
+        return [p.detach().reshape(-1).tolist() for p in state.model.parameters()], state.sizes, dist.get_rank()
+
+    return train(state)

@@ -270,6 +270,18 @@ def test_an_elastic_executor_runs_a_horovod_elastic_function_through_a_lost_work
     assert sorted(r[2] for r in got) == [0, 1]
 
 
+@pytest.mark.parametrize("backend", ["kolo", "gloo"])
+def test_an_elastic_executor_runs_a_ddp_function_through_a_lost_worker(tmp_path, backend):
+    settings = kolo.Executor.create_settings(timeout_s=60)
+    with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
+        ex.start()
+        got = ex.run(ddp_step.train_ddp_elastic, args=[12, 5, str(tmp_path / "died"), backend])
+    assert len(got) == 2, got
+    assert got[0][0] == got[1][0]
+    assert got[0][1] == [3] * 5 + [2] * 7, got[0][1]
+    assert sorted(r[2] for r in got) == [0, 1]
+
+
 def test_the_readme_ddp_example_runs_in_place():
     example = os.path.join(HERE, "..", "..", "examples", "ddp_in_place.py")
     out = subprocess.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:1,b:1", "-x",
