@@ -79,7 +79,10 @@ def _load(payload):
         call = cloudpickle.loads(payload)
         if len(payload) > _TEMPLATE_MAX_BYTES:
             return call
-        template = _template(call)
+        try:
+            template = _template(call)
+        except Exception:  # noqa: BLE001 - a module's __getattr__, say: unpickle this call afresh each time
+            template = None
         if len(_templates) >= _TEMPLATES_MAX:
             _templates.clear()
         _templates[payload] = template or False

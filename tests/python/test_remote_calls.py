@@ -4,6 +4,7 @@ where the worker rebuilds a repeated call from an earlier unpickling
 instead of running cloudpickle again."""
 
 import os
+import sys
 
 import cloudpickle
 import pytest
@@ -104,3 +105,26 @@ def test_what_it_keeps_is_bounded():
     assert len(_remote._templates) <= _remote._TEMPLATES_MAX
     payload, results = calls_of(lambda big=b"x" * (_remote._TEMPLATE_MAX_BYTES + 1): len(big), times=2)
     assert results == [_remote._TEMPLATE_MAX_BYTES + 1] * 2 and payload not in _remote._templates
+
+
+def test_a_function_whose_module_cannot_be_looked_into_is_unpickled_afresh(monkeypatch):
+    import types
+
+    odd = types.ModuleType("kolo_test_odd_module")
+
+    def refuse(name):
+        raise ImportError(f"no {name} here")
+
+    monkeypatch.setitem(sys.modules, "kolo_test_odd_module", odd)
+
+    def fn():
+        return 7
+
+    fn.__module__, fn.__qualname__ = "kolo_test_odd_module", "fn"
+    payload = cloudpickle.dumps(("run", fn, (), {}))  # by value: the module has no fn
+    # in the worker, looking into the module raises something else than AttributeError
+    odd.__getattr__ = refuse
+    for _ in range(2):
+        kind, loaded, args, kwargs = _remote._load(payload)
+        assert loaded(*args, **kwargs) == 7
+    assert not rebuilt(payload)
