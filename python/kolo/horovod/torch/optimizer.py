@@ -100,16 +100,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _allreduce_grad_async(self, p):
+    def _compressed_grad(self, p):
+        """`p.grad` to reduce (zeros where backward gave none, dense), compressed: (tensor, ctx)."""
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        name = self._parameter_names.get(id(p))
-        tensor = p.grad
-        if tensor.is_sparse:
+        if p.grad.is_sparse:
             if not self.sparse_as_dense:
                 raise NotImplementedError("kolo's Horovod reduces dense gradients: pass sparse_as_dense=True")
-            tensor = p.grad = tensor.to_dense()
-        compressed, ctx = self._compression.compress(tensor)
+            p.grad = p.grad.to_dense()
+        return self._compression.compress(p.grad)
+
+    def _allreduce_grad_async(self, p):
+        name = self._parameter_names.get(id(p))
+        compressed, ctx = self._compressed_grad(p)
         pre, post = self._scale()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
                                   process_set=self.process_set)
@@ -117,15 +120,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _allreduce_group_async(self, group):
         members = self._groups[group]
-        compressed = []
-        for p in members:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                if not self.sparse_as_dense:
-                    raise NotImplementedError("kolo's Horovod reduces dense gradients: pass sparse_as_dense=True")
-                p.grad = p.grad.to_dense()
-            compressed.append(self._compression.compress(p.grad))
+        compressed = [self._compressed_grad(p) for p in members]
         pre, post = self._scale()
         handle = grouped_allreduce_async_([c for c, _ in compressed], op=self.op, prescale_factor=pre,
                                           postscale_factor=post, process_set=self.process_set)
