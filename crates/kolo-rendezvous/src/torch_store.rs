@@ -109,10 +109,11 @@ pub struct TorchStoreServer {
 
 impl TorchStoreServer {
     /// Binds and serves on the current tokio runtime.
-    pub async fn start(config: TorchStoreConfig) -> Result<Self, RendezvousError> {
+    pub async fn start(mut config: TorchStoreConfig) -> Result<Self, RendezvousError> {
         let (listener, addr) = listen(config.bind, 1024)?;
         let (changed, _) = watch::channel(0u64);
-        let allowed = std::sync::RwLock::new(config.allowed_peers.clone());
+        // from here on the list lives (and grows) in `Shared::allowed` only
+        let allowed = std::sync::RwLock::new(config.allowed_peers.take());
         let shared = Arc::new(Shared {
             store: Mutex::new(Store::default()),
             changed,
@@ -152,8 +153,8 @@ struct Shared {
     /// Bumped on every change that can make a waiter ready.
     changed: watch::Sender<u64>,
     config: TorchStoreConfig,
-    /// The peers allowed to connect (`config.allowed_peers`, and those
-    /// allowed since).
+    /// The peers allowed to connect (what `config.allowed_peers` was, and
+    /// those allowed since); `None`: anyone.
     allowed: std::sync::RwLock<Option<HashSet<IpAddr>>>,
     /// Disconnected clients, for rate-limited logging.
     faults: AtomicU64,

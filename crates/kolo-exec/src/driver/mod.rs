@@ -327,7 +327,8 @@ impl Executor {
         tracing::debug!("engine stopped");
         drop(running.links);
         running.server.stop().await;
-        // the job's later executors may still use it: the last one stops it
+        // an elastic job's other executors may still use it (they hold it,
+        // in their settings too): then it stops when the last lets it go
         if let Ok(store) = std::sync::Arc::try_unwrap(running.torch_store) {
             store.stop().await;
         }
