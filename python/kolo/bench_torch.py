@@ -6,8 +6,12 @@ alternating (started with `kolo run`; each figure the slowest rank's).
   time of a call.
 - ddp: the step time of an all_reduce-bound model (an MLP of ~16.8 M
   parameters, batch 8) under DistributedDataParallel, the same model
-  through `kolo.horovod.torch.DistributedOptimizer` on kolo, and DDP's step
-  under `no_sync()` (no communication).
+  through `kolo.horovod.torch.DistributedOptimizer` on kolo, and where the
+  step goes: DDP's step under `no_sync()` (the model alone), DDP with a
+  communication hook that sends nothing (the model and DDP's own bucket
+  copies: what no backend can save), and both backends again with
+  `gradient_as_bucket_view=True` (DDP's buckets are the gradients: no
+  copies).
 """
 
 import argparse
@@ -77,10 +81,19 @@ def rank_ddp(steps, repeats):
     gloo = dist.new_group(backend="gloo")
     x, y = torch.randn(8, 2048), torch.randn(8, 2048)
 
-    def ddp_step(group, sync=True):
+    def send_nothing(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    def ddp_step(group, sync=True, hook=None, view=False):
         import contextlib
 
-        model = torch.nn.parallel.DistributedDataParallel(_mlp(torch), process_group=group)
+        model = torch.nn.parallel.DistributedDataParallel(
+            _mlp(torch), process_group=group, gradient_as_bucket_view=view
+        )
+        if hook:
+            model.register_comm_hook(None, hook)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step():
@@ -106,7 +119,14 @@ def rank_ddp(steps, repeats):
         return step
 
     # no_sync: the same step without communication, what DDP costs beyond it
-    steps_of = {"gloo": ddp_step(gloo), "kolo": ddp_step(None), "no_sync": ddp_step(None, sync=False)}
+    steps_of = {
+        "gloo": ddp_step(gloo),
+        "kolo": ddp_step(None),
+        "no_sync": ddp_step(None, sync=False),
+        "no_comm": ddp_step(None, hook=send_nothing),
+        "gloo_view": ddp_step(gloo, view=True),
+        "kolo_view": ddp_step(None, view=True),
+    }
     try:
         steps_of["hvd"] = hvd_step()
     except ImportError:
@@ -152,13 +172,20 @@ def main():
                 g, k = row["gloo"] * 1e6, row["kolo"] * 1e6
                 print(f"{n:>3} {row['bytes']:>10} {g:>10.1f} {k:>10.1f} {g / k:>10.2f}", flush=True)
     else:
-        print(f"{'np':>3} {'gloo_ms':>9} {'kolo_ms':>9} {'kolo/gloo':>10} {'hvd_ms':>9} {'hvd/kolo':>9} {'no_sync_ms':>11}")
+        print(
+            f"{'np':>3} {'gloo_ms':>8} {'kolo_ms':>8} {'kolo/gloo':>9} {'hvd_ms':>7} {'hvd/kolo':>8}"
+            f" {'no_sync_ms':>10} {'no_comm_ms':>10} {'gloo_view_ms':>12} {'kolo_view_ms':>12} {'kolo/gloo':>9}"
+        )
         for n in args.np:
-            r = _launch(n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)])
-            g, k = r["gloo"] * 1e3, r["kolo"] * 1e3
+            r = {k: v * 1e3 for k, v in _launch(n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)]).items()}
+            g, k = r["gloo"], r["kolo"]
             h = r.get("hvd")
-            hvd = f"{h * 1e3:>9.1f} {h * 1e3 / k:>9.2f}" if h else f"{'-':>9} {'-':>9}"
-            print(f"{n:>3} {g:>9.1f} {k:>9.1f} {k / g:>10.2f} {hvd} {r['no_sync'] * 1e3:>11.1f}", flush=True)
+            hvd = f"{h:>7.1f} {h / k:>8.2f}" if h else f"{'-':>7} {'-':>8}"
+            print(
+                f"{n:>3} {g:>8.1f} {k:>8.1f} {k / g:>9.2f} {hvd} {r['no_sync']:>10.1f} {r['no_comm']:>10.1f}"
+                f" {r['gloo_view']:>12.1f} {r['kolo_view']:>12.1f} {r['kolo_view'] / r['gloo_view']:>9.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

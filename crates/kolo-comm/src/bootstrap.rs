@@ -616,7 +616,11 @@ impl Communicator {
             links: Mutex::new(setup.links),
             local_pids,
             timeout: config.timeout,
-            tuning: config.tuning.clone(),
+            tuning: Tuning {
+                // TCP even within a host means no shortcut through peers' memory either
+                direct_bytes: config.tuning.direct_bytes.filter(|_| config.transport == Transport::Auto),
+                ..config.tuning.clone()
+            },
             interrupt: config.interrupt.clone(),
             names: Mutex::new(HashMap::from([(WORLD, "world".to_string())])),
         });

@@ -190,6 +190,9 @@ fn point_to_point_and_split(comm: &mut Communicator) -> Result<(), String> {
 #[derive(Serialize, Deserialize)]
 struct CheckAll {
     large: bool,
+    /// What `direct_reads()` must say after the large allreduces (`None`:
+    /// not checked, the machine's ptrace policy may refuse).
+    direct: Option<Option<bool>>,
 }
 
 impl Function for CheckAll {
@@ -198,6 +201,15 @@ impl Function for CheckAll {
     fn call(self, _: &WorkerContext) -> Result<(), UserError> {
         let mut comm = Communicator::from_env()?;
         run_all::<f32>(&mut comm, self.large)?;
+        if let Some(want) = self.direct {
+            if comm.direct_reads() != want {
+                return Err(format!(
+                    "direct_reads() is {:?} after large allreduces, expected {want:?}",
+                    comm.direct_reads()
+                )
+                .into());
+            }
+        }
         run_all::<f64>(&mut comm, false)?;
         run_all::<f16>(&mut comm, false)?;
         run_all::<bf16>(&mut comm, self.large)?;
@@ -285,8 +297,21 @@ fn correctness(n: u32, transport: &'static str) -> Result<(), Failed> {
         // odd rank counts also take Rabenseifner for mid sizes (by default
         // only from 8 ranks), so every algorithm meets every size class
         let mid = if n % 2 == 1 { "1048576" } else { "0" };
-        let mut ex = executor(n, &[("KOLO_COMM_TRANSPORT", transport), ("KOLO_COMM_MID_BYTES", mid)]).await?;
-        let result = ex.run(&CheckAll { large: n <= 3 }).await;
+        // up to 3 ranks the large sizes read peers' memory directly and the
+        // 70,001-element ones take the rings; from 4, every dtype's
+        // 70,001 elements read directly
+        let direct = if n >= 4 { "65536" } else { "1048576" };
+        let env =
+            [("KOLO_COMM_TRANSPORT", transport), ("KOLO_COMM_MID_BYTES", mid), ("KOLO_COMM_DIRECT_BYTES", direct)];
+        let mut ex = executor(n, &env).await?;
+        // ranks of one host read each other's memory for large allreduces,
+        // unless forced onto TCP (or alone)
+        let direct = match (transport, n) {
+            ("tcp", _) | (_, 1) => Some(None),
+            _ if kernel_lets_siblings_read() => Some(Some(true)),
+            _ => None,
+        };
+        let result = ex.run(&CheckAll { large: n <= 3, direct }).await;
         ex.shutdown().await;
         result?;
         Ok(())
@@ -299,11 +324,17 @@ fn two_hosts() -> Result<(), Failed> {
     block(async move {
         let hosts = vec![HostSpec::new("host-a", 2), HostSpec::new("host-b", 2)];
         let mut ex = on_hosts(4, hosts, &[]).await?;
-        let result = ex.run(&CheckAll { large: true }).await;
+        let result = ex.run(&CheckAll { large: true, direct: Some(None) }).await;
         ex.shutdown().await;
         result?;
         Ok(())
     })
+}
+
+/// Root, or no Yama policy stricter than the classic same-user rule.
+fn kernel_lets_siblings_read() -> bool {
+    let yama = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope").unwrap_or_else(|_| "0".into());
+    nix::unistd::geteuid().is_root() || yama.trim() == "0"
 }
 
 fn a_dead_rank_fails_the_others(transport: &'static str) -> Result<(), Failed> {

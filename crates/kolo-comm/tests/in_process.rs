@@ -404,6 +404,21 @@ fn ranks_that_disagree_on_a_collectives_size_or_op_fail_naming_both() {
         "{}",
         errors[0]
     );
+
+    // sizes that read peers' memory directly are checked the same way
+    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree-large")).collect();
+    let errors = ranks(configs, |r, comm| {
+        let mut comm = comm.unwrap();
+        let mut v = vec![1.0f32; (1 << 20) + r];
+        comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+    });
+    assert!(
+        errors[0].contains(
+            "rank 1 called allreduce(sum) of 1048577 f32 while this rank called allreduce(sum) of 1048576 f32"
+        ),
+        "{}",
+        errors[0]
+    );
     runtime.block_on(server.stop());
 }
 
@@ -453,4 +468,81 @@ fn ranks_bootstrap_through_an_address_book_of_their_own_and_name_the_missing() {
         .collect();
     let errors = ranks(configs, |_, comm| comm.unwrap_err().to_string());
     assert!(errors[0].contains("ranks [2] did not show up"), "{}", errors[0]);
+}
+
+/// Makes the kernel refuse `process_vm_readv` to this thread, as a
+/// container runtime's seccomp profile may.
+fn refuse_reading_other_processes() {
+    use libc::{sock_filter, sock_fprog};
+    let stmt = |code: u32, k: u32| sock_filter { code: code as u16, jt: 0, jf: 0, k };
+    let filter = [
+        // the syscall number is the first field of seccomp_data
+        stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0),
+        sock_filter {
+            code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+            jt: 0,
+            jf: 1,
+            k: libc::SYS_process_vm_readv as u32,
+        },
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+    ];
+    let program = sock_fprog { len: filter.len() as u16, filter: filter.as_ptr() as *mut sock_filter };
+    // SAFETY: plain prctl calls; the program outlives the call, which copies it
+    unsafe {
+        assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
+        assert_eq!(libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, &program as *const sock_fprog), 0);
+    }
+}
+
+#[test]
+fn large_allreduces_read_peers_directly_and_fall_back_to_the_rings_where_the_kernel_refuses() {
+    let (runtime, server) = store();
+    // 1 MiB of f32 (past the direct size), odd so the parts are uneven, in
+    // place and not, every op; a small call first (it never tries)
+    let check = |r: usize, comm: &mut Communicator| -> Option<bool> {
+        let mut small = vec![1i64; 10];
+        comm.allreduce_in_place(&mut small, ReduceOp::Sum).unwrap();
+        assert_eq!(comm.direct_reads(), None, "a small call tried direct reads");
+        let len = (1 << 18) + 3;
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Prod] {
+            let send: Vec<f32> = (0..len).map(|i| ((i + r) % 3) as f32 + 1.0).collect();
+            let mut out = vec![0f32; len];
+            comm.allreduce(&send, &mut out, op).unwrap();
+            let mut inplace = send.clone();
+            comm.allreduce_in_place(&mut inplace, op).unwrap();
+            for i in (0..len).step_by(997).chain([len - 1]) {
+                let vals = (0..3).map(|q| ((i + q) % 3) as f32 + 1.0);
+                let want = match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Avg => vals.sum::<f32>() / 3.0,
+                    ReduceOp::Max => vals.fold(f32::MIN, f32::max),
+                    _ => vals.product(),
+                };
+                assert_eq!((out[i], inplace[i]), (want, want), "{op:?} element {i} on rank {r}");
+            }
+        }
+        comm.direct_reads()
+    };
+    let configs = (0..3).map(|r| config(&server, r, 3, "s3cret", "direct")).collect();
+    let reads = ranks(configs, move |r, comm| check(r, &mut comm.unwrap()));
+    assert_eq!(reads, vec![Some(true); 3]);
+    let configs = (0..3).map(|r| config(&server, r, 3, "s3cret", "refused")).collect();
+    let reads = ranks(configs, move |r, comm| {
+        if r == 1 {
+            refuse_reading_other_processes();
+        }
+        check(r, &mut comm.unwrap())
+    });
+    assert_eq!(reads, vec![Some(false); 3], "every rank must fall back when one cannot read");
+    // and turned off: never tried
+    let configs = (0..3)
+        .map(|r| {
+            let c = config(&server, r, 3, "s3cret", "off");
+            c.with_tuning(kolo_comm::Tuning { direct_bytes: None, ..Default::default() })
+        })
+        .collect();
+    let reads = ranks(configs, move |r, comm| check(r, &mut comm.unwrap()));
+    assert_eq!(reads, vec![None; 3]);
+    runtime.block_on(server.stop());
 }

@@ -2,6 +2,7 @@
 //! halving-doubling, ring, hierarchical, by size), reduce-scatter,
 //! allgather, broadcast, reduce, all-to-all, gather, scatter and barrier.
 
+use super::direct::Reach;
 use super::progress::{Call, Io, Kind, Sink, Tag, P2P};
 use super::{lock, Communicator, STREAM_BYTES};
 use crate::dtype::{divide, reduce_into, DType, Element, ReduceOp};
@@ -127,6 +128,11 @@ impl Communicator {
         }
         let tuning = &self.shared.tuning;
         let reduce_op = op.combining();
+        let direct = matches!(self.reach.get(), Reach::Untried | Reach::Yes)
+            && tuning.direct_bytes.is_some_and(|b| recv.len() >= b.max(tuning.small_for(n) + 1));
+        if direct && self.direct_allreduce(io, send, recv, dtype, reduce_op, op == ReduceOp::Avg)? {
+            return Ok(());
+        }
         match (&self.hierarchy, recv.len()) {
             (_, len) if len <= tuning.small_for(n) => {
                 if let Some(s) = send {

@@ -3,9 +3,11 @@
 //! - `tuning`: which algorithm for which size (measured, overridable)
 //! - `progress`: the links, message tags, and moving messages to completion
 //! - `collectives`: point to point, allreduce and friends
+//! - `direct`: large allreduces within a host by reading peers' memory
 //! - `split`: communicators made from others (local, cross, by color)
 
 mod collectives;
+mod direct;
 mod progress;
 mod split;
 mod tuning;
@@ -57,6 +59,8 @@ pub struct Communicator {
     pub(crate) nodes: Vec<usize>,
     /// (intra-node, inter-node) communicators for hierarchical algorithms.
     pub(crate) hierarchy: Option<Box<(Communicator, Communicator)>>,
+    /// Whether the members can read each other's memory (`direct`).
+    pub(crate) reach: std::cell::Cell<direct::Reach>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -78,6 +82,18 @@ impl Communicator {
         self.group.len()
     }
 
+    /// Whether large allreduces among these ranks read the peers' memory
+    /// directly (see `KOLO_COMM_DIRECT`): `None` until the first one finds
+    /// out whether the kernel lets them, and always where the members are
+    /// not all on this host or it is turned off.
+    pub fn direct_reads(&self) -> Option<bool> {
+        match self.reach.get() {
+            direct::Reach::Yes => Some(true),
+            direct::Reach::No => Some(false),
+            direct::Reach::Never | direct::Reach::Untried => None,
+        }
+    }
+
     /// Number of distinct hosts among the members.
     pub fn num_nodes(&self) -> usize {
         let mut n = self.nodes.clone();
@@ -92,6 +108,12 @@ impl Communicator {
 
     pub(crate) fn new(shared: Arc<Shared>, id: u64, group: Vec<usize>, rank: usize, nodes: Vec<usize>) -> Communicator {
         let n = group.len();
+        let all_here = group.iter().all(|&g| shared.local_pids[g] != 0);
+        let reach = if all_here && shared.tuning.direct_bytes.is_some() {
+            direct::Reach::Untried
+        } else {
+            direct::Reach::Never
+        };
         Communicator {
             shared,
             id,
@@ -104,6 +126,7 @@ impl Communicator {
             rank,
             nodes,
             hierarchy: None,
+            reach: std::cell::Cell::new(reach),
         }
     }
 }

@@ -43,6 +43,19 @@ pub(crate) struct Io<'a> {
     pub(super) tag: Tag,
 }
 
+impl Io<'_> {
+    /// Poisons every link, so the peers fail at once too instead of
+    /// waiting for their timeout.
+    pub(super) fn abort_all(&self) {
+        for tx in self.links.tx.iter().flatten() {
+            tx.abort();
+        }
+        for rx in self.links.rx.iter().flatten() {
+            rx.abort();
+        }
+    }
+}
+
 /// (communicator id, sequence number, what the call is): every message
 /// carries the tag of the call it belongs to, and a receiver checks it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,12 +261,7 @@ impl Communicator {
     pub(super) fn exchange(&self, io: &mut Io<'_>, ops: &mut [Op<'_>]) -> Result<(), CommError> {
         let result = self.progress(io.links, ops);
         if result.is_err() {
-            for tx in io.links.tx.iter().flatten() {
-                tx.abort();
-            }
-            for rx in io.links.rx.iter().flatten() {
-                rx.abort();
-            }
+            io.abort_all();
         }
         result
     }

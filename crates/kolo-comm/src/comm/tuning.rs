@@ -11,6 +11,12 @@ use crate::CommError;
 /// recursive doubling wins up to 64 KiB (48 vs 113 us) and the ring beats
 /// Rabenseifner from 256 KiB. Rabenseifner pays off from 8 ranks, where
 /// its log2(n) steps save most over the ring's 2(n-1).
+/// Default for [`Tuning::direct_bytes`]: measured with `kolo bench
+/// allreduce` and `KOLO_COMM_DIRECT=0/1` on the 2-core machine, 4 ranks:
+/// the rings win at 256 KiB (192 vs 219 us), direct reads from 1 MiB
+/// (621 vs 702 us) and by 1.3-1.4x at 16-64 MiB; at 2 ranks they tie.
+const DIRECT_BYTES: usize = 1 << 20;
+
 #[derive(Clone, Debug)]
 pub struct Tuning {
     /// Allreduce of at most this many bytes uses recursive doubling
@@ -26,6 +32,10 @@ pub struct Tuning {
     /// Most bytes of shared-memory ring per direction (`KOLO_COMM_RING_BYTES`);
     /// rings shrink as ranks per host grow.
     pub ring_bytes: usize,
+    /// Allreduce of at least this many bytes among ranks of one host reads
+    /// the peers' buffers directly where the kernel allows it
+    /// (`KOLO_COMM_DIRECT_BYTES`; `KOLO_COMM_DIRECT=0` turns it off).
+    pub direct_bytes: Option<usize>,
     /// How long a rank without progress yields its core before it naps
     /// (`KOLO_COMM_YIELD_US`, default 5 ms).
     pub yield_window: std::time::Duration,
@@ -38,6 +48,7 @@ impl Default for Tuning {
             mid_bytes: None,
             hierarchical_bytes: 256 * 1024,
             ring_bytes: 2 << 20,
+            direct_bytes: Some(DIRECT_BYTES),
             yield_window: std::time::Duration::from_millis(5),
         }
     }
@@ -70,6 +81,14 @@ impl Tuning {
             if let Ok(v) = std::env::var(name) {
                 *field = v.parse().map_err(|_| CommError::Env(format!("{name}='{v}' is not a byte count")))?;
             }
+        }
+        if let Some(b) = bytes("KOLO_COMM_DIRECT_BYTES")? {
+            t.direct_bytes = Some(b);
+        }
+        match std::env::var("KOLO_COMM_DIRECT").as_deref() {
+            Err(_) | Ok("1") => {}
+            Ok("0") => t.direct_bytes = None,
+            Ok(v) => return Err(CommError::Env(format!("KOLO_COMM_DIRECT='{v}' must be 0 (off) or 1 (on)"))),
         }
         if let Some(us) = bytes("KOLO_COMM_YIELD_US")? {
             t.yield_window = std::time::Duration::from_micros(us as u64);
