@@ -10,8 +10,9 @@ Writes OUT/<host>-<local_rank>.json at the end (weights, samples, batches,
 steps, sizes, this process's ranks, the sizes its reset callbacks saw).
 
 Faults, from the environment, done once by the process started as
-<host>:<local_rank> (FAULT_AT=host:local_rank:step,
-comma-separated for several processes):
+<host>:<local_rank> (FAULT_AT=host:local_rank:step, or rank<R>:step for
+the process started as rank R, where host names are not known before, as
+on Ray; comma-separated for several processes):
 FAULT=kill (SIGKILL itself mid-step, after backward), host (SIGKILL its
 agent, then itself), stop (SIGSTOP itself), raise (an exception in the
 training code), exit (os._exit(3)).
@@ -34,6 +35,7 @@ flavour, out = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 SAMPLES, BATCH, EPOCHS = int(os.environ.get("SAMPLES", "96")), 4, int(os.environ.get("EPOCHS", "2"))
 me = f"{os.environ['HOROVOD_HOSTNAME']}:{os.environ['HOROVOD_LOCAL_RANK']}"
+first_rank = f"rank{os.environ['HOROVOD_RANK']}"
 fault, fault_at = os.environ.get("FAULT"), os.environ.get("FAULT_AT", "").split(",")
 grow_at = int(os.environ.get("GROW_AT", "-1"))
 pause = float(os.environ.get("STEP_SLEEP", "0"))
@@ -82,7 +84,7 @@ commit_every = int(os.environ.get("COMMIT_EVERY", "1"))
 def maybe_fault(step):
     # once: a process that survives its fault (none so far) does not repeat it
     global faulted
-    if faulted or f"{me}:{step}" not in fault_at:
+    if faulted or not {f"{me}:{step}", f"{first_rank}:{step}"} & set(fault_at):
         return
     faulted = True
     if fault == "kill":
