@@ -94,6 +94,50 @@ def train_horovod_elastic(steps, die_at, flag):
     return train(state)
 
 
+def train_horovod_elastic_growing(steps, grow_at, grow_file, grown_size):
+    """A horovod.ray-style elastic function whose world grows: at step
+    `grow_at` rank 0 creates `grow_file` (the discovery script then lists
+    one more host) and the ranks commit, without stepping, until the world
+    has `grown_size` ranks (at most a minute); the new worker takes the
+    state at a commit. Returns the weights, the world size of each step and
+    the rank."""
+    import time
+
+    import torch
+
+    import horovod.torch as hvd
+
+    torch.set_num_threads(1)
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
+    deadline = time.monotonic() + 60
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < steps:
+            if state.step == grow_at and hvd.size() < grown_size and time.monotonic() < deadline:
+                if hvd.rank() == 0:
+                    open(grow_file, "a").close()
+                time.sleep(0.02)
+                state.commit()  # HostsUpdatedInterrupt once discovery lists the new host
+                continue
+            x = torch.full((2, 4), float(state.step))
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state.sizes.append(hvd.size())
+            state.step += 1
+            state.commit()
+        return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
+
+    return train(state)
+
+
 def train_ddp_elastic(steps, die_at, flag, backend):
     """The same as a DDP function through kolo.torch.elastic (`backend`:
     kolo or gloo): a new DDP over each round's default group."""

@@ -270,6 +270,27 @@ def test_an_elastic_executor_runs_a_horovod_elastic_function_through_a_lost_work
     assert sorted(r[2] for r in got) == [0, 1]
 
 
+def test_an_elastic_executor_grows_when_discovery_adds_a_host_and_the_new_worker_takes_the_state(tmp_path):
+    grow = tmp_path / "grow"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho a:1\necho b:1\n[ -f {grow} ] && echo c:1\nexit 0\n")
+    script.chmod(0o755)
+    settings = kolo.Executor.create_settings(timeout_s=60)
+    events = []
+    with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local",
+                       host_discovery_script=str(script), discovery_interval=0.2) as ex:
+        ex.start()
+        got = ex.run(ddp_step.train_horovod_elastic_growing, args=[10, 4, str(grow), 3], on_event=events.append)
+    rounds = [e for e in events if e["event"] == "round"]
+    assert [r["size"] for r in rounds][:1] == [2] and rounds[-1]["size"] == 3, events
+    assert len(got) == 3, got
+    assert len({str(r[0]) for r in got}) == 1, got
+    # the new worker never did the first four steps: it took them with the state
+    for r in got:
+        assert r[1] == [2] * 4 + [3] * 6, r[1]
+    assert sorted(r[2] for r in got) == [0, 1, 2]
+
+
 @pytest.mark.parametrize("backend", ["kolo", "gloo"])
 def test_an_elastic_executor_runs_a_ddp_function_through_a_lost_worker(tmp_path, backend):
     settings = kolo.Executor.create_settings(timeout_s=60)
