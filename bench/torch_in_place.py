@@ -78,9 +78,13 @@ def run(flavour, workers, grow=False):
     before = max(n for t, n, size in steps if size == workers)
     after = [(t, n) for t, n, size in steps if size < workers]
     t_next, n_next = min(after)
-    # a step's number is counted after it: the one in flight when the rank
-    # died (before + 1) is done again once, nothing committed is
-    return {"death_to_next_step_s": t_next - died, "steps_redone": before + 1 - (n_next - 1) if n_next <= before + 1 else 0}
+    # a step's number is counted after it: every step from the first one of
+    # the new world (n_next) to the one in flight when the rank died
+    # (before + 1) is done again; a first step past it would mean steps lost
+    redone = before + 2 - n_next
+    if redone < 0:
+        raise SystemExit(f"{flavour} x{workers}: {-redone} steps lost (last {before} in the old world, next {n_next})")
+    return {"death_to_next_step_s": t_next - died, "steps_redone": redone}
 
 
 def main():
