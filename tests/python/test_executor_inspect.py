@@ -118,24 +118,27 @@ def quiet_collectives(seconds):
 
 
 def test_a_quiet_call_that_keeps_completing_collectives_is_not_a_hang():
-    with kolo.Executor(settings(hang_timeout_s=2), num_workers=2, hosts="localhost:2") as ex:
+    # the call's first seconds load this module, torch with it, before any
+    # collective: the timeout leaves room for that on a cold machine
+    with kolo.Executor(settings(hang_timeout_s=3), num_workers=2, hosts="localhost:2") as ex:
         ex.start()
-        counts = ex.run(quiet_collectives, args=(6,))
+        counts = ex.run(quiet_collectives, args=(8,))
     assert counts[0] == counts[1] and counts[0] > 10, counts
 
 
-def report_quietly(seconds):
-    """No output, no collectives, next to no CPU: only reports."""
-    began = time.monotonic()
-    n = 0
-    while time.monotonic() - began < seconds:
-        time.sleep(0.2)
-        kolo.report(n)
-        n += 1
-    return n
-
-
 def test_a_call_that_keeps_reporting_is_not_a_hang():
+    # defined here, so that it travels by value: loading it imports no
+    # torch (this module's), which could take past the 1 s timeout
+    def report_quietly(seconds):
+        """No output, no collectives, next to no CPU: only reports."""
+        began = time.monotonic()
+        n = 0
+        while time.monotonic() - began < seconds:
+            time.sleep(0.2)
+            kolo.report(n)
+            n += 1
+        return n
+
     heard = []
     with kolo.Executor(settings(hang_timeout_s=1), num_workers=2, hosts="localhost:2") as ex:
         ex.start()

@@ -397,17 +397,18 @@ def test_kolo_run_restarts_and_runs_in_place_on_ray(cluster, nothing_left):
 @pytest.mark.parametrize("flavour", ["hvd", "kolo", "gloo"])
 def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cluster, nothing_left, tmp_path,
                                                                                  flavour):
-    """Horovod's elastic API and DDP (gloo, the default group re-made from
-    kolo's store) in place, placed by Ray: rank 3 SIGKILLs itself mid-step;
-    its node is blacklisted, the rest go on, possibly refilled on the node
-    left free, and end with one process's weights."""
+    """Horovod's elastic API and DDP (the kolo backend, and gloo with the
+    default group re-made from kolo's store) in place, placed by Ray: a
+    (fake) GPU a rank puts two ranks on each GPU node; rank 3 SIGKILLs
+    itself mid-step, its node is blacklisted, and the two ranks of the
+    other node go on from their last commit to one process's weights."""
     ddp_step.torch_or_skip()
     import test_torch_elastic as checks
 
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     out = subprocess.run(
         [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
-         "--in-place", "-np", "4", "--min-np", "2", "-x", "FAULT=kill",
+         "--in-place", "-np", "4", "--min-np", "2", "--gpus-per-worker", "1", "-x", "FAULT=kill",
          "-x", "FAULT_AT=rank3:3", "--", sys.executable, checks.RANKS, flavour, str(tmp_path)],
         capture_output=True, text=True, timeout=240,
     )
@@ -416,12 +417,11 @@ def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cl
     assert "rank 3 on host" in out.stderr and "was killed by signal 9" in out.stderr, text
     assert "is blacklisted" in out.stderr and "round 1:" in out.stderr, text
     got = checks.results(tmp_path)
-    # the killed rank's node-mate was ended with it: two survivors, and
-    # any process started for the free node
-    assert len(got) >= 2, text
+    # the killed rank's node-mate was ended with it; no node is left to refill
+    assert len(got) == 2 and len({name.rsplit("-", 1)[0] for name in got}) == 1, text
     checks.check_trained(out, got, list(got))
-    survivors = [r for r in got.values() if r["sizes"][:3] == [4, 4, 4]]
-    assert len(survivors) == 2, {k: r["sizes"] for k, r in got.items()}
+    for r in got.values():
+        assert r["sizes"][:3] == [4, 4, 4] and set(r["sizes"][3:]) == {2}, r["sizes"]
 
 
 ELASTIC_DRIVER = """
