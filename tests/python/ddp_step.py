@@ -57,6 +57,18 @@ def train_horovod():
     return hvd.rank(), hvd.size(), round(sum(p.detach().sum().item() for p in model.parameters()), 6)
 
 
+def _hvd_step(torch, hvd, model, opt, state):
+    """One committed step of the Horovod elastic functions below."""
+    x = torch.full((2, 4), float(state.step))
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    state.sizes.append(hvd.size())
+    state.step += 1
+    state.commit()
+
+
 def train_horovod_elastic(steps, die_at, flag):
     """A horovod.ray-style elastic function (ElasticRayExecutor's pattern):
     the last rank of the first world dies at step `die_at` (once: it leaves
@@ -81,14 +93,7 @@ def train_horovod_elastic(steps, die_at, flag):
             if victim and state.step == die_at and not os.path.exists(flag):
                 open(flag, "w").close()
                 os._exit(9)
-            x = torch.full((2, 4), float(state.step))
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            state.sizes.append(hvd.size())
-            state.step += 1
-            state.commit()
+            _hvd_step(torch, hvd, model, opt, state)
         return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
 
     return train(state)
@@ -125,14 +130,7 @@ def train_horovod_elastic_growing(steps, grow_at, grow_file, grown_size):
                 time.sleep(0.02)
                 state.commit()  # HostsUpdatedInterrupt once discovery lists the new host
                 continue
-            x = torch.full((2, 4), float(state.step))
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            state.sizes.append(hvd.size())
-            state.step += 1
-            state.commit()
+            _hvd_step(torch, hvd, model, opt, state)
         return [p.detach().reshape(-1).tolist() for p in model.parameters()], state.sizes, hvd.rank()
 
     return train(state)
