@@ -119,7 +119,7 @@ impl Communicator {
                     let piece = &mut scratch[..end - start];
                     for k in 1..n {
                         let m = (r + k) % n;
-                        self.read_from(m, theirs[m][INPUT] + start as u64, piece)?;
+                        self.read_from(m, theirs[m][INPUT], start, piece)?;
                         let dst = &mut recv[start..end];
                         match send {
                             Some(input) if k == 1 => reduce_to(dtype, op, dst, &input[start..end], piece),
@@ -147,7 +147,7 @@ impl Communicator {
         // 4. the other parts, from their owners
         let gathered = (1..n)
             .map(|k| (r + k) % n)
-            .try_for_each(|m| self.read_from(m, theirs[m][RESULT] + at[m] as u64, &mut recv[at[m]..at[m + 1]]));
+            .try_for_each(|m| self.read_from(m, theirs[m][RESULT], at[m], &mut recv[at[m]..at[m + 1]]));
         if gathered.is_err() {
             io.abort_all();
         }
@@ -176,7 +176,7 @@ impl Communicator {
     /// the bytes it sent.
     fn reads_back(&self, m: usize, said: &Announce) -> bool {
         let mut back: Announce = [0; 4];
-        match self.read_from(m, said[ITSELF], bytemuck::cast_slice_mut(&mut back)) {
+        match self.read_from(m, said[ITSELF], 0, bytemuck::cast_slice_mut(&mut back)) {
             Ok(()) => back == *said,
             Err(e) => {
                 tracing::debug!(rank = self.rank, peer = m, error = %e, "cannot read a peer's memory; using the rings");
@@ -185,13 +185,22 @@ impl Communicator {
         }
     }
 
-    /// Copies `into.len()` bytes from member `m`'s memory at `address`.
-    fn read_from(&self, m: usize, address: u64, into: &mut [u8]) -> Result<(), CommError> {
+    /// Copies `into.len()` bytes from member `m`'s memory, `offset` bytes
+    /// past the `base` it announced.
+    fn read_from(&self, m: usize, base: u64, offset: usize, into: &mut [u8]) -> Result<(), CommError> {
         let global = self.global(m);
         let pid = self.shared.local_pids[global];
+        // the address comes from the peer: an absurd one is its error, not a panic here
+        let address = usize::try_from(base).ok().and_then(|b| b.checked_add(offset));
+        let Some(address) = address.filter(|a| a.checked_add(into.len()).is_some()) else {
+            return Err(CommError::Io {
+                rank: global,
+                source: std::io::Error::other(format!("it announced a buffer at {base:#x}, past the address space")),
+            });
+        };
         let mut done = 0;
         while done < into.len() {
-            let remote = [RemoteIoVec { base: address as usize + done, len: into.len() - done }];
+            let remote = [RemoteIoVec { base: address + done, len: into.len() - done }];
             let mut local = [IoSliceMut::new(&mut into[done..])];
             match process_vm_readv(Pid::from_raw(pid as i32), &mut local, &remote) {
                 Ok(0) => {
