@@ -30,7 +30,7 @@ fn exchange(peer: usize, send: Range<usize>, recv: Range<usize>, apply: Apply) -
 }
 
 /// Byte offsets of `n` near-equal parts of `len` bytes of `esize`-byte elements.
-fn parts(len: usize, esize: usize, n: usize) -> Vec<usize> {
+pub(crate) fn parts(len: usize, esize: usize, n: usize) -> Vec<usize> {
     let mut at = vec![0];
     for c in split_counts(len / esize, n) {
         at.push(at.last().expect("non-empty") + c * esize);

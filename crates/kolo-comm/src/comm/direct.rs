@@ -38,7 +38,7 @@ use super::progress::{Io, Op, Sink};
 use super::Communicator;
 use crate::dtype::{divide, reduce_into, reduce_to, DType, ReduceOp};
 use crate::link::HEAD;
-use crate::schedule::split_counts;
+use crate::schedule::parts;
 use crate::CommError;
 
 /// Bytes reduced at a time: this rank's piece of the result and the
@@ -102,12 +102,7 @@ impl Communicator {
             }
         }
 
-        let esize = dtype.size();
-        let counts = split_counts(recv.len() / esize, n);
-        let mut at = vec![0usize];
-        for c in &counts {
-            at.push(at.last().expect("non-empty") + c * esize);
-        }
+        let at = parts(recv.len(), dtype.size(), n);
 
         // 2. this rank's part, a piece at a time, peers in rank order after it
         self.with_scratch(io, PIECE, |io, scratch| {
@@ -133,11 +128,7 @@ impl Communicator {
                 }
                 Ok(())
             };
-            let reduced = reduce_part();
-            if reduced.is_err() {
-                io.abort_all();
-            }
-            reduced
+            io.poisoned_on_failure(reduce_part())
         })?;
 
         // 3. every part is reduced
@@ -148,10 +139,7 @@ impl Communicator {
         let gathered = (1..n)
             .map(|k| (r + k) % n)
             .try_for_each(|m| self.read_from(m, theirs[m][RESULT], at[m], &mut recv[at[m]..at[m + 1]]));
-        if gathered.is_err() {
-            io.abort_all();
-        }
-        gathered?;
+        io.poisoned_on_failure(gathered)?;
 
         // 5. nobody reads this rank's buffer any more
         self.meet(io, &[0u8; 8], bytemuck::cast_slice_mut(&mut tokens))?;

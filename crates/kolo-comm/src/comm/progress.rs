@@ -46,13 +46,21 @@ pub(crate) struct Io<'a> {
 impl Io<'_> {
     /// Poisons every link, so the peers fail at once too instead of
     /// waiting for their timeout.
-    pub(super) fn abort_all(&self) {
+    fn abort_all(&self) {
         for tx in self.links.tx.iter().flatten() {
             tx.abort();
         }
         for rx in self.links.rx.iter().flatten() {
             rx.abort();
         }
+    }
+
+    /// `result`, having poisoned every link if it is a failure.
+    pub(super) fn poisoned_on_failure<R>(&self, result: Result<R, CommError>) -> Result<R, CommError> {
+        if result.is_err() {
+            self.abort_all();
+        }
+        result
     }
 }
 
@@ -260,10 +268,7 @@ impl Communicator {
     /// communicator is unusable afterwards.
     pub(super) fn exchange(&self, io: &mut Io<'_>, ops: &mut [Op<'_>]) -> Result<(), CommError> {
         let result = self.progress(io.links, ops);
-        if result.is_err() {
-            io.abort_all();
-        }
-        result
+        io.poisoned_on_failure(result)
     }
 
     /// Moves every op to completion, interleaving them; fails when nothing
