@@ -1,15 +1,22 @@
 """What every test of the package shares: a test that leaves kolo worker
 agents behind fails itself, and its leftovers are ended here by pid, so
-that one test's fault never reads as another's."""
+that one test's fault never reads as another's; a test still running
+past its deadline prints every stack of its processes and fails."""
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
+import watch
+
 # agents end within the kill grace after their driver does (5 s by default)
 LEFTOVER_WAIT_S = 15
+
+# no test here takes half of this; one that does is stuck
+TEST_DEADLINE_S = float(os.environ.get("KOLO_TEST_DEADLINE_S", 600))
 
 
 def alive(pid):
@@ -47,6 +54,8 @@ def no_agent_outlives_its_test(request):
         time.sleep(0.05)
         left = live_agents() - before
     for pid in left:
+        watch.dump(pid, f"kolo worker agent {pid} outlived {request.node.nodeid}")
+    for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -54,3 +63,35 @@ def no_agent_outlives_its_test(request):
     if left:
         pytest.fail(f"{request.node.nodeid} left kolo worker agents {sorted(left)} running "
                     f"{LEFTOVER_WAIT_S} s after it ended; they were killed", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Past the deadline, the stacks of this process and of all it started
+    go to stderr, then the test's main thread is interrupted (a real
+    SIGINT to it: a blocking system call ends too, and kolo's waits look
+    for signals), which fails the test instead of ending the session."""
+    main = threading.main_thread().ident
+    fired = threading.Event()
+    done = threading.Event()
+
+    def watchdog():
+        if done.wait(TEST_DEADLINE_S):
+            return
+        fired.set()
+        watch.dump(os.getpid(), f"{item.nodeid} still ran after {TEST_DEADLINE_S:g} s")
+        if not done.is_set():
+            signal.pthread_kill(main, signal.SIGINT)
+
+    dog = threading.Thread(target=watchdog, name="kolo-test-deadline", daemon=True)
+    dog.start()
+    try:
+        return (yield)
+    except KeyboardInterrupt:
+        if fired.is_set():
+            pytest.fail(f"{item.nodeid} still ran after {TEST_DEADLINE_S:g} s: interrupted "
+                        "(the stacks of its processes are in its stderr)", pytrace=True)
+        raise
+    finally:
+        done.set()
+        dog.join()

@@ -3,16 +3,16 @@ line, with this Python's interpreter as the worker agent."""
 
 import os
 import shutil
-import subprocess
 import sys
 
 import kolo
+import watch
 
 KOLO = shutil.which("kolo", path=os.path.dirname(sys.executable)) or shutil.which("kolo")
 
 
 def run(*args, **kw):
-    return subprocess.run([KOLO, *args], capture_output=True, text=True, timeout=120, **kw)
+    return watch.run([KOLO, *args], timeout=120, **kw)
 
 
 def test_the_module_and_the_command_are_one_version():
@@ -50,6 +50,6 @@ def test_bad_input_is_an_error_naming_it():
 
 
 def test_the_worker_module_refuses_to_run_by_hand():
-    out = subprocess.run([sys.executable, "-m", "kolo._worker"], capture_output=True, text=True, timeout=60)
+    out = watch.run([sys.executable, "-m", "kolo._worker"], timeout=60)
     assert out.returncode != 0
     assert "run the `kolo` command instead" in out.stderr

@@ -5,15 +5,15 @@ from their last commit, on_event hears every membership change and the
 callbacks what the round's rank 0 reports."""
 
 import os
-import subprocess
 
 import pytest
 
 import kolo
+import watch
 
 
 def workers_left():
-    out = subprocess.run(["pgrep", "-f", "kolo._worker"], capture_output=True, text=True).stdout.split()
+    out = watch.run(["pgrep", "-f", "kolo._worker"], timeout=60).stdout.split()
     return [p for p in out if int(p) != os.getpid()]
 
 
@@ -123,7 +123,7 @@ def test_the_elastic_example_finishes_on_the_hosts_left():
 
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "elastic_executor.py")
     args = ["--engine", "local", "--hosts", "a:1,b:1,c:1", "--fail-on", "c:50", "--steps", "120"]
-    out = subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=120)
+    out = watch.run([sys.executable, example, *args], timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert "host c is blacklisted for the rest of the job" in lines, out.stdout

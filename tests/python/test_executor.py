@@ -11,6 +11,7 @@ import pytest
 
 import ddp_step
 import kolo
+import watch
 from kolo import Executor as RayExecutor
 
 
@@ -204,7 +205,7 @@ def test_worker_output_reaches_the_driver_with_rank_prefixes_and_nothing_is_left
             pids = ex.run(lambda: (print("hello from", os.environ["RANK"], flush=True), os.getpid())[1])
         print("workers", *pids)
     """))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    out = watch.run([sys.executable, str(script)], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[0]<stdout>:hello from 0" in out.stdout and "[1]<stdout>:hello from 1" in out.stdout, out.stdout
     pids = [int(p) for p in out.stdout.split("workers", 1)[1].split()]
@@ -272,7 +273,7 @@ def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
             time.sleep(0.01)
         pids = [int(open(m).read()) for m in markers]
         driver.send_signal(signal.SIGINT)
-        out, err = driver.communicate(timeout=30)
+        out, err = watch.communicate(driver, 30, "the interrupted driver")
         assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
         for pid in pids:
             alive = os.path.exists(f"/proc/{pid}") and \

@@ -5,7 +5,6 @@ horovod.torch` in kolo run ranks and Executor workers (and not where it
 should not be). The ranks are `hvd_ranks.py`."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +14,7 @@ from ddp_step import torch_or_skip, train_horovod
 torch_or_skip()
 
 import kolo  # noqa: E402
+import watch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = os.path.join(HERE, "hvd_ranks.py")
@@ -22,10 +22,8 @@ KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
 
 
 def kolo_run(n, *args, env=None):
-    return subprocess.run(
+    return watch.run(
         [KOLO, "run", "-np", str(n), "--", sys.executable, *args],
-        capture_output=True,
-        text=True,
         timeout=240,
         env=env,
     )
@@ -58,9 +56,8 @@ def test_sync_batch_norm_on_cpu_equals_batch_norm_on_the_whole_batch(n):
 
 
 def test_a_collective_waits_for_a_peer_busier_than_the_start_timeout():
-    out = subprocess.run(
-        [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"],
-        capture_output=True, text=True, timeout=120,
+    out = watch.run(
+        [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"], timeout=120,
     )
     passed(out, 2, "patient")
 
@@ -77,7 +74,7 @@ def test_horovod_is_kolos_only_inside_a_kolo_job_and_only_when_hooks_are_on():
     probe = "import horovod.torch as hvd; print('horovod is', hvd.__name__)"
     out = kolo_run(1, "-c", probe)
     assert out.returncode == 0 and "horovod is kolo.horovod.torch" in out.stdout, out.stdout + out.stderr
-    outside = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    outside = watch.run([sys.executable, "-c", probe], timeout=60)
     assert outside.returncode != 0 and "No module named 'horovod'" in outside.stderr, outside.stderr
     off = kolo_run(1, "-c", probe, env={**os.environ, "KOLO_PYTHON_HOOKS": "0"})
     assert off.returncode != 0 and "No module named 'horovod'" in off.stderr, off.stdout + off.stderr

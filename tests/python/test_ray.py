@@ -21,6 +21,7 @@ else:
 
 import ddp_step  # noqa: E402
 import kolo  # noqa: E402
+import watch  # noqa: E402
 from conftest import alive, live_agents  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
@@ -65,6 +66,8 @@ def nothing_left(cluster, request):
     while (set(agents()) - agents_before or len(placement_groups_alive()) > groups_before) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
+    for pid in set(agents()) - agents_before:
+        watch.dump(pid, f"kolo worker agent {pid} outlived {request.node.nodeid}")
     assert set(agents()) - agents_before == set(), f"{request.node.nodeid} left these agents"
     assert len(placement_groups_alive()) == groups_before, \
         f"{request.node.nodeid} left placement groups: {placement_groups_alive()}"
@@ -134,8 +137,7 @@ ex.shutdown()
 
 
 def test_a_driver_not_connected_to_ray_runs_the_bridge_in_a_python_of_its_own(cluster, nothing_left):
-    out = subprocess.run([sys.executable, "-c", UNCONNECTED_DRIVER], env=dict(os.environ, RAY_ADDRESS=cluster.address),
-                         capture_output=True, text=True, timeout=180)
+    out = watch.run([sys.executable, "-c", UNCONNECTED_DRIVER], env=dict(os.environ, RAY_ADDRESS=cluster.address), timeout=180)
     assert out.returncode == 0, out.stderr
     # the job ran on the cluster, and this Python never imported Ray: its bridge did
     assert out.stdout.strip() == "[2, 2] False", out.stdout + out.stderr
@@ -239,18 +241,16 @@ def test_the_kolo_backend_and_horovods_api_through_the_ray_engine(cluster, setti
 
 def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
-    out = subprocess.run(
+    out = watch.run(
         [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
          "-np", "4", "--workers-per-host", "2", "--", sys.executable, "-c",
-         "import os; print('rank', os.environ['RANK'], 'node', os.environ['KOLO_NODE_ID'])"],
-        capture_output=True, text=True, timeout=120,
+         "import os; print('rank', os.environ['RANK'], 'node', os.environ['KOLO_NODE_ID'])"], timeout=120,
     )
     assert out.returncode == 0, out.stderr
     lines = sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "rank" in line)
     assert [line.split()[1] for line in lines] == ["0", "1", "2", "3"], out.stdout
     assert len({line.split()[3] for line in lines}) == 2, out.stdout
-    refused = subprocess.run([kolo_command, "run", "--engine", "ray", "-H", "a:2", "-np", "2", "--", "true"],
-                             capture_output=True, text=True, timeout=60)
+    refused = watch.run([kolo_command, "run", "--engine", "ray", "-H", "a:2", "-np", "2", "--", "true"], timeout=60)
     assert refused.returncode != 0 and "give no host list" in refused.stderr, refused.stderr
 
 
@@ -381,14 +381,12 @@ def test_kolo_run_restarts_and_runs_in_place_on_ray(cluster, nothing_left):
     base = [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable]
     # restart mode: the world starts again on the nodes discovery lists
     script = "[ $KOLO_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; echo ok $RANK after $KOLO_RESTART_COUNT"
-    out = subprocess.run(base + ["-np", "2", "--max-restarts", "1", "--", "sh", "-c", script],
-                         capture_output=True, text=True, timeout=180)
+    out = watch.run(base + ["-np", "2", "--max-restarts", "1", "--", "sh", "-c", script], timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exited with code 3; restarting the job" in out.stderr, out.stderr
     assert "ok 0 after 1" in out.stdout and "ok 1 after 1" in out.stdout, out.stdout
     # in place: one round on the cluster's nodes
-    out = subprocess.run(base + ["--in-place", "-np", "2", "--", "sh", "-c", "echo rank $RANK in round $KOLO_ELASTIC_ROUND"],
-                         capture_output=True, text=True, timeout=180)
+    out = watch.run(base + ["--in-place", "-np", "2", "--", "sh", "-c", "echo rank $RANK in round $KOLO_ELASTIC_ROUND"], timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "kolo: round 0: 2 processes on" in out.stderr, out.stderr
     assert "rank 0 in round 0" in out.stdout and "rank 1 in round 0" in out.stdout, out.stdout
@@ -406,11 +404,10 @@ def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cl
     import test_torch_elastic as checks
 
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
-    out = subprocess.run(
+    out = watch.run(
         [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
          "--in-place", "-np", "4", "--min-np", "2", "--gpus-per-worker", "1", "-x", "FAULT=kill",
-         "-x", "FAULT_AT=rank3:3", "--", sys.executable, checks.RANKS, flavour, str(tmp_path)],
-        capture_output=True, text=True, timeout=240,
+         "-x", "FAULT_AT=rank3:3", "--", sys.executable, checks.RANKS, flavour, str(tmp_path)], timeout=240,
     )
     text = out.stdout[-3000:] + out.stderr[-3000:]
     assert out.returncode == 0, text
@@ -463,7 +460,7 @@ def test_a_killed_elastic_driver_leaves_nothing_on_the_cluster(cluster, nothing_
         assert agents(), "the job's agents"
     finally:
         driver.kill()
-        driver.wait()
+        watch.wait(driver, 60)
     # its bridges (discovery's and the cohort's) see their stdin close: the
     # launchers and agents go, and Ray gets its CPUs back (nothing_left: no agent)
     deadline = time.monotonic() + 30
@@ -501,7 +498,7 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     rank_dirs = _rank_dirs() - before
     assert len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
     driver.kill()
-    driver.wait()
+    watch.wait(driver, 60)
     deadline = time.monotonic() + 30
     while any(alive(p) for p in commands) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -16,6 +16,7 @@ from ddp_step import torch_or_skip
 torch = torch_or_skip()
 
 import kolo  # noqa: E402
+import watch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = os.path.join(HERE, "torch_ranks.py")
@@ -23,10 +24,8 @@ KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
 
 
 def kolo_run(n, scenario, timeout=240):
-    out = subprocess.run(
+    out = watch.run(
         [KOLO, "run", "-np", str(n), "--", sys.executable, RANKS, scenario],
-        capture_output=True,
-        text=True,
         timeout=timeout,
     )
     return out
@@ -92,7 +91,7 @@ def finish(procs, timeout=120):
     outs = []
     try:
         for p in procs:
-            out, err = p.communicate(timeout=timeout)
+            out, err = watch.communicate(p, timeout)
             outs.append((p.returncode, out, err))
     finally:
         for p in procs:
@@ -150,9 +149,8 @@ def test_cuda_tensors_go_to_nccl_in_the_backend_and_horovods_api():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: the CUDA paths (torch's NCCL under kolo) are tested where one is")
     gpus = torch.cuda.device_count()
-    out = subprocess.run(
-        [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")],
-        capture_output=True, text=True, timeout=300,
+    out = watch.run(
+        [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")], timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("ok cuda") == gpus, out.stdout

@@ -9,13 +9,13 @@ done twice, nothing lost). The ranks are `elastic_torch_ranks.py`."""
 import glob
 import json
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 import ddp_step
+import watch
 from ddp_step import torch_or_skip
 
 torch = torch_or_skip()
@@ -69,7 +69,7 @@ def in_place(tmp_path, flavour, *options, env=(), hosts="a:2,b:2", min_np=2, tim
     for name, value in env:
         args += ["-x", f"{name}={value}"]
     args += ["--", sys.executable, RANKS, flavour, str(tmp_path)]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return watch.run(args, timeout=timeout)
 
 
 def results(tmp_path):
@@ -236,13 +236,13 @@ def test_the_elastic_api_outside_an_in_place_job_says_how_to_start_one(tmp_path)
             "@hvd.elastic.run\n"
             "def train(state):\n    pass\n"
             "train(state)\n")
-    out = subprocess.run([KOLO, "run", "-np", "2", "--", sys.executable, "-c", code], capture_output=True, text=True,
+    out = watch.run([KOLO, "run", "-np", "2", "--", sys.executable, "-c", code],
                          timeout=120)
     assert out.returncode != 0
     assert "hvd.elastic.run needs an in-place elastic job" in out.stderr, out.stderr
     assert "kolo run --in-place" in out.stderr, out.stderr
     code = "import kolo.torch.elastic as e\ne.run(lambda s: None)(e.ObjectState(x=1))\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = watch.run([sys.executable, "-c", code], timeout=120)
     assert out.returncode != 0 and "needs an in-place elastic job" in out.stderr, out.stderr
 
 
@@ -305,8 +305,8 @@ def test_an_elastic_executor_runs_a_ddp_function_through_a_lost_worker(tmp_path,
 
 def test_the_readme_ddp_example_runs_in_place():
     example = os.path.join(HERE, "..", "..", "examples", "ddp_in_place.py")
-    out = subprocess.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:1,b:1", "-x",
-                          "EPOCHS=2", "--", sys.executable, example], capture_output=True, text=True, timeout=180)
+    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:1,b:1", "-x",
+                          "EPOCHS=2", "--", sys.executable, example], timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "epoch 2: loss" in out.stdout and "on 2 ranks (round 0)" in out.stdout, out.stdout
     assert "done: final loss" in out.stdout, out.stdout

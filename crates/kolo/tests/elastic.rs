@@ -74,7 +74,7 @@ fn a_killed_rank_restarts_the_world_and_nothing_of_the_old_one_is_left() {
     wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&first_round(i)).is_some()));
     let pids: Vec<i32> = (0..4).map(|i| line_in(&first_round(i)).unwrap().parse().unwrap()).collect();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).contains("rank 2 on host b was killed by signal 9 (SIGKILL); restarting"), "{}", stderr(&out));
     assert!((0..4).all(|i| dir.path().join(format!("{i}.1.pid")).exists()));
@@ -101,7 +101,7 @@ fn a_lost_host_is_left_out_of_the_next_world() {
     wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&file(i)).is_some()));
     let agent_of_3: i32 = line_in(&file(3)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent_of_3), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
     assert!(stderr(&out).contains("rank 3 on host b was lost"), "{}", stderr(&out));

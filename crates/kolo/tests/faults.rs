@@ -31,7 +31,7 @@ fn a_paused_reader_of_kolos_output_holds_back_only_the_rank_that_prints() {
     std::thread::sleep(Duration::from_secs(6));
     let mut out = String::new();
     child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
-    let status = child.wait().unwrap();
+    let status = wait_within(&mut child, JOB_DEADLINE);
     let mut err = String::new();
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(status.success(), "{err}");
@@ -56,7 +56,7 @@ fn a_killed_agent_takes_its_rank_with_it() {
     let dir = TempDir::new("agent-killed");
     let (child, ranks) = two_sleeping_ranks(dir.path());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[1].1), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("rank 1 on host localhost was lost"), "{}", stderr(&out));
     wait_for("every rank's command to end", Duration::from_secs(10), || ranks.iter().all(|&(cmd, _)| !alive(cmd)));
@@ -68,7 +68,7 @@ fn a_stopped_agent_is_reported_and_leaves_nothing_running() {
     let (child, ranks) = two_sleeping_ranks(dir.path());
     let start = Instant::now();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[0].1), nix::sys::signal::Signal::SIGSTOP).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("rank 0 on host localhost was lost: no heartbeat"), "{}", stderr(&out));
@@ -92,7 +92,7 @@ fn a_killed_driver_leaves_no_process_and_no_file() {
         .unwrap();
     let ranks = commands_and_agents(dir.path(), 3);
     child.kill().unwrap();
-    child.wait().unwrap();
+    wait_within(&mut child, JOB_DEADLINE);
     wait_for("every rank and its children to end", Duration::from_secs(15), || {
         ranks.iter().all(|&(sh, sleeper)| !alive(sh) && !alive(sleeper))
     });
@@ -128,7 +128,7 @@ fn a_closed_pipe_ends_kolo_quietly() {
     let mut first = [0u8; 100];
     child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
     drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stderr(&out).is_empty(), "{}", stderr(&out));
 }
@@ -158,7 +158,7 @@ fn too_few_descriptors_is_named_as_the_problem() {
         });
     }
     let start = Instant::now();
-    let out = command.output().unwrap();
+    let out = command.output_within(JOB_DEADLINE);
     assert!(start.elapsed() < Duration::from_secs(5), "took {:?}", start.elapsed());
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("file descriptors") && stderr(&out).contains("ulimit -n"), "{}", stderr(&out));
@@ -254,13 +254,13 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
     for &pid in everyone.iter().rev() {
         let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
     }
-    child.wait().unwrap();
+    wait_within(&mut child, JOB_DEADLINE);
     wait_for("every process of the job to end", Duration::from_secs(10), || everyone.iter().all(|&p| !alive(p)));
     let abandoned: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
     // each rank's directory, and the job's control endpoint (its janitor died too)
     assert_eq!(abandoned.len(), 3, "abandoned: {abandoned:?} before {before:?} {comms:#?}");
 
-    let out = kolo().env("TMPDIR", tmp.path()).args(["run", "-np", "1", "--", "true"]).output().unwrap();
+    let out = kolo().env("TMPDIR", tmp.path()).args(["run", "-np", "1", "--", "true"]).output_within(JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
     assert!(left.is_empty(), "left in TMPDIR after the next job: {left:?}");

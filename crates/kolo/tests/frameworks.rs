@@ -109,7 +109,7 @@ fn pytorch_ddp_with_a_checkpoint_survives_a_killed_rank_in_restart_mode() {
             .env("PIDS", dir.path());
         c
     };
-    let clean = job("clean.pt").output().unwrap();
+    let clean = job("clean.pt").output_within(JOB_DEADLINE);
     assert!(clean.status.success(), "{}", stderr(&clean));
     let _ = std::fs::remove_file(env("progress"));
     let child =
@@ -121,7 +121,7 @@ fn pytorch_ddp_with_a_checkpoint_survives_a_killed_rank_in_restart_mode() {
     };
     let first_world: Vec<i32> = (0..4).map(|r| pid_of(r, 0)).collect();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(first_world[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let faulty = child.wait_with_output().unwrap();
+    let faulty = output_within(child, JOB_DEADLINE);
     let text = stdout(&faulty);
     assert!(faulty.status.success(), "{text}{}", stderr(&faulty));
     assert!(stderr(&faulty).contains("rank 2 on host localhost was killed by signal 9 (SIGKILL); restarting"));

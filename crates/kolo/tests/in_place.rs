@@ -67,7 +67,7 @@ impl Job {
 
     /// Waits for kolo to exit: its status, stdout and stderr.
     fn finish(mut self) -> (std::process::ExitStatus, String, String) {
-        let status = self.child.wait().unwrap();
+        let status = wait_within(&mut self.child, JOB_DEADLINE);
         for reader in self.readers.drain(..) {
             reader.join().unwrap();
         }

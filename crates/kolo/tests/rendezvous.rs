@@ -76,7 +76,7 @@ fn kolo_rendezvous_serves_until_stopped() {
     assert_eq!(http(&addr, "GET", "/rank_and_size/h2:0", b""), (200, b"2,3,0,1,1,2".to_vec()));
     assert_eq!(http(&addr, "GET", "/nokey", b"").0, 400);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(server.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
-    assert!(server.wait().unwrap().success());
+    assert!(wait_within(&mut server, JOB_DEADLINE).success());
 }
 
 #[test]
@@ -84,7 +84,7 @@ fn kolo_rendezvous_rejects_bad_arguments() {
     let out = run(&["rendezvous", "--plan", "a:zero"]);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("host list 'a:zero'"), "{}", stderr(&out));
-    let out = kolo().args(["rendezvous", "--require-secret"]).env_remove("KOLO_SECRET").output().unwrap();
+    let out = kolo().args(["rendezvous", "--require-secret"]).env_remove("KOLO_SECRET").output_within(JOB_DEADLINE);
     assert!(!out.status.success());
     assert!(stderr(&out).contains("KOLO_SECRET"), "{}", stderr(&out));
 }

@@ -185,7 +185,7 @@ fn sigterm_and_sigint_to_kolo_tear_the_job_down() {
             .unwrap();
         wait_for("all ranks to start", Duration::from_secs(20), || pids_in(dir.path()).len() == 6);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).unwrap();
-        let out = child.wait_with_output().unwrap();
+        let out = output_within(child, JOB_DEADLINE);
         assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
         assert!(stderr(&out).contains(&format!("stopped by {}", signal.as_str())), "{}", stderr(&out));
         for pid in pids_in(dir.path()) {
@@ -300,8 +300,7 @@ fn environment_forwarding_and_overrides() {
         .env("FROM_HERE", "fh")
         .env("CUDA_VISIBLE_DEVICES", "7")
         .env("OLDPWD", "/old")
-        .output()
-        .unwrap();
+        .output_within(JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     for line in stdout(&out).lines() {
         assert!(line.ends_with(":kept|unset|unset|fh|xv|ev|1|secret|0"), "{line}");
@@ -416,7 +415,7 @@ fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
     wait_for("rank 0's agent to exit", Duration::from_secs(20), || !alive(first));
     assert!(alive(second), "rank 1's agent went before its rank ended");
     std::fs::write(&go, "").unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
 }
@@ -460,7 +459,7 @@ fn the_ranks_of_a_node_share_one_agent_process() {
     assert!(beating(2) && beating(3), "the agents of the waiting ranks left");
     assert!(alive(agents[0]) && alive(pids(2)[0]) && alive(pids(3)[0]), "the waiting ranks or their agent ended");
     std::fs::write(&go, "").unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
     assert_eq!(String::from_utf8_lossy(&out.stdout).matches(":done").count(), 2);
@@ -476,13 +475,11 @@ fn rank_directories_are_in_tmpdir_when_set_else_in_memory() {
     let in_tmp = kolo()
         .env("TMPDIR", tmp.path())
         .args(["run", "--disable-prefix", "-np", "1", "--", "sh", "-c", script])
-        .output()
-        .unwrap();
+        .output_within(JOB_DEADLINE);
     let unset = kolo()
         .env_remove("TMPDIR")
         .args(["run", "--disable-prefix", "-np", "1", "--", "sh", "-c", script])
-        .output()
-        .unwrap();
+        .output_within(JOB_DEADLINE);
     for (out, base) in [(&in_tmp, tmp.path().to_path_buf()), (&unset, std::path::PathBuf::from("/dev/shm"))] {
         assert!(out.status.success(), "{}", stderr(out));
         let file = std::path::PathBuf::from(stdout(out).trim());

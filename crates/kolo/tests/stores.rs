@@ -75,7 +75,7 @@ fn another_user_of_the_machine_can_neither_read_nor_write_the_jobs_stores() {
     }
 
     std::fs::write(dir.path().join("done"), "").unwrap();
-    let out = job.wait_with_output().unwrap();
+    let out = output_within(job, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     // each refusal was said, naming whose the connection was
     assert!(stderr(&out).contains("belongs to user 65534"), "{}", stderr(&out));

@@ -38,7 +38,7 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
     wait_for("the first world", Duration::from_secs(30), || (0..6).all(|r| first(r).is_some()));
     let on_h3: Vec<i32> = (4..6).filter_map(first).collect();
     let cut = LinkDown::cut("h3");
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     let text = stdout(&out);
     assert!(out.status.success(), "{text}{}", stderr(&out));
     assert!(stderr(&out).contains("on host h3 was lost"), "{}", stderr(&out));

@@ -370,8 +370,7 @@ fn stack_and_status_across_hosts() {
         Command::new(t.join("hx"))
             .args(["h1", "env", &xdg, &path, env!("CARGO_BIN_EXE_kolo")])
             .args(args)
-            .output()
-            .unwrap()
+            .output_within(JOB_DEADLINE)
     };
     wait_for("both ranks up and asleep", Duration::from_secs(60), || {
         let out = ask(&["status", "--json"]);

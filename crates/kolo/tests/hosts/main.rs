@@ -34,8 +34,7 @@ fn kolo_in_h1(args: &[&str]) -> Output {
         .arg(env!("CARGO_BIN_EXE_kolo"))
         .args(args)
         .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .output()
-        .expect("hx runs")
+        .output_within(JOB_DEADLINE)
 }
 
 fn ssh_config() -> String {
@@ -134,7 +133,11 @@ fn spawn_in_h1(args: &[&str], script: &str) -> std::process::Child {
 /// Runs a command inside h1 with the test cluster's Slurm config.
 fn in_h1(cmd: &[&str]) -> Output {
     let t = testhosts();
-    Command::new(t.join("hx")).arg("h1").args(cmd).env("SLURM_CONF", t.join("slurm/slurm.conf")).output().unwrap()
+    Command::new(t.join("hx"))
+        .arg("h1")
+        .args(cmd)
+        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
+        .output_within(JOB_DEADLINE)
 }
 
 fn slurm_jobs() -> String {
@@ -167,7 +170,7 @@ fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal)
     let text = std::fs::read_to_string(dir.path().join("2.pid")).unwrap();
     let agent: i32 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent), signal).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     assert!(stderr(&out).contains("rank 2 on host h2 was lost"), "{}", stderr(&out));
     wait_for("every rank and agent to end", Duration::from_secs(20), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
@@ -254,7 +257,7 @@ impl Streaming {
     }
 
     fn finish(mut self) -> (bool, String) {
-        let ok = self.child.wait().unwrap().success();
+        let ok = wait_within(&mut self.child, JOB_DEADLINE).success();
         for reader in self.readers.drain(..) {
             reader.join().unwrap();
         }

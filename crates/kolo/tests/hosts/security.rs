@@ -61,7 +61,7 @@ fn the_jobs_stores_refuse_other_users_on_its_hosts_and_other_hosts() {
         assert!(said.starts_with("refused"), "h3, not a job host, used the {kind} store: {said}");
     }
     std::fs::write(dir.path().join("done"), "").unwrap();
-    let out = job.wait_with_output().unwrap();
+    let out = output_within(job, JOB_DEADLINE);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("belongs to user 65534 of host h2"), "{err}");
@@ -98,7 +98,7 @@ fn no_kolo_process_listens_on_every_address_once_the_job_runs() {
         assert!(open.is_empty(), "on {host}: {open:?}");
     }
     std::fs::write(dir.path().join("done"), "").unwrap();
-    let out = job.wait_with_output().unwrap();
+    let out = output_within(job, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_nothing_left();
 }

@@ -66,7 +66,7 @@ fn scancel_ends_a_slurm_job_with_a_report() {
     let jobs = slurm_jobs();
     let job = jobs.split_whitespace().next().expect("a running job").to_string();
     assert!(in_h1(&["scancel", &job]).status.success());
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("rank") && err.contains("on host h"), "{err}");
@@ -132,7 +132,7 @@ fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
     assert!(!slurm_jobs().trim().is_empty());
     // hx execs its way to kolo: this kills the driver itself
     child.kill().unwrap();
-    child.wait().unwrap();
+    wait_within(&mut child, JOB_DEADLINE);
     wait_for("the janitor to give the allocation back", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
     wait_for("every rank to end", Duration::from_secs(30), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
     wait_for("the janitor to remove its files", Duration::from_secs(10), || {

@@ -114,7 +114,7 @@ fn a_worker_killed_on_h2_ends_the_job_naming_h2() {
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
     let victim: i32 = std::fs::read_to_string(dir.path().join("2.pid")).unwrap().trim().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), nix::sys::signal::Signal::SIGKILL).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = output_within(child, JOB_DEADLINE);
     assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
     assert!(stderr(&out).contains("rank 2 on host h2 was killed by signal 9"), "{}", stderr(&out));
     for pid in pids_in(dir.path()) {
