@@ -2,6 +2,7 @@
 //! `/proc`, and every thread's Python stack through py-spy (a well-kept
 //! sampler; kolo does not read another process's memory itself).
 
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -136,11 +137,13 @@ impl CpuWatch {
     }
 }
 
-/// Where py-spy is: `KOLO_PY_SPY`, the asking user's (`hint`), beside
+/// Where py-spy is: `KOLO_PY_SPY`, the asking user's (`hint`), beside the
+/// rank's interpreter (`pid`'s: a rank running a virtualenv's
+/// `bin/python` finds the py-spy that `pip install kolo` put there), beside
 /// this program as started (a virtualenv's `bin/python`, which
 /// `current_exe` resolves to the Python it links to) or as it is, or on
 /// `PATH`.
-fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
+fn py_spy(hint: Option<&str>, pid: u32) -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("KOLO_PY_SPY") {
         return Some(PathBuf::from(path));
     }
@@ -148,9 +151,37 @@ fn py_spy(hint: Option<&str>) -> Option<PathBuf> {
         return Some(hint);
     }
     let started_as = std::env::args_os().next().map(PathBuf::from).filter(|p| p.is_absolute());
-    let mut beside =
-        started_as.into_iter().chain(std::env::current_exe().ok()).filter_map(|exe| Some(exe.parent()?.join("py-spy")));
+    let programs = started_as.into_iter().chain(std::env::current_exe().ok());
+    let mut beside = programs_of(pid).into_iter().chain(programs).filter_map(|exe| Some(exe.parent()?.join("py-spy")));
     beside.find(|p| p.is_file()).or_else(py_spy_on_path)
+}
+
+/// The program process `pid` runs: as it was started (its `argv[0]`, found
+/// the way its own `PATH` and working directory found it), then as it is
+/// (`/proc/PID/exe`, a virtualenv's Python resolved to the one it links to).
+fn programs_of(pid: u32) -> Vec<PathBuf> {
+    let proc = PathBuf::from(format!("/proc/{pid}"));
+    let cmdline = std::fs::read(proc.join("cmdline")).unwrap_or_default();
+    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
+    let environ = std::fs::read(proc.join("environ")).unwrap_or_default();
+    let path = environ.split(|b| *b == 0).find_map(|var| var.strip_prefix(b"PATH="));
+    let cwd = std::fs::read_link(proc.join("cwd")).ok();
+    let started = started_as(std::ffi::OsStr::from_bytes(argv0), path.map(std::ffi::OsStr::from_bytes), cwd);
+    started.into_iter().chain(std::fs::read_link(proc.join("exe")).ok()).collect()
+}
+
+/// Where a process started as `argv0` found its program: a path as it is
+/// (from `cwd` when relative), a bare name in the first directory of
+/// `path` that has it.
+fn started_as(argv0: &std::ffi::OsStr, path: Option<&std::ffi::OsStr>, cwd: Option<PathBuf>) -> Option<PathBuf> {
+    if argv0.is_empty() {
+        return None;
+    }
+    let named = std::path::Path::new(argv0);
+    if named.components().count() > 1 || named.is_absolute() {
+        return Some(if named.is_absolute() { named.to_path_buf() } else { cwd?.join(named) });
+    }
+    std::env::split_paths(path?).map(|dir| dir.join(named)).find(|p| p.is_file())
 }
 
 /// `py-spy` in the first of `PATH`'s directories that has it.
@@ -164,7 +195,7 @@ pub fn py_spy_on_path() -> Option<PathBuf> {
 /// ids); or a line saying why there is none. `native`: with native frames
 /// where py-spy can unwind them.
 pub(crate) fn stacks(pid: u32, host: &str, hint: Option<&str>, native: bool) -> String {
-    let Some(py_spy) = py_spy(hint) else {
+    let Some(py_spy) = py_spy(hint, pid) else {
         return format!("py-spy is not installed on host {host}: pip install py-spy (or set KOLO_PY_SPY)");
     };
     let dump = |native: bool| {
@@ -259,6 +290,28 @@ impl OutputWithin for Command {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ranks_program_is_found_as_its_own_path_and_directory_found_it() {
+        let dir = std::env::temp_dir().join(format!("kolo-started-as-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("venv/bin")).unwrap();
+        std::fs::write(dir.join("venv/bin/python"), "").unwrap();
+        let os = std::ffi::OsStr::new;
+        let path = format!("/nonexistent:{}", dir.join("venv/bin").display());
+        // a bare name: the first directory of the rank's PATH that has it
+        assert_eq!(started_as(os("python"), Some(os(&path)), None), Some(dir.join("venv/bin/python")));
+        assert_eq!(started_as(os("python"), Some(os("/nonexistent")), None), None);
+        assert_eq!(started_as(os("python"), None, None), None);
+        // a path: as it is, from the rank's working directory when relative
+        assert_eq!(started_as(os("/opt/py/bin/python3"), None, None), Some(PathBuf::from("/opt/py/bin/python3")));
+        assert_eq!(started_as(os("venv/bin/python"), None, Some(dir.clone())), Some(dir.join("venv/bin/python")));
+        assert_eq!(started_as(os("venv/bin/python"), None, None), None);
+        assert_eq!(started_as(os(""), Some(os(&path)), None), None);
+        // and what this test process runs, by pid
+        let programs = programs_of(std::process::id());
+        assert!(programs.contains(&std::env::current_exe().unwrap()), "{programs:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     #[test]
     fn a_dump_renders_without_pids_or_thread_ids() {

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use common::*;
 
-/// A job started with its own runtime directory.
+/// A job started with its own runtime directory, without py-spy on PATH
+/// (kolo built with cargo, as a developer runs it): where a rank's Python
+/// has one beside it, the agents find it there.
 struct Job {
     child: Child,
     runtime: TempDir,
@@ -23,6 +25,7 @@ impl Job {
         let runtime = TempDir::new(name);
         let child = kolo()
             .env("XDG_RUNTIME_DIR", runtime.path())
+            .env("PATH", path_without_py_spy())
             .args(["run", "-np", np, "--"])
             .args(command)
             .stdout(Stdio::piped())
@@ -36,7 +39,8 @@ impl Job {
     }
 
     fn kolo(&self, args: &[&str]) -> std::process::Output {
-        kolo().env("XDG_RUNTIME_DIR", self.runtime.path()).args(args).output().unwrap()
+        let path = path_without_py_spy();
+        kolo().env("XDG_RUNTIME_DIR", self.runtime.path()).env("PATH", path).args(args).output_within(JOB_DEADLINE)
     }
 
     fn dir(&self) -> std::path::PathBuf {
@@ -87,7 +91,7 @@ fn ps_lists_a_running_job_and_forgets_it_once_it_ended() {
     let mut job = job;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(job.child.id() as i32), nix::sys::signal::Signal::SIGINT)
         .unwrap();
-    job.child.wait().unwrap();
+    wait_within(&mut job.child, JOB_DEADLINE);
     // the directory too, once no job of the user's is in it
     assert!(
         !job.dir().exists(),
@@ -146,6 +150,13 @@ fn stack_says_when_a_rank_is_not_python_and_names_a_bad_rank() {
     assert!(stderr(&out).contains("rank 7 is not in the job: it has ranks 0 to 1"), "{}", stderr(&out));
 }
 
+/// This PATH without its directories that hold a py-spy.
+fn path_without_py_spy() -> String {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let kept: Vec<_> = std::env::split_paths(&path).filter(|dir| !dir.join("py-spy").exists()).collect();
+    std::env::join_paths(kept).unwrap().to_string_lossy().into_owned()
+}
+
 /// With py-spy (the Python that has torch in CI has it), the rank that
 /// waits somewhere else is shown first, the others merged.
 #[test]
@@ -167,8 +178,8 @@ fn stack_merges_the_ranks_that_wait_alike_and_shows_the_odd_one_first() {
         job.status()["ranks"].as_array().unwrap().iter().all(|r| r["last_output_s"].as_f64().unwrap() < 30.0)
             && job.status()["ranks"].as_array().unwrap().iter().all(|r| r["state"] == "sleeping")
     });
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
-    let out = kolo().env("XDG_RUNTIME_DIR", job.runtime.path()).env("PATH", path).args(["stack"]).output().unwrap();
+    // py-spy nowhere on PATH: the agents find the one beside the ranks' Python
+    let out = job.kolo(&["stack"]);
     let text = stdout(&out);
     assert!(out.status.success(), "{}", stderr(&out));
     let odd = text.find("rank 2 (host ").expect(&text);
@@ -237,7 +248,8 @@ fn status_during_teardown_answers_or_says_why_not() {
 #[test]
 fn a_hang_is_reported_naming_the_rank_outside_the_collective_with_the_stacks() {
     let Some(python) = python_with("torch") else { return };
-    let bin = std::path::Path::new(&python).parent().unwrap().to_path_buf();
+    let beside = std::path::Path::new(&python).with_file_name("py-spy");
+    assert!(beside.exists(), "{python} has no py-spy beside it (pip install py-spy there)");
     let script = "import os, time\n\
                   import torch, torch.distributed as dist\n\
                   dist.init_process_group('gloo')\n\
@@ -248,14 +260,14 @@ fn a_hang_is_reported_naming_the_rank_outside_the_collective_with_the_stacks() {
                   if dist.get_rank() == 2:\n    stuck_before_the_all_reduce()\n\
                   dist.all_reduce(t)\n";
     let runtime = TempDir::new("hang");
-    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
     let started = std::time::Instant::now();
+    // py-spy nowhere on PATH (kolo built with cargo, as a developer runs it):
+    // the agents find the one beside the ranks' Python, which has kolo's
     let out = kolo()
         .env("XDG_RUNTIME_DIR", runtime.path())
-        .env("PATH", path)
+        .env("PATH", path_without_py_spy())
         .args(["run", "-np", "4", "--hang-timeout", "8", "--", &python, "-c", script])
-        .output()
-        .unwrap();
+        .output_within(JOB_DEADLINE);
     let took = started.elapsed();
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
@@ -380,8 +392,7 @@ fn a_long_job_says_at_its_end_which_rank_the_others_waited_for() {
     let out = kolo()
         .env("XDG_RUNTIME_DIR", runtime.path())
         .args(["run", "-np", "3", "--", &python, "-c", script])
-        .output()
-        .unwrap();
+        .output_within(JOB_DEADLINE);
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("kolo: rank 1 was the slowest in "), "{err}");
