@@ -18,6 +18,14 @@ LEFTOVER_WAIT_S = 15
 # no test here takes half of this; one that does is stuck
 TEST_DEADLINE_S = float(os.environ.get("KOLO_TEST_DEADLINE_S", 600))
 
+# A shell without job control (a script, a CI runner) starts background
+# commands with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
+# the deadline below could not interrupt a test, and every process a test
+# starts would ignore the Ctrl-C it is sent. Here SIGINT is what it is in a
+# terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 def alive(pid):
     """Whether process `pid` runs (a zombie is dead for every purpose here)."""
