@@ -44,11 +44,53 @@ class Settings:
 class Handle:
     """One rank's answer to `run_remote`, as Ray's object ref would be."""
 
-    def __init__(self, future: "concurrent.futures.Future", rank: int):
-        self._future, self._rank = future, rank
+    def __init__(self, future: "concurrent.futures.Future", rank: int, executor: "Executor"):
+        self._future, self._rank, self._executor = future, rank, executor
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        return self._future.result(timeout)[self._rank]
+        try:
+            return self._future.result(timeout)[self._rank]
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting ends the job, as it does in a call
+            self._executor.shutdown()
+            raise
+
+
+class _InOrder:
+    """Runs `run_remote`'s calls one after the other on a daemon thread:
+    the interpreter never waits for it at exit (a worker pool's threads
+    are joined, and a call in flight may run for hours); a call in flight
+    ends when the executor shuts down."""
+
+    def __init__(self):
+        import queue  # here: workers import this module too, and need no more
+        import threading
+
+        self._calls = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kolo-run-remote", daemon=True)
+        self._thread.start()
+
+    def submit(self, call) -> "concurrent.futures.Future":
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+        self._calls.put((future, call))
+        return future
+
+    def _serve(self):
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as e:  # noqa: BLE001 - the caller's to see
+                    future.set_exception(e)
+
+    def close(self):
+        """Ends the thread once the calls queued before are answered (each
+        at once, with the executor shut down)."""
+        self._calls.put(None)
+        self._thread.join()
 
 
 def get(handles):
@@ -279,13 +321,16 @@ class Executor:
         return json.loads(self._driver.status())
 
     def shutdown(self):
-        """Stops every worker; nothing of the job is left."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._driver is not None:
-            self._driver.shutdown()
-            self._driver = None
+        """Stops every worker (a call in flight on another thread, as
+        run_remote's are, ends with WorkerLost); nothing of the job is left."""
+        driver, self._driver = self._driver, None
+        pool, self._pool = self._pool, None
+        try:
+            if driver is not None:
+                driver.shutdown()
+        finally:
+            if pool is not None:
+                pool.close()
 
     def __enter__(self):
         return self
@@ -344,11 +389,9 @@ class Executor:
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
         driver = self._running()
         if self._pool is None:
-            import concurrent.futures  # here: workers import this module too, and need no more
-
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kolo-run-remote")
+            self._pool = _InOrder()
         future = self._pool.submit(lambda: self._answers(driver.execute(payload)))
-        return [Handle(future, rank) for rank in range(len(self._workers))]
+        return [Handle(future, rank, self) for rank in range(len(self._workers))]
 
     def execute_single(self, fn: Callable) -> Any:
         """`fn(executable)` on rank 0 only."""

@@ -237,17 +237,29 @@ JOB_STUCK_IN = {
                 time.sleep(600)
         ex.start(Slow)
     """,
+    # a call run_remote runs on a thread of the executor's, while the
+    # caller waits for its handles
+    "run_remote": """
+        ex.start()
+        kolo.get(ex.run_remote(lambda: (started(), time.sleep(600))))
+    """,
 }
 
 
-@pytest.mark.parametrize("stuck_in", sorted(JOB_STUCK_IN))
-def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
-    import signal
+def alive_pid(pid):
+    return os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stuck_driver(tmp_path, stuck_in):
+    """A Python driver whose two workers are stuck in the user's code, as
+    a shell starts a job in a terminal (SIGINT at its default, whatever
+    this process inherited); and the workers' pids."""
     import time
 
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
         import os, time
+        import kolo
         from kolo import Executor
         def started():
             with open(os.environ["MARKER"] + os.environ["RANK"], "w") as f:
@@ -261,29 +273,118 @@ def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
     """))
     marker = str(tmp_path / "started-")
     env = dict(os.environ, MARKER=marker)
+    # SIGINT back to its default before Python starts (an ignored signal
+    # stays ignored through exec, and Python then keeps ignoring it)
+    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
+                         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
     driver = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", as_from_a_terminal, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
+    deadline = time.monotonic() + 60
+    markers = [marker + str(rank) for rank in range(2)]
+    while not all(os.path.exists(m) and open(m).read() for m in markers):
+        if time.monotonic() > deadline or driver.poll() is not None:
+            watch.kill_tree(driver.pid)
+            out, err = driver.communicate()
+            pytest.fail(f"the workers never got there: {out}{err}")
+        time.sleep(0.01)
+    return driver, [int(open(m).read()) for m in markers]
+
+
+@pytest.mark.parametrize("stuck_in", sorted(JOB_STUCK_IN))
+def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
+    import signal
+
+    driver, pids = stuck_driver(tmp_path, stuck_in)
     try:
-        # Ctrl-C while both workers are in the user's code
-        deadline = time.monotonic() + 30
-        markers = [marker + str(rank) for rank in range(2)]
-        while not all(os.path.exists(m) and open(m).read() for m in markers):
-            assert time.monotonic() < deadline and driver.poll() is None, "the workers never got there"
-            time.sleep(0.01)
-        pids = [int(open(m).read()) for m in markers]
         driver.send_signal(signal.SIGINT)
         out, err = watch.communicate(driver, 30, "the interrupted driver")
         assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
         for pid in pids:
-            alive = os.path.exists(f"/proc/{pid}") and \
-                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-            assert not alive, f"worker {pid} outlived the interrupted driver"
+            assert not alive_pid(pid), f"worker {pid} outlived the interrupted driver"
     finally:
         # whatever failed, this test's driver goes (its workers follow it,
         # and conftest ends any that do not)
         driver.kill()
         driver.communicate()
+
+
+def test_a_second_ctrl_c_ends_the_teardown_at_once_even_with_a_worker_that_cannot_stop(tmp_path):
+    """A stopped worker (SIGSTOP) never answers the driver's Stop: the
+    teardown would wait the kill grace (5 s) for it. A second Ctrl-C
+    kills what is left at once, as with kolo run and mpirun."""
+    import signal
+    import time
+
+    driver, pids = stuck_driver(tmp_path, "call")
+    try:
+        os.kill(pids[1], signal.SIGSTOP)
+        first = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        # the teardown has begun once the worker that can stop has
+        deadline = first + 30
+        while alive_pid(pids[0]):
+            assert time.monotonic() < deadline, "worker 0 never stopped"
+            time.sleep(0.01)
+        driver.send_signal(signal.SIGINT)
+        out, err = watch.communicate(driver, 30, "the driver interrupted twice")
+        took = time.monotonic() - first
+        assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
+        assert took < 4, f"the driver took {took:.1f} s, as long as the kill grace: the second Ctrl-C was not heard"
+        assert not alive_pid(pids[1]), "the stopped worker outlived the driver"
+    finally:
+        driver.kill()
+        driver.communicate()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def test_ctrl_c_reaches_the_driver_where_the_tests_were_started_with_sigint_ignored(tmp_path):
+    """A shell without job control (a script, CI) starts background commands
+    with SIGINT ignored, and a Python started so keeps ignoring it: the
+    Ctrl-C test then sent its driver a signal it never saw (the fresh-
+    machine CI failures). The tests' drivers start as from a terminal."""
+    import signal
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = watch.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{here}/test_executor.py",
+         "-k", "test_ctrl_c_in_the_driver_tears_everything_down_at_once and call"],
+        timeout=120, cwd=str(tmp_path), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_shutdown_from_another_thread_ends_a_running_call(settings, tmp_path):
+    """shutdown() while a call runs: the call ends with an error at once
+    instead of holding the executor until the user's code returns."""
+    import threading
+    import time
+
+    marker = str(tmp_path / "started")
+    ex = RayExecutor(settings, num_workers=2, hosts="localhost:2")
+    ex.start()
+    pids = ex.run(os.getpid)
+
+    def stop_once_started():
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ex.shutdown()
+
+    stopper = threading.Thread(target=stop_once_started)
+    stopper.start()
+    try:
+        with pytest.raises(kolo.WorkerLost, match="shut down"):
+            ex.run(lambda: (open(marker, "w").close(), time.sleep(600)))
+    finally:
+        stopper.join(60)
+    assert not stopper.is_alive(), "shutdown() never returned"
+    assert not any(alive_pid(p) for p in pids)
 
 
 def test_ssh_str_goes_to_the_identity_file_privately_and_never_over_an_existing_one(tmp_path):

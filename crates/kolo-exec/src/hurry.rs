@@ -21,6 +21,13 @@ pub fn hurry(signal: i32) {
     notify().notify_waiters();
 }
 
+/// Forgets an earlier [`hurry`], for a process that goes on after the
+/// teardown it hurried (a Python driver whose caller caught Ctrl-C's
+/// KeyboardInterrupt): its later teardowns take their grace again.
+pub fn calm() {
+    HURRIED_BY.store(0, Ordering::SeqCst);
+}
+
 /// Resolves once [`hurry`] was called (at once if it was already), with
 /// the signal that asked.
 pub async fn hurried() -> i32 {

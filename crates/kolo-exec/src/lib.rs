@@ -70,7 +70,7 @@ pub use engine::{
     RayOptions, RunsBridge, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch,
 };
 pub use guard::{Guard, GuardOptions};
-pub use hurry::{hurried, hurry};
+pub use hurry::{calm, hurried, hurry};
 pub use inspect::{own_progress_file, py_spy_on_path};
 pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};

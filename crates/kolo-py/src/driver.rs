@@ -3,19 +3,21 @@
 //! kolo-exec's Executor on its own runtime (`Driver`), fixed or elastic.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
+use tokio::sync::watch;
 
 use kolo_exec::{lock, BridgeHost, EngineOptions, Executor, RayOptions, RunsBridge, Settings, WorkerRequest};
 use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
 use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
 
 use crate::worker::{registry, PyCall, PyWorker};
-use crate::{error, exec_error, HangError, JobStopped};
+use crate::{error, exec_error, HangError, JobStopped, WorkerLost};
 
 /// How `kolo.Executor`'s messages name its arguments: horovod.ray's names.
 const PYTHON_NAMES: OptionNames = OptionNames::HOROVOD_RAY;
@@ -173,31 +175,138 @@ impl Job {
     }
 }
 
-/// Waits for `work` with the GIL released, looking for Python's signals
-/// (Ctrl-C) every 100 ms: a call into the workers may take as long as the
-/// user's function does.
-fn interruptible<T>(
-    runtime: &tokio::runtime::Runtime,
-    work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
-) -> PyResult<T> {
-    interruptible_py(runtime, async { work.await.map_err(exec_error) })
+/// What ended a wait of the driver's early.
+enum Interrupted {
+    /// Python's signal handlers raised this (Ctrl-C: KeyboardInterrupt),
+    /// or a callback of the user's did.
+    Signal(PyErr),
+    /// `shutdown()` was called on another thread.
+    ShutDown,
 }
 
-fn interruptible_py<T>(
-    runtime: &tokio::runtime::Runtime,
-    work: impl std::future::Future<Output = PyResult<T>>,
-) -> PyResult<T> {
-    runtime.block_on(async {
-        tokio::pin!(work);
+impl Interrupted {
+    fn into_err(self) -> PyErr {
+        match self {
+            Interrupted::Signal(e) => e,
+            Interrupted::ShutDown => WorkerLost::new_err(
+                "the executor was shut down (shutdown() on another thread) while this call ran: its workers were stopped",
+            ),
+        }
+    }
+}
+
+/// How the driver's waits end early: Ctrl-C (looked for every
+/// `SIGNAL_CHECK`: the GIL is released meanwhile, and only the main thread
+/// runs Python's signal handlers), a KeyboardInterrupt a callback of the
+/// user's raised, or `shutdown()` on another thread.
+struct Interrupts {
+    stop: watch::Sender<bool>,
+    /// What a callback raised that ends the wait (a KeyboardInterrupt).
+    raised: Arc<Mutex<Option<PyErr>>>,
+    /// The last wait ended early: the job ends with it.
+    fired: AtomicBool,
+}
+
+impl Interrupts {
+    fn new() -> Self {
+        Interrupts { stop: watch::channel(false).0, raised: Default::default(), fired: AtomicBool::new(false) }
+    }
+
+    async fn interrupted(&self) -> Interrupted {
+        let mut stop = self.stop.subscribe();
         loop {
             tokio::select! {
-                done = &mut work => return done,
+                _ = stop.wait_for(|asked| *asked) => return Interrupted::ShutDown,
                 _ = tokio::time::sleep(SIGNAL_CHECK) => {
-                    Python::with_gil(|py| py.check_signals())?;
+                    let raised = lock(&self.raised).take();
+                    if let Some(e) = raised.map_or_else(|| Python::with_gil(|py| py.check_signals()).err(), Some) {
+                        return Interrupted::Signal(e);
+                    }
                 }
             }
         }
-    })
+    }
+
+    /// Runs `work` on `runtime` with the GIL released until it is done or
+    /// interrupted: a call into the workers may take as long as the
+    /// user's function does.
+    fn run<T>(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        work: impl std::future::Future<Output = PyResult<T>>,
+    ) -> PyResult<T> {
+        runtime.block_on(async {
+            tokio::select! {
+                done = work => done,
+                why = self.interrupted() => {
+                    self.fired.store(true, Ordering::SeqCst);
+                    Err(why.into_err())
+                }
+            }
+        })
+    }
+
+    fn run_exec<T>(
+        &self,
+        runtime: &tokio::runtime::Runtime,
+        work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+    ) -> PyResult<T> {
+        self.run(runtime, async { work.await.map_err(exec_error) })
+    }
+
+    fn raised_by_callback(&self, e: PyErr) -> Option<PyErr> {
+        raised_by_callback(&self.raised, e)
+    }
+}
+
+/// What a callback of the user's raised: a KeyboardInterrupt ends the wait
+/// it ran in (kept in `raised`), anything else is the caller's to raise
+/// once the wait is done.
+fn raised_by_callback(raised: &Mutex<Option<PyErr>>, e: PyErr) -> Option<PyErr> {
+    if Python::with_gil(|py| e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py)) {
+        *lock(raised) = Some(e);
+        return None;
+    }
+    Some(e)
+}
+
+/// Runs a teardown to its end; once `armed` says so, a Ctrl-C meanwhile
+/// hurries it (what still runs is killed at once, not after the kill
+/// grace), as with `kolo run` and mpirun. That Ctrl-C's exception, if any.
+async fn hurried_by_ctrl_c<T>(
+    teardown: impl std::future::Future<Output = T>,
+    armed: impl Fn() -> bool,
+) -> (T, Option<PyErr>) {
+    tokio::pin!(teardown);
+    let mut caught = None;
+    let done = loop {
+        tokio::select! {
+            done = &mut teardown => break done,
+            _ = tokio::time::sleep(SIGNAL_CHECK), if caught.is_none() => {
+                if armed() {
+                    if let Err(e) = Python::with_gil(|py| py.check_signals()) {
+                        caught = Some(e);
+                        kolo_exec::hurry(nix::sys::signal::Signal::SIGINT as i32);
+                    }
+                }
+            }
+        }
+    };
+    if caught.is_some() {
+        // this process goes on (its caller may catch KeyboardInterrupt):
+        // later teardowns take their grace again
+        kolo_exec::calm();
+    }
+    (done, caught)
+}
+
+/// Stops the workers (hurried by Ctrl-C) and ends the runtime; the Ctrl-C
+/// that hurried it, if one did.
+fn teardown(runtime: tokio::runtime::Runtime, mut executor: Executor) -> Option<PyErr> {
+    let ((), caught) = runtime.block_on(hurried_by_ctrl_c(executor.shutdown(), || true));
+    drop(executor);
+    end_runtime(runtime);
+    caught
 }
 
 /// A driver's runtime: one thread of its own, so that heartbeats and
@@ -212,8 +321,24 @@ fn driver_runtime() -> PyResult<tokio::runtime::Runtime> {
         .map_err(error)
 }
 
+/// Ends a driver's runtime without waiting on its blocking threads for
+/// longer than `RUNTIME_END` (dropping it would wait for them without
+/// limit): an engine call interrupted mid-way (Ray placing the workers,
+/// Slurm's queue) may block for its whole timeout; what it holds is the
+/// janitor's to clean up.
+fn end_runtime(runtime: tokio::runtime::Runtime) {
+    runtime.shutdown_timeout(RUNTIME_END);
+}
+
+/// How long a driver's ending runtime waits for its blocking threads.
+const RUNTIME_END: Duration = Duration::from_millis(200);
+
 /// How often a driver waiting on the workers looks for Ctrl-C.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// How often `shutdown()` looks whether a call on another thread has
+/// torn the job down (and for Ctrl-C meanwhile).
+const TEARDOWN_LOOK: Duration = Duration::from_millis(10);
 
 /// `work`, unless no rank moves for `timeout` first (a hang): then
 /// `HangError` with the report (who holds the job back, every stack).
@@ -234,6 +359,8 @@ async fn unless_hung<T>(
 /// kolo-exec's Executor on its own runtime, for `kolo.Executor`.
 #[pyclass(module = "kolo._kolo")]
 pub(crate) struct Driver {
+    /// Held by a running call: `shutdown()` on another thread asks it to
+    /// end through `interrupts` first.
     inner: Mutex<Option<(tokio::runtime::Runtime, Executor)>>,
     /// The job, for an elastic job's worlds and cohorts.
     job: kolo_job::Job,
@@ -242,6 +369,7 @@ pub(crate) struct Driver {
     view: Mutex<Option<(tokio::runtime::Handle, kolo_exec::control::Inspector)>>,
     /// Calls end with a hang report once no rank moved for this long.
     hang_timeout: Option<Duration>,
+    interrupts: Interrupts,
 }
 
 impl Driver {
@@ -258,21 +386,33 @@ impl Driver {
         py.allow_threads(|| {
             let mut inner = lock(&self.inner);
             let (runtime, executor) = inner.as_mut().ok_or_else(|| error("the executor was shut down"))?;
+            self.interrupts.fired.store(false, Ordering::SeqCst);
             let result = work(runtime, executor);
-            // interrupted (Ctrl-C) or hung: nothing of the job outlives the call
-            let ended = result.as_ref().is_err_and(|e| {
-                Python::with_gil(|py| {
-                    e.is_instance_of::<pyo3::exceptions::PyKeyboardInterrupt>(py) || e.is_instance_of::<HangError>(py)
-                })
-            });
-            if ended {
+            // interrupted (Ctrl-C, shutdown() elsewhere) or hung: nothing
+            // of the job outlives the call
+            let hung = result.as_ref().is_err_and(|e| Python::with_gil(|py| e.is_instance_of::<HangError>(py)));
+            if self.interrupts.fired.swap(false, Ordering::SeqCst) || hung {
                 lock(&self.view).take();
-                if let Some((runtime, mut executor)) = inner.take() {
-                    runtime.block_on(executor.shutdown());
+                if let Some((runtime, executor)) = inner.take() {
+                    // a second Ctrl-C hurries it; the first's exception is raised
+                    drop(teardown(runtime, executor));
                 }
             }
             result
         })
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // collected without shutdown(): kill outright, wait for nothing
+        let inner = self.inner.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some((runtime, executor)) = inner {
+            let entered = runtime.enter();
+            drop(executor);
+            drop(entered);
+            end_runtime(runtime);
+        }
     }
 }
 
@@ -297,6 +437,7 @@ impl Driver {
     #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, ray_bridge=None, hang_timeout_s=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         job: &Job,
         worker_program: String,
         worker_args: Vec<String>,
@@ -336,21 +477,30 @@ impl Driver {
         let job = spec.check().map_err(exec_error)?;
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());
-        let runtime = driver_runtime()?;
-        let executor = match job.is_elastic() {
-            // an elastic job's executors are made per world or cohort
+        let interrupts = Interrupts::new();
+        // an elastic job's executors are made per world or cohort
+        let inner = match job.is_elastic() {
             true => None,
-            false => Some(runtime.block_on(job.executor()).map_err(exec_error)?),
+            false => {
+                // which may wait for an allocation (Slurm)
+                let runtime = driver_runtime()?;
+                match py.allow_threads(|| interrupts.run_exec(&runtime, job.executor())) {
+                    Ok(executor) => Some((runtime, executor)),
+                    Err(e) => {
+                        end_runtime(runtime);
+                        return Err(e);
+                    }
+                }
+            }
         };
-        let inner = executor.map(|executor| (runtime, executor));
-        Ok(Driver { inner: Mutex::new(inner), job, view: Mutex::new(None), hang_timeout })
+        Ok(Driver { inner: Mutex::new(inner), job, view: Mutex::new(None), hang_timeout, interrupts })
     }
 
     /// Starts the workers and creates each one's state from `args`.
     fn start(&self, py: Python<'_>, args: PyBackedBytes, env: Vec<(String, String)>) -> PyResult<()> {
         let args = args.to_vec();
         self.with(py, |rt, ex| {
-            interruptible(rt, ex.start::<PyWorker>(&args, &env))?;
+            self.interrupts.run_exec(rt, ex.start::<PyWorker>(&args, &env))?;
             *lock(&self.view) = ex.inspector().map(|inspector| (rt.handle().clone(), inspector));
             Ok(())
         })
@@ -371,19 +521,20 @@ impl Driver {
         let answers = self.with(py, |rt, ex| match &on_report {
             None => {
                 let watch = self.hang_watch(ex);
-                interruptible_py(rt, unless_hung(ex.execute::<PyWorker, PyCall>(&call), watch))
+                self.interrupts.run(rt, unless_hung(ex.execute::<PyWorker, PyCall>(&call), watch))
             }
             Some(callback) => {
                 let mut failed: Option<PyErr> = None;
                 let watch = self.hang_watch(ex);
-                let answers = interruptible_py(
+                let answers = self.interrupts.run(
                     rt,
                     unless_hung(
                         ex.execute_reporting::<PyWorker, PyCall>(&call, |report| {
                             if failed.is_none() {
                                 Python::with_gil(|py| {
                                     let data = PyBytes::new(py, &report.data);
-                                    failed = callback.call1(py, (report.rank, data)).err();
+                                    let raised = callback.call1(py, (report.rank, data)).err();
+                                    failed = raised.and_then(|e| self.interrupts.raised_by_callback(e));
                                 });
                             }
                         }),
@@ -401,7 +552,7 @@ impl Driver {
         let call = PyCall { payload: payload.to_vec(), elastic: false };
         let answer = self.with(py, |rt, ex| {
             let watch = self.hang_watch(ex);
-            interruptible_py(rt, unless_hung(ex.execute_single::<PyWorker, PyCall>(&call), watch))
+            self.interrupts.run(rt, unless_hung(ex.execute_single::<PyWorker, PyCall>(&call), watch))
         })?;
         Ok(PyBytes::new(py, &answer).unbind())
     }
@@ -431,6 +582,7 @@ impl Driver {
         let failed: Arc<Mutex<Option<PyErr>>> = Default::default();
         let last_failure: Arc<Mutex<Option<String>>> = Default::default();
         let (heard, failure) = (failed.clone(), last_failure.clone());
+        let raised = self.interrupts.raised.clone();
         let listener = move |event: ElasticEvent| {
             if let ElasticEvent::Failed { .. } | ElasticEvent::Restarting { .. } = &event {
                 *lock(&failure) = Some(event.to_string());
@@ -440,7 +592,7 @@ impl Driver {
                 return;
             }
             Python::with_gil(|py| {
-                *failed = match (&event, &on_report, &on_event) {
+                let raised_here = match (&event, &on_report, &on_event) {
                     (ElasticEvent::Reported { rank, data }, Some(callback), _) => {
                         callback.call1(py, (*rank, PyBytes::new(py, data))).err()
                     }
@@ -449,6 +601,7 @@ impl Driver {
                         crate::elastic::event_dict(py, &event).and_then(|d| callback.call1(py, (d,))).err()
                     }
                 };
+                *failed = raised_here.and_then(|e| raised_by_callback(&raised, e));
             });
         };
         let work = TaskWork::<PyWorker, PyCall> {
@@ -459,19 +612,39 @@ impl Driver {
         let (factory, env) = (job.cohort_factory(), [job.env(), &env[..]].concat());
         // the job's own runtime: there is no executor to hold one
         let runtime = driver_runtime()?;
-        let (results, stopped): (Vec<Vec<u8>>, Option<String>) = py.allow_threads(|| match mode {
-            ElasticMode::InPlace => {
-                let run = ElasticJob::run(work, config, discovery, factory, env, listener, std::future::pending());
-                let outcome = interruptible(&runtime, run)?;
-                Ok::<_, PyErr>((outcome.results, outcome.stopped.map(|c: StopCause| c.explain(&PYTHON_NAMES))))
-            }
-            ElasticMode::Restart => {
-                let run = RestartJob::run(&work, config, discovery, factory, env, listener, std::future::pending());
-                let outcome = interruptible(&runtime, run)?;
-                let stopped = outcome.stopped.as_ref().map(|reason| PYTHON_NAMES.explain(reason));
-                Ok((outcome.last.map(|l| l.results).unwrap_or_default(), stopped))
-            }
-        })?;
+        // Ctrl-C or shutdown() ends the job as a signal ends `kolo run`'s:
+        // the cohorts are stopped, a second Ctrl-C hurries that
+        let caught: Mutex<Option<Interrupted>> = Mutex::new(None);
+        let interrupt = async {
+            let why = self.interrupts.interrupted().await;
+            *lock(&caught) = Some(why);
+            nix::sys::signal::Signal::SIGINT
+        };
+        let interrupted = || lock(&caught).is_some();
+        let ended = py.allow_threads(|| {
+            runtime.block_on(async {
+                match mode {
+                    ElasticMode::InPlace => {
+                        let run = ElasticJob::run(work, config, discovery, factory, env, listener, interrupt);
+                        let (outcome, _) = hurried_by_ctrl_c(run, interrupted).await;
+                        outcome.map(|o| (o.results, o.stopped.map(|c: StopCause| c.explain(&PYTHON_NAMES))))
+                    }
+                    ElasticMode::Restart => {
+                        let run = RestartJob::run(&work, config, discovery, factory, env, listener, interrupt);
+                        let (outcome, _) = hurried_by_ctrl_c(run, interrupted).await;
+                        outcome.map(|o| {
+                            let stopped = o.stopped.as_ref().map(|reason| PYTHON_NAMES.explain(reason));
+                            (o.last.map(|l| l.results).unwrap_or_default(), stopped)
+                        })
+                    }
+                }
+            })
+        });
+        end_runtime(runtime);
+        if let Some(why) = lock(&caught).take() {
+            return Err(why.into_err());
+        }
+        let (results, stopped): (Vec<Vec<u8>>, Option<String>) = ended.map_err(exec_error)?;
         if let Some(e) = lock(&failed).take() {
             return Err(e);
         }
@@ -503,13 +676,35 @@ impl Driver {
         })
     }
 
-    /// Stops the workers; the driver cannot be used afterwards.
-    fn shutdown(&self, py: Python<'_>) {
+    /// Stops the workers, ending a call that runs on another thread; the
+    /// driver cannot be used afterwards. Ctrl-C meanwhile hurries it (and
+    /// is raised).
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        self.interrupts.stop.send_replace(true);
         py.allow_threads(|| {
             lock(&self.view).take();
-            if let Some((runtime, mut executor)) = lock(&self.inner).take() {
-                runtime.block_on(executor.shutdown());
+            // a call on another thread holds the executor until it has torn
+            // the job down; Ctrl-C meanwhile hurries that teardown
+            let mut caught = None;
+            let taken = loop {
+                match self.inner.try_lock() {
+                    Ok(mut inner) => break inner.take(),
+                    Err(std::sync::TryLockError::Poisoned(poisoned)) => break poisoned.into_inner().take(),
+                    Err(std::sync::TryLockError::WouldBlock) => {}
+                }
+                std::thread::sleep(TEARDOWN_LOOK);
+                if caught.is_none() {
+                    if let Err(e) = Python::with_gil(|py| py.check_signals()) {
+                        caught = Some(e);
+                        kolo_exec::hurry(nix::sys::signal::Signal::SIGINT as i32);
+                    }
+                }
+            };
+            let from_teardown = taken.and_then(|(runtime, executor)| teardown(runtime, executor));
+            if caught.is_some() {
+                kolo_exec::calm();
             }
+            caught.or(from_teardown).map_or(Ok(()), Err)
         })
     }
 }
