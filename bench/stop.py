@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """How fast a job stops when asked: SIGINT to a Python driver blocked in
-`Executor.run` (its workers in the called function), and SIGINT or
+`Executor.run` or in `kolo.get` of `run_remote`'s handles (its workers in
+the called function), twice to one whose worker is stopped (SIGSTOP: the
+time from the second SIGINT), and SIGINT or
 SIGTERM to `kolo run` (ranks that stop on SIGTERM, and ranks that ignore
 it: the kill grace then bounds the wait), on a quiet machine and beside N
 busy loops. It measures the time from the signal to the driver's exit
@@ -27,9 +29,14 @@ PY_DRIVER = textwrap.dedent("""
     ex = Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2")
     ex.start()
     print("workers", *ex.run(os.getpid), flush=True)
-    marker = sys.argv[1]
+    marker, how = sys.argv[1], sys.argv[2]
+    work = lambda: (open(marker + os.environ["RANK"], "w").close(), time.sleep(600))
     try:
-        ex.run(lambda: (open(marker + os.environ["RANK"], "w").close(), time.sleep(600)))
+        if how == "run_remote":
+            import kolo
+            kolo.get(ex.run_remote(work))
+        else:
+            ex.run(work)
     except KeyboardInterrupt:
         pass
 """)
@@ -75,15 +82,26 @@ def stop_time(proc, signum, pids):
     return time.monotonic() - t0
 
 
-def python_driver(tmp, trial):
+def python_driver(tmp, trial, how="run"):
     script = os.path.join(tmp, "driver.py")
     with open(script, "w") as f:
         f.write(PY_DRIVER)
-    marker = os.path.join(tmp, f"py{trial}-")
-    proc = subprocess.Popen([sys.executable, script, marker], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    marker = os.path.join(tmp, f"py{trial}-{how}-")
+    proc = subprocess.Popen([sys.executable, script, marker, how], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
     pids = [int(p) for p in proc.stdout.readline().split()[1:]]
     wait_for([marker + "0", marker + "1"])
+    if how != "stopped worker":
+        return stop_time(proc, signal.SIGINT, pids)
+    # worker 1 cannot answer the teardown: the first SIGINT waits for the
+    # kill grace, the second (once worker 0 is gone) ends it now
+    os.kill(pids[1], signal.SIGSTOP)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 60
+    while alive(pids[0]):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"worker {pids[0]} never stopped")
+        time.sleep(0.005)
     return stop_time(proc, signal.SIGINT, pids)
 
 
@@ -104,14 +122,20 @@ def main():
     parser.add_argument("--busy", default="0,2", help="busy loops beside the job, a run per value")
     parser.add_argument("--grace", type=float, default=2.0, help="kolo run's --kill-grace")
     args = parser.parse_args()
+    # started from a script or CI with SIGINT ignored, the drivers would
+    # ignore it too: here it is what it is in a terminal
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     cases = [
         ("Python driver, SIGINT", lambda tmp, t: python_driver(tmp, t), 1.0),
+        ("Python driver in run_remote, SIGINT", lambda tmp, t: python_driver(tmp, t, "run_remote"), 1.0),
+        ("Python driver, a worker stopped, 2nd SIGINT", lambda tmp, t: python_driver(tmp, t, "stopped worker"), 1.0),
         ("kolo run, SIGINT", lambda tmp, t: kolo_run(tmp, t, signal.SIGINT, "stop", args.grace), 1.0),
         ("kolo run, SIGTERM", lambda tmp, t: kolo_run(tmp, t, signal.SIGTERM, "stop", args.grace), 1.0),
         ("kolo run, SIGINT, ranks ignore SIGTERM", lambda tmp, t: kolo_run(tmp, t, signal.SIGINT, "ignore", args.grace),
          args.grace + 1.0),
     ]
-    print(f"{'busy':>4}  {'case':<40} {'median':>8} {'max':>8} {'goal':>6}")
+    print(f"{'busy':>4}  {'case':<44} {'median':>8} {'max':>8} {'goal':>6}")
     for busy in [int(b) for b in args.busy.split(",")]:
         loops = [multiprocessing.Process(target=busy_loop, daemon=True) for _ in range(busy)]
         for loop in loops:
@@ -120,7 +144,7 @@ def main():
             with tempfile.TemporaryDirectory() as tmp:
                 for name, case, goal in cases:
                     times = [case(tmp, t) for t in range(args.trials)]
-                    print(f"{busy:>4}  {name:<40} {statistics.median(times):>7.3f}s {max(times):>7.3f}s "
+                    print(f"{busy:>4}  {name:<44} {statistics.median(times):>7.3f}s {max(times):>7.3f}s "
                           f"{goal:>5.1f}s", flush=True)
         finally:
             for loop in loops:

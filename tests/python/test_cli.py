@@ -3,6 +3,7 @@ line, with this Python's interpreter as the worker agent."""
 
 import os
 import shutil
+import subprocess
 import sys
 
 import kolo
@@ -53,3 +54,30 @@ def test_the_worker_module_refuses_to_run_by_hand():
     out = watch.run([sys.executable, "-m", "kolo._worker"], timeout=60)
     assert out.returncode != 0
     assert "run the `kolo` command instead" in out.stderr
+
+
+def test_ctrl_c_stops_the_job_with_kolos_exit_code_and_no_python_traceback(tmp_path):
+    """The installed `kolo` is a Python program: Python's own SIGINT handler
+    must not answer Ctrl-C with a KeyboardInterrupt over kolo's teardown."""
+    import signal
+    import time
+
+    marker = str(tmp_path / "up-")
+    rank = f"import os, time; open({marker!r} + os.environ['RANK'], 'w').close(); time.sleep(600)"
+    # SIGINT at its default, as in a terminal, whatever pytest inherited
+    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
+                         "os.execv(sys.argv[1], sys.argv[1:])"
+    job = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, KOLO, "run", "-np", "2", "--",
+                            sys.executable, "-c", rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(marker + r) for r in "01"):
+            assert time.monotonic() < deadline and job.poll() is None, "the ranks never started"
+            time.sleep(0.01)
+        job.send_signal(signal.SIGINT)
+        out, err = watch.communicate(job, 30, "kolo run after Ctrl-C")
+        assert job.returncode == 130, out + err
+        assert "stopped by SIGINT" in err and "Traceback" not in err, err
+    finally:
+        watch.kill_tree(job.pid)
+        job.communicate()

@@ -173,6 +173,57 @@ def test_an_infeasible_placement_times_out_naming_what_was_asked_and_what_there_
     assert time.monotonic() - began < 30
 
 
+UNPLACEABLE_DRIVER = """
+import sys
+import kolo
+settings = kolo.Executor.create_settings(timeout_s=30, placement_group_timeout_s=120)
+ex = kolo.Executor(settings, num_hosts=4, num_workers_per_host=1, engine="ray")
+try:
+    ex.start()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    raise
+"""
+
+
+@pytest.mark.parametrize("driver_kind", ["executor", "kolo run"])
+def test_ctrl_c_while_ray_cannot_place_the_workers_ends_the_driver_at_once(cluster, nothing_left, driver_kind):
+    """Ctrl-C while Ray looks for room (an engine call that blocks for up
+    to the placement timeout): the driver ends now, not at the timeout,
+    and its pending placement group goes with it."""
+    groups = len(placement_groups_alive())
+    if driver_kind == "executor":
+        command = [sys.executable, "-c", UNPLACEABLE_DRIVER]
+    else:
+        kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
+        command = [kolo_command, "run", "--engine", "ray", "--ray-python", sys.executable,
+                   "--placement-timeout", "120", "-np", "4", "--workers-per-host", "1", "--", "true"]
+    # SIGINT at its default, as in a terminal, whatever pytest inherited
+    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
+                         "os.execv(sys.argv[1], sys.argv[1:])"
+    driver = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, *command],
+                              env=dict(os.environ, RAY_ADDRESS=cluster.address),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(placement_groups_alive()) == groups:
+            assert time.monotonic() < deadline and driver.poll() is None, "no placement group was asked for"
+            time.sleep(0.1)
+        interrupted = time.monotonic()
+        driver.send_signal(signal.SIGINT)
+        out, err = watch.communicate(driver, 60, f"the {driver_kind} driver interrupted while Ray placed its workers")
+        took = time.monotonic() - interrupted
+        if driver_kind == "executor":
+            assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
+        else:
+            assert driver.returncode == 130, out + err
+        assert took < 30, f"the driver took {took:.0f} s to end: it waited for the placement timeout"
+    finally:
+        watch.kill_tree(driver.pid)
+        driver.communicate()
+    # nothing_left: no placement group, no agent
+
+
 def test_use_current_placement_group_places_the_workers_in_the_callers_group(cluster, nothing_left):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

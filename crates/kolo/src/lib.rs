@@ -63,6 +63,10 @@ pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
             cli::Command::Top(args) => top::top(args.job.as_deref()),
         }
     });
+    // not a plain drop, which waits for blocking threads without limit: an
+    // engine call cut short by a signal (Ray placing the workers, Slurm's
+    // queue) may block for its whole timeout; the janitor cleans up after it
+    runtime.shutdown_timeout(std::time::Duration::from_millis(200));
     match result {
         Ok(code) => code.clamp(0, 255),
         Err(e) => {

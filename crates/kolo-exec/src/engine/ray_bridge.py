@@ -30,6 +30,7 @@ actor dies. End of stdin (the driver is gone) and SIGTERM clean up as
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -205,9 +206,8 @@ class Bridge:
         else:
             self.pg = placement_group(bundles, strategy=request["strategy"])
             self.made_pg = True
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
-        if not ready:
-            return {"error": self._infeasible(bundles, request["strategy"], timeout)}
+        if not self._ready([self.pg.ready()], timeout):
+            return self._gone_or({"error": self._infeasible(bundles, request["strategy"], timeout)})
         # The bridge itself starts the agents of the bundles on its own node,
         # and a launcher actor those of each other node, in the node's first
         # bundle: Ray starts a process per actor, which is most of a
@@ -238,10 +238,10 @@ class Bridge:
             self.actors.append(actor)
             self.launcher_of.append(actor)
         left = max(timeout - (time.monotonic() - t0), 30.0)
-        try:
-            places = dict(zip(self.actors, ray.get([a.where.remote() for a in self.actors], timeout=left)))
-        except ray.exceptions.GetTimeoutError:
-            return {"error": f"the launcher actors did not start within {left:.0f} s"}
+        wheres = [a.where.remote() for a in self.actors]
+        if not self._ready(wheres, left):
+            return self._gone_or({"error": f"the launcher actors did not start within {left:.0f} s"})
+        places = dict(zip(self.actors, ray.get(wheres)))
         places[self.local] = self.local.where()
         placed = []
         for i, actor in enumerate(self.launcher_of):
@@ -270,12 +270,30 @@ class Bridge:
             ).remote()
             self.actors.append(actor)
             self.launcher_of.append(actor)
-        try:
-            places = ray.get([a.where.remote() for a in self.actors], timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            return {"error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
-                             f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"}
+        wheres = [a.where.remote() for a in self.actors]
+        if not self._ready(wheres, timeout):
+            return self._gone_or({
+                "error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
+                         f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"})
+        places = ray.get(wheres)
         return self._placed([dict(where, bundle=i, node_id=node) for i, (where, node) in enumerate(zip(places, nodes))])
+
+    def _ready(self, refs, timeout):
+        """Whether all of `refs` are ready within `timeout`, looking in short
+        slices: the driver may go meanwhile (its end of the requests
+        closes), and then what this bridge holds goes at once, not at the
+        placement timeout."""
+        deadline = time.monotonic() + timeout
+        pending = list(refs)
+        while pending and not self.closing.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _, pending = self.ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.2))
+        return not pending
+
+    def _gone_or(self, answer):
+        return {"error": "the driver is gone"} if self.closing.is_set() else answer
 
     def _infeasible(self, bundles, strategy, timeout):
         ray = self.ray
@@ -368,8 +386,24 @@ def main(requests, protocol, in_process=False):
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, terminate)
+    # requests are read on a thread of their own, so that the driver's end
+    # (the end of the requests) is seen while a request waits on Ray
+    queued = queue.SimpleQueue()
+
+    def read_requests():
+        try:
+            for line in requests:
+                queued.put(line)
+        except (OSError, ValueError):
+            pass
+        bridge.closing.set()
+        queued.put(None)
+        if in_process:
+            requests.close()  # here, not while this thread may still read it
+
+    threading.Thread(target=read_requests, name="kolo-ray-bridge-requests", daemon=True).start()
     try:
-        for line in requests:
+        while (line := queued.get()) is not None:
             request = json.loads(line)
             op = request.get("op")
             if op == "kill":
@@ -391,7 +425,6 @@ def main(requests, protocol, in_process=False):
             # the engine reads the end of the pipe as the bridge's end; the
             # caller's connection to Ray stays theirs
             protocol.close()
-            requests.close()
         else:
             # Ray's own shutdown and the interpreter's take longer than the
             # job: what this job held is given back already, and Ray ends
