@@ -310,29 +310,23 @@ def test_ctrl_c_in_the_driver_tears_everything_down_at_once(tmp_path, stuck_in):
         driver.communicate()
 
 
-def test_a_second_ctrl_c_ends_the_teardown_at_once_even_with_a_worker_that_cannot_stop(tmp_path):
-    """A stopped worker (SIGSTOP) never answers the driver's Stop: the
-    teardown would wait the kill grace (5 s) for it. A second Ctrl-C
-    kills what is left at once, as with kolo run and mpirun."""
+def test_ctrl_c_ends_the_driver_at_once_even_with_a_worker_that_cannot_stop(tmp_path):
+    """A stopped worker (SIGSTOP) never answers the driver's Stop: it is
+    killed after a short drain, not after the kill grace (5 s) meant for
+    commands, as horovod.ray kills its actors outright."""
     import signal
     import time
 
     driver, pids = stuck_driver(tmp_path, "call")
     try:
         os.kill(pids[1], signal.SIGSTOP)
-        first = time.monotonic()
+        interrupted = time.monotonic()
         driver.send_signal(signal.SIGINT)
-        # the teardown has begun once the worker that can stop has
-        deadline = first + 30
-        while alive_pid(pids[0]):
-            assert time.monotonic() < deadline, "worker 0 never stopped"
-            time.sleep(0.01)
-        driver.send_signal(signal.SIGINT)
-        out, err = watch.communicate(driver, 30, "the driver interrupted twice")
-        took = time.monotonic() - first
+        out, err = watch.communicate(driver, 30, "the interrupted driver")
+        took = time.monotonic() - interrupted
         assert "interrupted" in out and "KeyboardInterrupt" in err, out + err
-        assert took < 4, f"the driver took {took:.1f} s, as long as the kill grace: the second Ctrl-C was not heard"
-        assert not alive_pid(pids[1]), "the stopped worker outlived the driver"
+        assert took < 3, f"the driver took {took:.1f} s: it waited for the stopped worker"
+        assert not any(alive_pid(p) for p in pids), "a worker outlived the driver"
     finally:
         driver.kill()
         driver.communicate()

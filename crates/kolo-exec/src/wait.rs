@@ -46,6 +46,14 @@ pub const KILLED_REAP: Duration = Duration::from_secs(2);
 /// their connections (their last output comes first).
 pub const STOP_DRAIN: Duration = Duration::from_secs(2);
 
+/// After Stop, how long workers that run functions (kolo.Executor's) may
+/// take to close their connections: each ends itself at once, even in the
+/// middle of a call, forwarding its last output (a worker holds its exit at
+/// most 1 s for that); one still there is stopped, frozen or cut off, and
+/// is killed, so that Ctrl-C ends the driver within a second whatever its
+/// workers do (horovod.ray kills its actors outright).
+pub const FUNCTIONS_DRAIN: Duration = Duration::from_millis(500);
+
 /// How long a handshake may take, at most (within the start timeout): a
 /// peer that says nothing must not hold a slot.
 pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);

@@ -68,6 +68,8 @@ struct Running {
     stopping: Arc<AtomicBool>,
     /// What is the same for every rank.
     job: kolo_topology::JobEnv,
+    /// The workers run an OS command each (`kolo run`), not functions.
+    commands: bool,
     /// `kolo status` and `kolo stack` ask here (none where it could not open).
     control: Option<crate::control::Endpoint>,
 }
@@ -313,7 +315,12 @@ impl Executor {
         // a worker that stops closes its connection after its last output;
         // the readers of lost workers have ended already
         let drain = async { while running.readers.join_next().await.is_some() {} };
-        let limit = self.settings.kill_grace + crate::wait::STOP_DRAIN;
+        // commands get the kill grace (their agents SIGTERM them first);
+        // workers that run functions end themselves at Stop
+        let limit = match running.commands {
+            true => self.settings.kill_grace + crate::wait::STOP_DRAIN,
+            false => crate::wait::FUNCTIONS_DRAIN,
+        };
         let drained = tokio::select! {
             drained = tokio::time::timeout(limit, drain) => drained.is_ok(),
             // asked twice to stop: what is left is killed now

@@ -237,7 +237,19 @@ impl Executor {
         let control = crate::control::open(listing, links.clone(), self.janitor.as_deref())
             .map_err(|e| tracing::warn!("no control endpoint for kolo status and kolo stack: {e}"))
             .ok();
-        Ok(Running { links, server, torch_store, output, events, readers, background, stopping, job, control })
+        Ok(Running {
+            links,
+            server,
+            torch_store,
+            output,
+            events,
+            readers,
+            background,
+            stopping,
+            job,
+            control,
+            commands: command,
+        })
     }
 
     async fn accept_workers(
