@@ -57,28 +57,30 @@ macro_rules! typed {
     };
 }
 
-/// Multiplies every element by `factor` (integers: truncated toward zero,
-/// as C++ converts the product back).
+/// Multiplies every element by `factor` as upstream does on the CPU:
+/// floats in their own precision (half types in f32), integers in f64,
+/// truncated toward zero as C++ converts the product back.
 pub(crate) fn scale(dtype: DType, bytes: &mut [u8], factor: f64) {
     if factor == 1.0 {
         return;
     }
     macro_rules! each {
-        ($t:ty, $to:expr, $from:expr) => {{
+        ($t:ty, $f:expr) => {{
             let values: &mut [$t] = bytemuck::cast_slice_mut(bytes);
             for v in values {
-                *v = $from($to(*v) * factor);
+                *v = $f(*v);
             }
         }};
     }
+    let f32_factor = factor as f32;
     match dtype {
-        DType::F32 => each!(f32, f64::from, |x: f64| x as f32),
-        DType::F64 => each!(f64, |x| x, |x| x),
-        DType::F16 => each!(f16, |x: f16| f64::from(x.to_f32()), |x: f64| f16::from_f64(x)),
-        DType::BF16 => each!(bf16, |x: bf16| f64::from(x.to_f32()), |x: f64| bf16::from_f64(x)),
-        DType::I32 => each!(i32, f64::from, |x: f64| x as i32),
-        DType::I64 => each!(i64, |x: i64| x as f64, |x: f64| x as i64),
-        DType::U8 => each!(u8, f64::from, |x: f64| x as u8),
+        DType::F32 => each!(f32, |x: f32| x * f32_factor),
+        DType::F64 => each!(f64, |x: f64| x * factor),
+        DType::F16 => each!(f16, |x: f16| f16::from_f32(x.to_f32() * f32_factor)),
+        DType::BF16 => each!(bf16, |x: bf16| bf16::from_f32(x.to_f32() * f32_factor)),
+        DType::I32 => each!(i32, |x: i32| (f64::from(x) * factor) as i32),
+        DType::I64 => each!(i64, |x: i64| (x as f64 * factor) as i64),
+        DType::U8 => each!(u8, |x: u8| (f64::from(x) * factor) as u8),
     }
 }
 

@@ -60,7 +60,7 @@ impl AddressBook for PyBook {
 
 /// An address book within this process (a one-rank communicator's).
 #[derive(Default)]
-struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
+pub(crate) struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
 
 impl AddressBook for LocalBook {
     fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
