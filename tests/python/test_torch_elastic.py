@@ -54,6 +54,8 @@ def no_rank_outlives_its_test():
         time.sleep(0.05)
     left = sorted(set(ranks_left()) - before)
     for pid in left:
+        watch.dump(pid, f"rank or agent {pid} outlived its test")
+    for pid in left:
         try:
             os.kill(pid, 9)
         except OSError:
