@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -26,6 +27,21 @@ TEST_DEADLINE_S = float(os.environ.get("KOLO_TEST_DEADLINE_S", 600))
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Every process these tests start inherits this (kolo passes the caller's
+# environment to its agents and ranks, Ray's nodes started here to their
+# actors): the leftover checks count this run's processes only, never
+# another job on the machine, which they would otherwise also kill.
+TEST_RUN = os.environ.setdefault("KOLO_TEST_RUN", uuid.uuid4().hex)
+_MARK = f"KOLO_TEST_RUN={TEST_RUN}".encode()
+
+
+def ours(pid):
+    """Whether process `pid` was started by this test run."""
+    try:
+        return _MARK in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+
 
 def alive(pid):
     """Whether process `pid` runs (a zombie is dead for every purpose here)."""
@@ -36,8 +52,8 @@ def alive(pid):
 
 
 def live_agents():
-    """Pids of live kolo worker agents (`python -m kolo._worker`) on this
-    machine; zombies are dead."""
+    """Pids of live kolo worker agents (`python -m kolo._worker`) this test
+    run started; zombies are dead."""
     found = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -47,7 +63,7 @@ def live_agents():
             state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"kolo._worker" in cmdline and state not in ("Z", "X"):
+        if b"kolo._worker" in cmdline and state not in ("Z", "X") and ours(pid):
             found.add(int(pid))
     return found
 

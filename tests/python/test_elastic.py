@@ -10,11 +10,11 @@ import pytest
 
 import kolo
 import watch
+from conftest import live_agents
 
 
 def workers_left():
-    out = watch.run(["pgrep", "-f", "kolo._worker"], timeout=60).stdout.split()
-    return [p for p in out if int(p) != os.getpid()]
+    return sorted(live_agents())
 
 
 def train(steps, victim, die_after):

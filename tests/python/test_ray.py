@@ -22,7 +22,7 @@ else:
 import ddp_step  # noqa: E402
 import kolo  # noqa: E402
 import watch  # noqa: E402
-from conftest import alive, live_agents  # noqa: E402
+from conftest import alive, live_agents, ours  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def _bridge_processes():
     found = set()
     for pid in os.listdir("/proc"):
         try:
-            if pid.isdigit() and b"kolo's bridge to Ray" in open(f"/proc/{pid}/cmdline", "rb").read():
+            if pid.isdigit() and b"kolo's bridge to Ray" in open(f"/proc/{pid}/cmdline", "rb").read() and ours(pid):
                 found.add(int(pid))
         except OSError:
             pass
@@ -539,7 +539,7 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     def sleepers():
-        return [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "sleep" and _parent_is_agent(p)]
+        return [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "sleep" and _parent_is_agent(p) and ours(p)]
 
     deadline = time.monotonic() + 60
     while len(sleepers()) < 2 and time.monotonic() < deadline:

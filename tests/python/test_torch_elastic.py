@@ -16,6 +16,7 @@ import pytest
 
 import ddp_step
 import watch
+from conftest import ours
 from ddp_step import torch_or_skip
 
 torch = torch_or_skip()
@@ -30,7 +31,8 @@ SAMPLES, EPOCHS = 96, 2
 
 def ranks_left():
     """Ranks of these tests, and kolo agents (local engine: they carry
-    the driver's address in their environment) still running."""
+    the driver's address in their environment) still running, this test
+    run's only."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -39,8 +41,8 @@ def ranks_left():
             state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        ours = RANKS.encode() in cmdline or b"KOLO_WORKER_DRIVER=127.0.0.1:" in environ
-        if ours and state not in ("Z", "X") and int(pid) != os.getpid():
+        kolos = RANKS.encode() in cmdline or b"KOLO_WORKER_DRIVER=127.0.0.1:" in environ
+        if kolos and state not in ("Z", "X") and int(pid) != os.getpid() and ours(pid):
             found.append(int(pid))
     return found
 
@@ -53,6 +55,8 @@ def no_rank_outlives_its_test():
     while set(ranks_left()) - before and time.monotonic() < deadline:
         time.sleep(0.05)
     left = sorted(set(ranks_left()) - before)
+    for pid in left:
+        watch.dump(pid, f"rank or agent {pid} outlived its test")
     for pid in left:
         try:
             os.kill(pid, 9)

@@ -48,6 +48,15 @@ def _cmdline(pid):
         return "(gone)"
 
 
+def _state_and_parent(pid):
+    """`state S, parent P`: what /proc says of a process."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return f"state {fields[0]}, parent {fields[1]}"
+    except OSError:
+        return "gone"
+
+
 def _threads_kernel_side(pid):
     """Each thread's name and what it waits on in the kernel: what is left
     to say of a process py-spy cannot read (not Python, or gone)."""
@@ -85,7 +94,7 @@ def stacks(root, why):
     if root == os.getpid():
         _allow_tracing_by_children()
     for pid in pids:
-        out.append(f"---- process {pid}: {_cmdline(pid)[:300]}\n")
+        out.append(f"---- process {pid} ({_state_and_parent(pid)}): {_cmdline(pid)[:300]}\n")
         text = None
         if py_spy:
             try:
