@@ -82,6 +82,19 @@ def test_the_stall_warning_names_the_ranks_that_have_not_submitted():
     assert "Missing ranks:" in out.stderr, out.stderr
 
 
+def test_the_hang_report_of_a_stalled_job_carries_the_stall_warning():
+    out = watch.run(
+        [KOLO, "run", "-np", "2", "--hang-timeout", "4", "-x", "HOROVOD_STALL_CHECK_TIME_SECONDS=1", "--",
+         sys.executable, RANKS, "stalled"],
+        timeout=120,
+    )
+    assert out.returncode != 0, out.stderr
+    assert "the job hung" in out.stderr, out.stderr
+    report = out.stderr[out.stderr.index("the job hung"):]
+    assert "Horovod's stall inspector on rank 0: One or more tensors were submitted" in report, report
+    assert "kolo: 1: [allreduce.never]" in report, report
+
+
 def test_a_collective_waits_for_a_peer_busier_than_the_start_timeout():
     out = watch.run(
         [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"], timeout=120,

@@ -48,6 +48,9 @@ pub struct Settings {
     pub stall: StallSettings,
     /// `HOROVOD_DYNAMIC_PROCESS_SETS`: sets may come and go after start.
     pub dynamic_sets: bool,
+    /// Where the coordinator writes its last stall warning for kolo's hang
+    /// report (`KOLO_STALL_FILE`, set by the rank's agent).
+    pub stall_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Settings {
@@ -58,6 +61,7 @@ impl Default for Settings {
             cache_capacity: 1024,
             stall: StallSettings::default(),
             dynamic_sets: false,
+            stall_file: None,
         }
     }
 }
@@ -100,6 +104,7 @@ impl Settings {
         if let Some(t) = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
             s.stall.shutdown = Duration::from_secs(t as u64);
         }
+        s.stall_file = var("KOLO_STALL_FILE").filter(|f| !f.is_empty()).map(Into::into);
         Ok(s)
     }
 }
@@ -469,6 +474,23 @@ fn check_splits(t: &Submit, set_size: usize) -> Result<(), Refused> {
     Ok(())
 }
 
+/// Leaves the warning where kolo's hang report reads it: private to the
+/// job's user, replacing the one before.
+fn write_stall(file: &std::path::Path, text: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(file)
+        .and_then(|mut f| f.write_all(text.as_bytes()));
+    if let Err(e) = written {
+        tracing::warn!("cannot write the stall warning to {}: {e}", file.display());
+    }
+}
+
 /// Fails everything pending with `failure` and marks the core stopped.
 fn fail_all(shared: &Shared, failure: Failure) {
     let entries: Vec<Entry> = {
@@ -662,9 +684,18 @@ impl Background {
         if set.stall.check_due(now) {
             if set.coordinator.is_some() {
                 if let Some(stall) = set.stall.check(&set.global_ranks, now) {
-                    eprintln!("[{}]: {}", if stall.shut_down { "ERROR" } else { "WARNING" }, stall.message);
+                    // printed when it changes, not at every check: a line
+                    // of output is a sign of life to kolo's hang watch,
+                    // which must still see a stalled job as hung
+                    let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+                    if stall.shut_down || stats.stall.as_deref() != Some(&stall.message) {
+                        eprintln!("[{}]: {}", if stall.shut_down { "ERROR" } else { "WARNING" }, stall.message);
+                        if let Some(file) = &self.settings.stall_file {
+                            write_stall(file, &stall.message);
+                        }
+                    }
                     stall_shutdown = stall.shut_down;
-                    self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).stall = Some(stall.message);
+                    stats.stall = Some(stall.message);
                 }
             }
             if capacity > 0 {

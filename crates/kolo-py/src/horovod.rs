@@ -71,7 +71,13 @@ fn refused(r: kolo_horovod::Refused) -> PyErr {
 }
 
 fn settings() -> PyResult<Settings> {
-    Settings::from_env().map_err(PyValueError::new_err)
+    let mut settings = Settings::from_env().map_err(PyValueError::new_err)?;
+    if settings.stall_file.is_none() {
+        // a kolo.Executor worker is the rank its agent inspects: the
+        // warning stays in this process's memory, where the agent reads it
+        settings.stall_file = kolo_exec::own_stall_file().ok().map(Into::into);
+    }
+    Ok(settings)
 }
 
 /// Horovod's core of this process.

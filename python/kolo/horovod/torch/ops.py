@@ -664,7 +664,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
             gathered_values = gathered_values / process_set.size()
         if gathered_indices.dim() == 0 or gathered_values.dim() == 0:
             return t.new().resize_as_(t)
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, t.size())
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, t.size(),
+                                       check_invariants=False)
 
     return handle
 
