@@ -94,8 +94,13 @@ fn comm_op(op: ReduceOp) -> kolo_comm::ReduceOp {
     }
 }
 
-fn allreduce_in_place(comm: &mut Communicator, dtype: DType, bytes: &mut [u8], op: ReduceOp) -> Result<(), CommError> {
-    typed!(dtype, T => comm.allreduce_in_place::<T>(bytemuck::cast_slice_mut(bytes), comm_op(op)))
+fn allreduce_in_place(
+    comm: &mut Communicator,
+    dtype: DType,
+    bytes: &mut [u8],
+    op: kolo_comm::ReduceOp,
+) -> Result<(), CommError> {
+    typed!(dtype, T => comm.allreduce_in_place::<T>(bytemuck::cast_slice_mut(bytes), op))
 }
 
 /// Bytes aligned for every element type (the fusion buffer, copies).
@@ -105,8 +110,17 @@ pub(crate) struct Aligned(Vec<u64>);
 impl Aligned {
     /// `len` zero bytes.
     pub(crate) fn zeroed(&mut self, len: usize) -> &mut [u8] {
-        self.0.clear();
-        self.0.resize(len.div_ceil(8), 0);
+        let bytes = self.sized(len);
+        bytes.fill(0);
+        bytes
+    }
+
+    /// `len` bytes, whatever they held (the caller writes them all): no
+    /// pass over memory that is about to be overwritten.
+    pub(crate) fn sized(&mut self, len: usize) -> &mut [u8] {
+        if self.0.len() < len.div_ceil(8) {
+            self.0.resize(len.div_ceil(8), 0);
+        }
         &mut bytemuck::cast_slice_mut(&mut self.0)[..len]
     }
 }
@@ -122,49 +136,82 @@ pub(crate) fn allreduce(
 ) -> Result<Vec<Output>, CommError> {
     let dtype = comm_dtype(response.dtype).expect("reductions of this type are refused when submitted");
     let esize = dtype.size();
-    let postscale = match response.reduce_op {
-        ReduceOp::Average => response.postscale / comm.size() as f64,
-        _ => response.postscale,
+    let (op, postscale) = match response.reduce_op {
+        // a plain average is the exact quotient, made in the reduction's
+        // last step (no pass of its own): what `t / size` gives, where
+        // upstream's multiplication by 1/size is off by an ulp for a third
+        // of the values at 3 ranks (and its own tests expect the quotient)
+        ReduceOp::Average if response.postscale == 1.0 => (kolo_comm::ReduceOp::Avg, 1.0),
+        ReduceOp::Average => (kolo_comm::ReduceOp::Sum, response.postscale / comm.size() as f64),
+        other => (comm_op(other), response.postscale),
     };
-    // one tensor of the caller's: reduced in its own output
-    if let [Some(entry)] = entries {
-        let submit = &entry.submit;
-        // SAFETY: the submitter's buffers, theirs to keep valid until done.
-        let out = unsafe { submit.output.unwrap_or(submit.input).bytes() };
-        if let Some(output) = submit.output.filter(|o| *o != submit.input) {
-            // SAFETY: as above; input and output do not overlap (the caller's two tensors).
-            out[..output.len.min(submit.input.len)].copy_from_slice(unsafe { &submit.input.bytes()[..] });
-        }
-        scale(dtype, out, response.prescale);
-        allreduce_in_place(comm, dtype, out, response.reduce_op)?;
-        scale(dtype, out, postscale);
-        return Ok(vec![Output::default()]);
-    }
     let lens: Vec<usize> = response.sizes.iter().map(|&n| n as usize * esize).collect();
-    let total: usize = lens.iter().sum();
-    let fusion = fusion.zeroed(total);
-    let mut at = 0;
+    // a tensor alone, or a large one, is reduced in its caller's memory:
+    // fusing a large one would only add two copies of it (all ranks
+    // decide alike: the sizes are the response's); the rest go together
+    // through the fusion buffer, in the response's order
+    let alone = |len: usize| entries.len() == 1 || len >= ALONE_BYTES;
     for (entry, &len) in entries.iter().zip(&lens) {
-        if let Some(entry) = entry {
-            // SAFETY: as above.
-            fusion[at..at + len].copy_from_slice(unsafe { &entry.submit.input.bytes()[..len] });
+        if !alone(len) {
+            continue;
         }
-        at += len;
+        match entry {
+            Some(entry) => {
+                let submit = &entry.submit;
+                // SAFETY: the submitter's buffers, theirs to keep valid until done.
+                let out = unsafe { submit.output.unwrap_or(submit.input).bytes() };
+                if let Some(output) = submit.output.filter(|o| *o != submit.input) {
+                    // SAFETY: as above; input and output do not overlap (the caller's two tensors).
+                    out[..output.len.min(submit.input.len)].copy_from_slice(unsafe { &submit.input.bytes()[..] });
+                }
+                reduce(comm, dtype, &mut out[..len], response.prescale, op, postscale)?;
+            }
+            // a rank that joined reduces zeros
+            None => reduce(comm, dtype, fusion.zeroed(len), 1.0, op, 1.0)?,
+        }
     }
-    scale(dtype, fusion, response.prescale);
-    allreduce_in_place(comm, dtype, fusion, response.reduce_op)?;
-    scale(dtype, fusion, postscale);
-    let mut at = 0;
-    for (entry, &len) in entries.iter().zip(&lens) {
-        if let Some(entry) = entry {
-            let submit = &entry.submit;
-            // SAFETY: as above.
-            let out = unsafe { submit.output.unwrap_or(submit.input).bytes() };
-            out[..len].copy_from_slice(&fusion[at..at + len]);
+    let together: usize = lens.iter().filter(|&&len| !alone(len)).sum();
+    if together > 0 {
+        let buffer = fusion.sized(together);
+        let mut at = 0;
+        for (entry, &len) in entries.iter().zip(&lens).filter(|(_, &len)| !alone(len)) {
+            match entry {
+                // SAFETY: as above.
+                Some(entry) => buffer[at..at + len].copy_from_slice(unsafe { &entry.submit.input.bytes()[..len] }),
+                None => buffer[at..at + len].fill(0),
+            }
+            at += len;
         }
-        at += len;
+        reduce(comm, dtype, buffer, response.prescale, op, postscale)?;
+        let mut at = 0;
+        for (entry, &len) in entries.iter().zip(&lens).filter(|(_, &len)| !alone(len)) {
+            if let Some(entry) = entry {
+                let submit = &entry.submit;
+                // SAFETY: as above.
+                let out = unsafe { submit.output.unwrap_or(submit.input).bytes() };
+                out[..len].copy_from_slice(&buffer[at..at + len]);
+            }
+            at += len;
+        }
     }
     Ok(vec![Output::default(); entries.len()])
+}
+
+/// Tensors this large are reduced in their own memory, not fused.
+const ALONE_BYTES: usize = 1 << 20;
+
+fn reduce(
+    comm: &mut Communicator,
+    dtype: DType,
+    bytes: &mut [u8],
+    prescale: f64,
+    op: kolo_comm::ReduceOp,
+    postscale: f64,
+) -> Result<(), CommError> {
+    scale(dtype, bytes, prescale);
+    allreduce_in_place(comm, dtype, bytes, op)?;
+    scale(dtype, bytes, postscale);
+    Ok(())
 }
 
 /// Allgather (fused or not): each tensor's rows from every rank, in rank

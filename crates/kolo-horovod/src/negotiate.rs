@@ -72,11 +72,20 @@ impl Coordinator {
                 }
             }
         }
-        // names pending from earlier cycles that the joins made ready
+        // names pending from earlier cycles that the joins made ready; and
+        // what cannot run beside a joined rank fails at once for whoever
+        // submitted it: it could only become ready once every rank had
+        // joined, which a rank waiting in it never does (and unnamed ops
+        // of ranks that took different branches before joining never meet)
         if self.joined_size > 0 {
             let needed = self.size() - self.joined_size;
             for name in &self.order {
-                if self.table[name].len() == needed && !ready.contains(name) {
+                let requests = &self.table[name];
+                let refused_beside_join = matches!(
+                    requests[0].kind,
+                    RequestType::Allgather | RequestType::Alltoall | RequestType::Broadcast | RequestType::Reducescatter
+                );
+                if (requests.len() == needed || refused_beside_join) && !ready.contains(name) {
                     ready.push(name.clone());
                 }
             }
@@ -441,6 +450,29 @@ mod tests {
         assert_eq!(s.error, "Reducescatter is not supported with Join at this time.");
         let a = construct_response("a", &[req(0, RequestType::Allreduce, "a", &[4])], 1, &[0, 1], 1 << 27);
         assert_eq!((a.kind, a.sizes), (ResponseType::Allreduce, vec![4]));
+    }
+
+    #[test]
+    fn beside_a_joined_rank_an_allgather_fails_for_each_rank_that_submits_it_whatever_its_name() {
+        let mut c = Coordinator::new(vec![0, 1, 2], 1 << 27);
+        let mut stall = StallInspector::new(StallSettings::default());
+        let t = Duration::ZERO;
+        let join = req(1, RequestType::Join, "", &[]);
+        let got = c.on_cycle(
+            &[vec![req(0, RequestType::Allgather, "g.5", &[2])], vec![join], vec![]],
+            &mut stall,
+            t,
+        );
+        assert_eq!(got.len(), 1);
+        assert!(got[0].error.starts_with("Allgather is not supported with Join"), "{:?}", got[0]);
+        // rank 2's differs in name (it took another branch before): the same error
+        let got = c.on_cycle(&[vec![], vec![], vec![req(2, RequestType::Allgather, "g.6", &[2])]], &mut stall, t);
+        assert_eq!((got.len(), got[0].names[0].as_str()), (1, "g.6"));
+        assert!(got[0].error.starts_with("Allgather is not supported with Join"), "{:?}", got[0]);
+        // an allreduce still waits for the ranks that have not joined
+        let got = c.on_cycle(&[vec![req(0, RequestType::Allreduce, "a", &[2])], vec![], vec![]], &mut stall, t);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(c.pending(), 1);
     }
 
     #[test]
