@@ -83,7 +83,10 @@ impl Coordinator {
                 let requests = &self.table[name];
                 let refused_beside_join = matches!(
                     requests[0].kind,
-                    RequestType::Allgather | RequestType::Alltoall | RequestType::Broadcast | RequestType::Reducescatter
+                    RequestType::Allgather
+                        | RequestType::Alltoall
+                        | RequestType::Broadcast
+                        | RequestType::Reducescatter
                 );
                 if (requests.len() == needed || refused_beside_join) && !ready.contains(name) {
                     ready.push(name.clone());
@@ -458,11 +461,7 @@ mod tests {
         let mut stall = StallInspector::new(StallSettings::default());
         let t = Duration::ZERO;
         let join = req(1, RequestType::Join, "", &[]);
-        let got = c.on_cycle(
-            &[vec![req(0, RequestType::Allgather, "g.5", &[2])], vec![join], vec![]],
-            &mut stall,
-            t,
-        );
+        let got = c.on_cycle(&[vec![req(0, RequestType::Allgather, "g.5", &[2])], vec![join], vec![]], &mut stall, t);
         assert_eq!(got.len(), 1);
         assert!(got[0].error.starts_with("Allgather is not supported with Join"), "{:?}", got[0]);
         // rank 2's differs in name (it took another branch before): the same error
