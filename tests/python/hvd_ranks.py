@@ -188,6 +188,14 @@ def join():
         got = hvd.allreduce(torch.full((5,), 1.0), op=hvd.Sum, name=f"step{step}")
         check(got, torch.full((5,), float(n - step)), f"step {step}")
     assert hvd.join() == n - 1
+    # beside a joined rank an allgather fails on every rank that calls it,
+    # even unnamed ones whose handle numbers differ (the ranks took
+    # different branches before): none waits for the others
+    for first in range(n):
+        if r != first:
+            expect(lambda: hvd.allgather(torch.ones(2)), hvd.HorovodInternalError,
+                   "Allgather is not supported with Join at this time.")
+        assert hvd.join() != first or n == 1
 
 
 def sets():
@@ -206,6 +214,17 @@ def sets():
     else:
         expect(lambda: hvd.allreduce(torch.ones(3), process_set=evens), ValueError,
                f"Rank {r} is not a member of the provided process set")
+    # an optimizer over the evens: they average among themselves, the
+    # others step on their own gradients (upstream's rule)
+    net = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(net.weight)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0),
+                                   named_parameters=net.named_parameters(), process_set=evens)
+    net(torch.ones(1, 2) * (r + 1)).sum().backward()
+    opt.step()
+    evens_mean = sum(e + 1 for e in range(0, n, 2)) / len(range(0, n, 2))
+    want = -evens_mean if r % 2 == 0 else -(r + 1.0)
+    check(net.weight.detach(), torch.full((1, 2), want), "optimizer over the evens")
     odds = hvd.add_process_set(list(range(1, n, 2)))
     assert odds.process_set_id == 2, odds
     if r % 2 == 1:
