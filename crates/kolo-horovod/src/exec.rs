@@ -22,41 +22,6 @@ pub(crate) fn comm_dtype(dtype: DataType) -> Option<DType> {
     })
 }
 
-macro_rules! typed {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-        }
-    };
-}
-
 /// Multiplies every element by `factor` as upstream does on the CPU:
 /// floats in their own precision (half types in f32), integers in f64,
 /// truncated toward zero as C++ converts the product back.
@@ -100,7 +65,7 @@ fn allreduce_in_place(
     bytes: &mut [u8],
     op: kolo_comm::ReduceOp,
 ) -> Result<(), CommError> {
-    typed!(dtype, T => comm.allreduce_in_place::<T>(bytemuck::cast_slice_mut(bytes), op))
+    kolo_comm::with_element_type!(dtype, T => comm.allreduce_in_place::<T>(bytemuck::cast_slice_mut(bytes), op))
 }
 
 /// Bytes aligned for every element type (the fusion buffer, copies).
@@ -310,7 +275,7 @@ pub(crate) fn reducescatter(comm: &mut Communicator, response: &Response, entry:
     let output = submit.output.expect("reducescatter's output is made by the caller");
     // SAFETY: as above.
     let out = unsafe { output.bytes() };
-    typed!(dtype, T => comm.reduce_scatter_counts::<T>(
+    kolo_comm::with_element_type!(dtype, T => comm.reduce_scatter_counts::<T>(
         bytemuck::cast_slice(input),
         bytemuck::cast_slice_mut(out),
         &counts,
