@@ -199,6 +199,21 @@ impl Core {
     /// static process sets `sets` (each a list of global ranks, registered
     /// in order before any collective runs; every rank passes the same).
     pub fn start(comm: Communicator, settings: Settings, sets: &[Vec<i64>]) -> Result<Core, Refused> {
+        let (shared, mut background, static_sets) = Core::prepare(comm, settings, sets)?;
+        let thread = std::thread::Builder::new()
+            .name("kolo-horovod".into())
+            .spawn(move || background.run(static_sets))
+            .map_err(|e| Refused::internal(format!("cannot start Horovod's background thread: {e}")))?;
+        Ok(Core { shared, thread: Mutex::new(Some(thread)) })
+    }
+
+    /// The state `start` shares with its background loop, and the loop.
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        comm: Communicator,
+        settings: Settings,
+        sets: &[Vec<i64>],
+    ) -> Result<(Arc<Shared>, Background, Vec<(u32, Vec<u32>)>), Refused> {
         let (rank, size) = (comm.rank() as u32, comm.size() as u32);
         let mut ids = SetTable::new(size as usize);
         let mut static_sets = Vec::new();
@@ -225,12 +240,8 @@ impl Core {
             wake: Condvar::new(),
             stats: Mutex::new(Stats::default()),
         });
-        let mut background = Background::new(shared.clone(), comm, settings);
-        let thread = std::thread::Builder::new()
-            .name("kolo-horovod".into())
-            .spawn(move || background.run(static_sets))
-            .map_err(|e| Refused::internal(format!("cannot start Horovod's background thread: {e}")))?;
-        Ok(Core { shared, thread: Mutex::new(Some(thread)) })
+        let background = Background::new(shared.clone(), comm, settings);
+        Ok((shared, background, static_sets))
     }
 
     pub fn rank(&self) -> u32 {
@@ -557,9 +568,19 @@ impl Background {
     }
 
     fn run(&mut self, static_sets: Vec<(u32, Vec<u32>)>) {
-        let stop = match self.run_cycles(static_sets) {
-            Ok(()) => Stop::ShutDown,
-            Err(stop) => stop,
+        // a bug here must fail the waiters, not leave them waiting
+        let cycles = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_cycles(static_sets)));
+        let stop = match cycles {
+            Ok(Ok(())) => Stop::ShutDown,
+            Ok(Err(stop)) => stop,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Stop::Failed(Failure::internal(format!("the Horovod core's background thread failed: {what}")))
+            }
         };
         let failure = match stop {
             Stop::ShutDown => Failure::internal(SHUT_DOWN),
@@ -783,55 +804,72 @@ impl Background {
     }
 
     fn execute(&mut self, id: u32, response: Response) -> Result<(), Stop> {
-        let entries: Vec<Option<Entry>> = {
+        let mut entries: Vec<Option<Entry>> = {
             let mut state = self.shared.lock();
             let set = state.sets.get_mut(&id).expect("held");
             response.names.iter().map(|name| set.table.remove(name)).collect()
         };
+        // taken out of the table, the loop's failure would not reach them:
+        // those a failed execution left unfinished get its error (an
+        // elastic job needs to see that it was the membership that failed)
+        let executed = self.execute_entries(id, response, &mut entries);
+        if let Err(Stop::Failed(failure)) = &executed {
+            for entry in entries.into_iter().flatten() {
+                entry.finish(Err(failure.clone()));
+            }
+        }
+        executed
+    }
+
+    /// Runs one response; each entry is taken from `entries` as it finishes.
+    fn execute_entries(&mut self, id: u32, response: Response, entries: &mut [Option<Entry>]) -> Result<(), Stop> {
         let set = self.sets.get_mut(&id).expect("held");
+        let take_all =
+            |entries: &mut [Option<Entry>]| -> Vec<Entry> { entries.iter_mut().filter_map(Option::take).collect() };
         match response.kind {
             ResponseType::Error => {
-                for entry in entries.into_iter().flatten() {
+                for entry in take_all(entries) {
                     entry.finish(Err(Failure::internal(response.error.clone())));
                 }
             }
             ResponseType::Allreduce | ResponseType::Adasum => {
                 let refs: Vec<Option<&Entry>> = entries.iter().map(Option::as_ref).collect();
                 let outputs = exec::allreduce(&mut set.comm, &response, &refs, &mut self.fusion)?;
-                finish_all(entries, outputs);
+                finish_all(entries.iter_mut().map(Option::take), outputs);
             }
             ResponseType::Allgather => {
-                let present: Vec<Entry> = entries.into_iter().flatten().collect();
-                let refs: Vec<&Entry> = present.iter().collect();
+                let refs: Vec<&Entry> = entries.iter().flatten().collect();
                 let outputs = exec::allgather(&mut set.comm, &response, &refs)?;
-                finish_all(present.into_iter().map(Some).collect(), outputs);
+                finish_all(entries.iter_mut().filter_map(Option::take).map(Some), outputs);
             }
             ResponseType::Broadcast => {
-                for entry in entries.into_iter().flatten() {
-                    let out = exec::broadcast(&mut set.comm, &entry)?;
-                    entry.finish(Ok(out));
+                for slot in entries.iter_mut() {
+                    let Some(entry) = slot.as_ref() else { continue };
+                    let out = exec::broadcast(&mut set.comm, entry)?;
+                    slot.take().expect("present").finish(Ok(out));
                 }
             }
             ResponseType::Alltoall => {
-                for entry in entries.into_iter().flatten() {
-                    let out = exec::alltoall(&mut set.comm, &entry)?;
-                    entry.finish(Ok(out));
+                for slot in entries.iter_mut() {
+                    let Some(entry) = slot.as_ref() else { continue };
+                    let out = exec::alltoall(&mut set.comm, entry)?;
+                    slot.take().expect("present").finish(Ok(out));
                 }
             }
             ResponseType::Reducescatter => {
                 let per = response.sizes.len() / response.names.len().max(1);
-                for (i, entry) in entries.into_iter().enumerate() {
-                    let Some(entry) = entry else { continue };
+                for (i, slot) in entries.iter_mut().enumerate() {
+                    let Some(entry) = slot.as_ref() else { continue };
                     let mut single = response.clone();
                     single.names = vec![response.names[i].clone()];
                     single.sizes = response.sizes[i * per..(i + 1) * per].to_vec();
-                    let out = exec::reducescatter(&mut set.comm, &single, &entry)?;
-                    entry.finish(Ok(out));
+                    let out = exec::reducescatter(&mut set.comm, &single, entry)?;
+                    slot.take().expect("present").finish(Ok(out));
                 }
             }
             ResponseType::Barrier => {
                 set.comm.barrier()?;
-                for entry in entries.into_iter().flatten() {
+                for entry in take_all(entries) {
                     entry.finish(Ok(Output::default()));
                 }
             }
@@ -840,7 +878,7 @@ impl Background {
                     let mut state = self.shared.lock();
                     state.sets.get_mut(&id).expect("held").joined = false;
                 }
-                for entry in entries.into_iter().flatten() {
+                for entry in take_all(entries) {
                     entry.finish(Ok(Output { last_joined_rank: response.last_joined_rank, ..Output::default() }));
                 }
             }
@@ -858,12 +896,12 @@ impl Background {
                 match added {
                     Ok(new_id) => {
                         self.make_set(new_id, ranks)?;
-                        for entry in entries.into_iter().flatten() {
+                        for entry in take_all(entries) {
                             entry.finish(Ok(Output { dims: vec![i64::from(new_id)], ..Output::default() }));
                         }
                     }
                     Err(e) => {
-                        for entry in entries.into_iter().flatten() {
+                        for entry in take_all(entries) {
                             entry.finish(Err(Failure::invalid(e.to_string())));
                         }
                     }
@@ -880,7 +918,7 @@ impl Background {
                 for entry in pending {
                     entry.finish(Err(Failure::internal("Process set has been removed")));
                 }
-                for entry in entries.into_iter().flatten() {
+                for entry in take_all(entries) {
                     entry.finish(Ok(Output::default()));
                 }
             }
@@ -889,7 +927,7 @@ impl Background {
     }
 }
 
-fn finish_all(entries: Vec<Option<Entry>>, outputs: Vec<Output>) {
+fn finish_all(entries: impl IntoIterator<Item = Option<Entry>>, outputs: Vec<Output>) {
     for (entry, output) in entries.into_iter().zip(outputs) {
         if let Some(entry) = entry {
             entry.finish(Ok(output));
@@ -977,5 +1015,63 @@ fn put_in_cache(set: &mut SetLoop, shared: &Shared, id: u32, list: &ResponseList
             Ok(None) => {}
             Err(e) => tracing::error!("{e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::entry::Buffer;
+    use crate::message::{DataType, ReduceOp};
+    use kolo_comm::{Config, Secret};
+    use kolo_rendezvous::{RendezvousServer, ServerConfig};
+
+    /// Two ranks' communicators, over TCP (each on a host of its own).
+    fn two_communicators() -> (Communicator, Communicator, tokio::runtime::Runtime, RendezvousServer) {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let server =
+            runtime.block_on(RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), &[])).unwrap();
+        let config = |r: usize| {
+            Config::new(r, 2, format!("host-{r}"), server.addr().to_string(), Secret::new("s").unwrap(), "execute")
+                .unwrap()
+                .with_timeout(Duration::from_secs(20))
+        };
+        let other = {
+            let config = config(1);
+            std::thread::spawn(move || Communicator::connect(config).unwrap())
+        };
+        let first = Communicator::connect(config(0)).unwrap();
+        (first, other.join().unwrap(), runtime, server)
+    }
+
+    #[test]
+    fn work_taken_out_for_execution_gets_the_error_that_ended_it_not_a_wait_forever() {
+        let (comm, peer, _runtime, _server) = two_communicators();
+        let (shared, mut background, _) = Core::prepare(comm, Settings::default(), &[]).unwrap();
+        let global = background.global.take().unwrap();
+        let set = background.set_loop(global, vec![0, 1]);
+        background.sets.insert(0, set);
+        let core = Core { shared, thread: Mutex::new(None) };
+        let mut values = vec![1.0f32; 1 << 20];
+        let mut submit = Submit::new(
+            RequestType::Allreduce,
+            "grad",
+            DataType::Float32,
+            vec![values.len() as i64],
+            Buffer::new(values.as_mut_ptr() as usize, values.len() * 4),
+        );
+        submit.reduce_op = ReduceOp::Sum;
+        let handle = core.submit(0, vec![submit]).unwrap();
+        // the peer is gone after negotiation: the execution fails part way
+        drop(peer);
+        let mut response = Response::new(ResponseType::Allreduce, "grad");
+        response.dtype = DataType::Float32;
+        response.sizes = vec![values.len() as i64];
+        response.devices = vec![-1, -1];
+        assert!(background.execute(0, response).is_err());
+        assert!(handle.is_done(), "the entry's waiter was left waiting");
+        let outcome = handle.outcomes().unwrap().remove(0);
+        let failure = outcome.expect_err("the allreduce cannot have succeeded");
+        assert!(!failure.message.contains("abandoned"), "the failure is the communicator's: {}", failure.message);
     }
 }

@@ -221,3 +221,12 @@ impl Entry {
         self.handle.finish(self.index, outcome);
     }
 }
+
+/// An entry dropped unfinished (its execution failed part way) fails
+/// rather than leaving its waiter waiting forever; after `finish` this
+/// is a no-op, the slot being set.
+impl Drop for Entry {
+    fn drop(&mut self) {
+        self.handle.finish(self.index, Err(Failure::internal("the collective was abandoned before it completed")));
+    }
+}
