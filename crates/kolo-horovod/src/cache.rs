@@ -249,10 +249,12 @@ pub struct CacheCoordinator {
     pub invalid: BTreeSet<u32>,
     pub shut_down: bool,
     pub uncached: bool,
+    /// Work in flight on this rank (after the AND: on any rank of the set).
+    pub busy: bool,
 }
 
 /// Status bytes in front of the hit bits.
-const STATUS: usize = 3;
+const STATUS: usize = 4;
 
 impl CacheCoordinator {
     pub fn new(num_bits: usize) -> Self {
@@ -270,6 +272,7 @@ impl CacheCoordinator {
         v[0] = u8::from(!self.shut_down);
         v[1] = u8::from(!self.uncached);
         v[2] = u8::from(!self.invalid_in_queue());
+        v[3] = u8::from(!self.busy);
         for &bit in &self.hits {
             v[STATUS + bit as usize] = 1;
         }
@@ -277,11 +280,13 @@ impl CacheCoordinator {
     }
 
     /// After the AND: what holds for the set (any rank wants shutdown, has
-    /// uncached requests, has invalid ones) and the common hits.
+    /// uncached requests, has invalid ones, has work in flight) and the
+    /// common hits.
     pub fn take_and(&mut self, v: &[u8]) {
         self.shut_down = v[0] == 0;
         self.uncached = v[1] == 0;
         let any_invalid = v[2] == 0;
+        self.busy = v[3] == 0;
         self.hits = (0..self.num_bits as u32).filter(|&b| v[STATUS + b as usize] == 1).collect();
         if !any_invalid {
             self.invalid.clear();

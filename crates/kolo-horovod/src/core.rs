@@ -543,6 +543,19 @@ struct Background {
     started: Instant,
 }
 
+/// After this many cycles with nothing in flight anywhere, the loop
+/// cycles `QUIET_SLOWDOWN` times less often.
+const QUIET_AFTER_CYCLES: u32 = 10;
+const QUIET_SLOWDOWN: u32 = 10;
+
+/// How one set's cycle ended.
+struct CycleEnd {
+    /// The job shuts down after this cycle.
+    shutdown: bool,
+    /// No rank of the set had anything in flight (known with the cache on).
+    quiet: bool,
+}
+
 /// What ended the loop.
 enum Stop {
     ShutDown,
@@ -597,9 +610,20 @@ impl Background {
             self.make_set(id, ranks)?;
         }
         let mut next = Instant::now();
+        let mut quiet_cycles = 0u32;
         loop {
             self.wait_for_cycle(next);
-            next = Instant::now() + self.settings.cycle_time;
+            // a job with nothing in flight on any rank (between steps, in
+            // the forward pass) cycles less often: idle cycles of ranks
+            // that outnumber the cores take CPU from the training. A
+            // submission wakes its own loop at once, and every rank cycles
+            // at the full rate again from the first cycle that sees it.
+            let wait = if quiet_cycles >= QUIET_AFTER_CYCLES {
+                self.settings.cycle_time * QUIET_SLOWDOWN
+            } else {
+                self.settings.cycle_time
+            };
+            next = Instant::now() + wait;
             let ids: Vec<u32> = self.sets.keys().copied().collect();
             // read once a cycle: the global set, which every rank cycles
             // first, then carries it to all, and all stop after this cycle
@@ -607,7 +631,12 @@ impl Background {
             let mut shutdown = false;
             for id in ids {
                 if self.sets.contains_key(&id) {
-                    shutdown |= self.cycle(id, asked)?;
+                    let ended = self.cycle(id, asked)?;
+                    shutdown |= ended.shutdown;
+                    // the global set's cycle speaks for every rank's sets
+                    if id == 0 {
+                        quiet_cycles = if ended.quiet { quiet_cycles.saturating_add(1) } else { 0 };
+                    }
                 }
             }
             if shutdown {
@@ -659,19 +688,22 @@ impl Background {
         self.started.elapsed()
     }
 
-    /// One set's part of a cycle; whether the job shuts down.
-    fn cycle(&mut self, id: u32, shutdown_asked: bool) -> Result<bool, Stop> {
+    /// One set's part of a cycle.
+    fn cycle(&mut self, id: u32, shutdown_asked: bool) -> Result<CycleEnd, Stop> {
         let now = self.now();
-        let (mut popped, joined) = {
+        let (mut popped, joined, in_flight) = {
             let mut state = self.shared.lock();
+            // anything submitted and not yet done, in any set of this rank
+            let in_flight = state.sets.values().any(|s| !s.table.is_empty());
             let set = state.sets.get_mut(&id).expect("a set this loop holds");
-            (std::mem::take(&mut set.queue), set.joined)
+            (std::mem::take(&mut set.queue), set.joined, in_flight)
         };
         let set = self.sets.get_mut(&id).expect("a set this loop holds");
         let size = set.comm.size();
         let capacity = set.cache.capacity();
         let mut coord = CacheCoordinator::new(set.cache.num_active_bits());
         coord.shut_down = shutdown_asked;
+        coord.busy = in_flight || !popped.is_empty();
         for r in &popped {
             if matches!(r.kind, RequestType::Join | RequestType::Barrier)
                 || matches!(r.kind, RequestType::AddProcessSet | RequestType::RemoveProcessSet)
@@ -797,10 +829,12 @@ impl Background {
             stats.responses += list.responses.len() as u64;
             stats.tensors += list.responses.iter().map(|r| r.names.len() as u64).sum::<u64>();
         }
+        // without the cache there is no AND to learn the others' state from
+        let quiet = fast && !coord.busy && list.responses.is_empty();
         for response in list.responses {
             self.execute(id, response)?;
         }
-        Ok(shutdown)
+        Ok(CycleEnd { shutdown, quiet })
     }
 
     fn execute(&mut self, id: u32, response: Response) -> Result<(), Stop> {

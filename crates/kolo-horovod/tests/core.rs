@@ -123,6 +123,27 @@ fn named_tensors_submitted_in_different_orders_and_sizes_meet_by_name_and_a_stea
 }
 
 #[test]
+fn a_quiet_job_cycles_less_often_and_the_first_submission_after_it_is_served() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        // past the quiet threshold, ten cycles take at least ten slow
+        // waits: a lower bound, which a loaded machine cannot break
+        wait_until(|| core.stats().cycles >= 30);
+        let (before, since) = (core.stats().cycles, Instant::now());
+        wait_until(|| core.stats().cycles >= before + 10);
+        let quiet = since.elapsed();
+        let mut v = vec![rank as f32 + 1.0; 100];
+        allreduce(core, 0, "after.quiet", &mut v, ReduceOp::Sum).unwrap();
+        assert!(v.iter().all(|&x| x == 3.0));
+        quiet
+    });
+    for (rank, quiet) in results.iter().enumerate() {
+        // the default cycle is 1 ms: ten of them would take 10 ms
+        assert!(*quiet >= Duration::from_millis(50), "rank {rank}: ten quiet cycles in {quiet:?}");
+    }
+}
+
+#[test]
 fn a_mismatch_fails_alike_on_every_rank_and_the_next_collective_succeeds() {
     let job = Job::new();
     let results = job.run(3, settings(), vec![], |rank, core| {
