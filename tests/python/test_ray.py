@@ -546,8 +546,10 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
         time.sleep(0.1)
     commands = sleepers()
     assert len(commands) == 2
-    rank_dirs = _rank_dirs() - before
-    assert len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
+    # this job's: where its commands' progress files are (other jobs on
+    # the machine make theirs meanwhile)
+    rank_dirs = {os.path.dirname(_environ(p).get("KOLO_PROGRESS_FILE", "")) for p in commands}
+    assert rank_dirs <= _rank_dirs() - before and len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
     driver.kill()
     watch.wait(driver, 60)
     deadline = time.monotonic() + 30
@@ -559,6 +561,14 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     while rank_dirs & _rank_dirs() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not rank_dirs & _rank_dirs()
+
+
+def _environ(pid):
+    try:
+        entries = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
 
 
 def _comm(pid):
