@@ -32,15 +32,21 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # actors): the leftover checks count this run's processes only, never
 # another job on the machine, which they would otherwise also kill.
 TEST_RUN = os.environ.setdefault("KOLO_TEST_RUN", uuid.uuid4().hex)
-_MARK = f"KOLO_TEST_RUN={TEST_RUN}".encode()
 
 
-def ours(pid):
-    """Whether process `pid` was started by this test run."""
+def environ(pid):
+    """Process `pid`'s environment as it started ({} once it is gone)."""
     try:
-        return _MARK in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        entries = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     except OSError:
-        return False
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+
+
+def ours(pid, env=None):
+    """Whether process `pid` (of environment `env`, if read already) was
+    started by this test run."""
+    return (environ(pid) if env is None else env).get("KOLO_TEST_RUN") == TEST_RUN
 
 
 def alive(pid):

@@ -22,7 +22,7 @@ else:
 import ddp_step  # noqa: E402
 import kolo  # noqa: E402
 import watch  # noqa: E402
-from conftest import alive, live_agents, ours  # noqa: E402
+from conftest import alive, environ, live_agents, ours  # noqa: E402
 from kolo import Executor as RayExecutor  # noqa: E402
 
 
@@ -548,7 +548,7 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     assert len(commands) == 2
     # this job's: where its commands' progress files are (other jobs on
     # the machine make theirs meanwhile)
-    rank_dirs = {os.path.dirname(_environ(p).get("KOLO_PROGRESS_FILE", "")) for p in commands}
+    rank_dirs = {os.path.dirname(environ(p).get("KOLO_PROGRESS_FILE", "")) for p in commands}
     assert rank_dirs <= _rank_dirs() - before and len(rank_dirs) == 2, f"the commands' private directories: {rank_dirs}"
     driver.kill()
     watch.wait(driver, 60)
@@ -561,14 +561,6 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     while rank_dirs & _rank_dirs() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not rank_dirs & _rank_dirs()
-
-
-def _environ(pid):
-    try:
-        entries = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    except OSError:
-        return {}
-    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
 
 
 def _comm(pid):

@@ -227,11 +227,20 @@ pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Waits until `cond` holds, failing the test after `limit`.
-pub(crate) fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+/// Waits until `cond` holds, failing the test after `limit` with the
+/// stacks of every process this test started (its kolo jobs among them).
+pub(crate) fn wait_for(what: &str, limit: Duration, cond: impl FnMut() -> bool) {
+    wait_for_showing(what, limit, cond, String::new);
+}
+
+/// `wait_for`, failing with `seen()` (what the test has read so far) too.
+pub(crate) fn wait_for_showing(what: &str, limit: Duration, mut cond: impl FnMut() -> bool, seen: impl Fn() -> String) {
     let start = Instant::now();
     while !cond() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        if start.elapsed() >= limit {
+            let why = format!("timed out after {limit:?} waiting for {what}");
+            panic!("{why}\n{}{}", seen(), stacks(std::process::id(), &why));
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -60,9 +60,12 @@ impl Job {
     }
 
     fn wait_for_output(&self, what: &str, limit: Duration) {
-        wait_for(&format!("'{what}' in kolo's output"), limit, || {
-            self.stdout().contains(what) || self.stderr().contains(what)
-        });
+        wait_for_showing(
+            &format!("'{what}' in kolo's output"),
+            limit,
+            || self.stdout().contains(what) || self.stderr().contains(what),
+            || format!("==== kolo's stdout so far ====\n{}==== its stderr ====\n{}", self.stdout(), self.stderr()),
+        );
     }
 
     /// Waits for kolo to exit: its status, stdout and stderr.
