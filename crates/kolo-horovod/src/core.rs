@@ -315,14 +315,21 @@ impl Core {
             }
             requests.push(request);
         }
-        // the duplicate check: the group's tensors before the first
-        // duplicate stay queued, as upstream's do
-        let handle = Handle::new(tensors.len());
-        for (index, (t, request)) in tensors.into_iter().zip(requests).enumerate() {
-            let name = if t.kind == RequestType::Join { JOIN_TENSOR_NAME.to_string() } else { t.name.clone() };
-            if shared.table.contains_key(&name) {
+        // the duplicate check, before any of the group is queued: upstream
+        // queues those before the first duplicate, whose memory nothing
+        // would then keep alive here (the caller gets no handle)
+        let table_name =
+            |t: &Submit| if t.kind == RequestType::Join { JOIN_TENSOR_NAME.to_string() } else { t.name.clone() };
+        let mut names = std::collections::HashSet::with_capacity(tensors.len());
+        for t in &tensors {
+            let name = table_name(t);
+            if shared.table.contains_key(&name) || !names.insert(name) {
                 return Err(Refused::invalid(DUPLICATE_NAME));
             }
+        }
+        let handle = Handle::new(tensors.len());
+        for (index, (t, request)) in tensors.into_iter().zip(requests).enumerate() {
+            let name = table_name(&t);
             let mut submit = t;
             if let RequestType::Reducescatter = submit.kind {
                 submit.reduce_op = request.reduce_op;
@@ -531,6 +538,8 @@ struct SetLoop {
     coordinator: Option<Coordinator>,
     stall: StallInspector,
     global_ranks: Vec<u32>,
+    /// Which making of a set this is (ids are reused).
+    serial: u64,
 }
 
 /// The background thread's own state.
@@ -541,6 +550,7 @@ struct Background {
     settings: Settings,
     fusion: Aligned,
     started: Instant,
+    sets_made: u64,
 }
 
 /// After this many cycles with nothing in flight anywhere, the loop
@@ -577,6 +587,7 @@ impl Background {
             settings,
             fusion: Aligned::default(),
             started: Instant::now(),
+            sets_made: 0,
         }
     }
 
@@ -605,7 +616,8 @@ impl Background {
     fn run_cycles(&mut self, static_sets: Vec<(u32, Vec<u32>)>) -> Result<(), Stop> {
         let global = self.global.take().expect("the global communicator");
         let ranks: Vec<u32> = (0..self.shared.size).collect();
-        self.sets.insert(0, self.set_loop(global, ranks));
+        let set = self.set_loop(global, ranks);
+        self.sets.insert(0, set);
         for (id, ranks) in static_sets {
             self.make_set(id, ranks)?;
         }
@@ -624,13 +636,16 @@ impl Background {
                 self.settings.cycle_time
             };
             next = Instant::now() + wait;
-            let ids: Vec<u32> = self.sets.keys().copied().collect();
+            // a set removed and another made under its id in this
+            // iteration's global cycle waits for the next iteration on
+            // every rank: its old members must not cycle it before the rest
+            let ids: Vec<(u32, u64)> = self.sets.iter().map(|(&id, s)| (id, s.serial)).collect();
             // read once a cycle: the global set, which every rank cycles
             // first, then carries it to all, and all stop after this cycle
             let asked = self.shared.lock().shutdown_asked;
             let mut shutdown = false;
-            for id in ids {
-                if self.sets.contains_key(&id) {
+            for (id, serial) in ids {
+                if self.sets.get(&id).is_some_and(|s| s.serial == serial) {
                     let ended = self.cycle(id, asked)?;
                     shutdown |= ended.shutdown;
                     // the global set's cycle speaks for every rank's sets
@@ -645,10 +660,12 @@ impl Background {
         }
     }
 
-    fn set_loop(&self, comm: Communicator, global_ranks: Vec<u32>) -> SetLoop {
+    fn set_loop(&mut self, comm: Communicator, global_ranks: Vec<u32>) -> SetLoop {
         let coordinator =
             (comm.rank() == 0).then(|| Coordinator::new(global_ranks.clone(), self.settings.fusion_threshold));
+        self.sets_made += 1;
         SetLoop {
+            serial: self.sets_made,
             comm,
             cache: ResponseCache::new(self.settings.cache_capacity),
             coordinator,
@@ -730,7 +747,21 @@ impl Background {
             }
         }
         if joined && capacity > 0 {
-            coord.hits.extend(set.cache.all_bits());
+            // a joined rank stands in for the others' cached allreduces
+            // (with zeros); any other cached op cannot run beside it:
+            // erased on every rank, it goes to the coordinator, which
+            // answers it with upstream's error
+            for bit in set.cache.all_bits() {
+                match set.cache.peek(bit).kind {
+                    ResponseType::Allreduce | ResponseType::Adasum => {
+                        coord.hits.insert(bit);
+                    }
+                    _ => {
+                        coord.invalid.insert(bit);
+                        coord.uncached = true;
+                    }
+                }
+            }
         }
         // the stall check: the coordinator's, at most once per interval
         let mut stall_shutdown = false;

@@ -402,3 +402,107 @@ fn after_one_rank_shuts_down_the_others_pending_work_fails_with_upstreams_messag
     });
     assert_eq!(results[1].as_deref(), Some(kolo_horovod::SHUT_DOWN));
 }
+
+fn allgather_submit(name: &str, rows: &mut [i32]) -> Submit {
+    let mut g = Submit::new(RequestType::Allgather, name, DataType::Int32, vec![rows.len() as i64], buf(rows));
+    g.device = kolo_horovod::CPU_DEVICE_ID;
+    g
+}
+
+fn alltoall_submit(name: &str, send: &mut [i32]) -> Submit {
+    let mut a = Submit::new(RequestType::Alltoall, name, DataType::Int32, vec![send.len() as i64], buf(send));
+    a.splits = vec![1; send.len()];
+    a
+}
+
+fn outcome(core: &Core, submit: Submit) -> Result<(), String> {
+    let handle = core.submit(0, vec![submit]).map_err(|e| e.message)?;
+    wait(&handle);
+    handle.outcomes().unwrap().remove(0).map(drop).map_err(|f| f.message)
+}
+
+#[test]
+fn cached_allgathers_and_alltoalls_beside_a_joined_rank_fail_with_upstreams_error_not_a_hang() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        // in the response cache after the first of each
+        for _ in 0..3 {
+            outcome(core, allgather_submit("allgather.cached", &mut [rank as i32; 2])).unwrap();
+            outcome(core, alltoall_submit("alltoall.cached", &mut [rank as i32; 2])).unwrap();
+        }
+        if rank == 1 {
+            return (join(core), Vec::new());
+        }
+        let errors = vec![
+            outcome(core, allgather_submit("allgather.cached", &mut [0; 2])).unwrap_err(),
+            outcome(core, alltoall_submit("alltoall.cached", &mut [0; 2])).unwrap_err(),
+        ];
+        // and an allreduce still runs against the joined rank's zeros
+        let mut v = vec![5.0f32; 3];
+        allreduce(core, 0, "allreduce.beside", &mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![5.0; 3]);
+        (join(core), errors)
+    });
+    let errors = &results[0].1;
+    assert!(errors[0].starts_with("Allgather is not supported with Join"), "{errors:?}");
+    assert_eq!(errors[1], "Alltoall is not supported with Join at this time.");
+    assert_eq!((results[0].0, results[1].0), (0, 0), "rank 0 joined last");
+}
+
+#[test]
+fn a_set_removed_and_another_made_under_its_id_in_one_cycle_starts_alike_on_every_rank() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let first = core.add_process_set(&[0, 1]).unwrap();
+        wait(&first);
+        let id = first.outcomes().unwrap()[0].clone().unwrap().dims[0] as u32;
+        // the loop runs a large allreduce while the removal and the new
+        // set queue behind it: both go in the same cycle on every rank
+        let mut busy = vec![1.0f32; 8 << 20];
+        let busy = core.submit(0, vec![allreduce_submit("allreduce.busy", &mut busy, ReduceOp::Sum)]).unwrap();
+        let removed = core.remove_process_set(id).unwrap().unwrap();
+        let second = core.add_process_set(&[1, 2]).unwrap();
+        for h in [&busy, &removed, &second] {
+            wait(h);
+        }
+        let reused = second.outcomes().unwrap()[0].clone().unwrap().dims[0] as u32;
+        let mut v = vec![rank as f32; 2];
+        if rank > 0 {
+            allreduce(core, reused, "allreduce.new", &mut v, ReduceOp::Sum).unwrap();
+        }
+        (id, reused, v[0])
+    });
+    // the id was reused (else this test would not test the case)
+    assert!(results.iter().all(|&(id, reused, _)| id == reused), "{results:?}");
+    assert_eq!(results.iter().map(|r| r.2).collect::<Vec<_>>(), vec![0.0, 3.0, 3.0]);
+}
+
+#[test]
+fn a_group_refused_for_a_name_in_flight_queues_none_of_its_tensors() {
+    let job = Job::new();
+    job.run(2, settings(), vec![], |rank, core| {
+        let (mut x, mut y) = (vec![1.0f32; 4], vec![2.0f32; 4]);
+        if rank == 0 {
+            let x_handle = core.submit(0, vec![allreduce_submit("allreduce.x", &mut x, ReduceOp::Sum)]).unwrap();
+            let mut y2 = vec![2.0f32; 4];
+            let group = vec![
+                allreduce_submit("allreduce.y", &mut y2, ReduceOp::Sum),
+                allreduce_submit("allreduce.x", &mut x.clone(), ReduceOp::Sum),
+            ];
+            let refused = core.submit(0, group).unwrap_err();
+            assert_eq!(refused.message, kolo_horovod::DUPLICATE_NAME);
+            // y was not left queued by the refused group: it is free
+            let y_handle = core.submit(0, vec![allreduce_submit("allreduce.y", &mut y, ReduceOp::Sum)]).unwrap();
+            GROUP_REFUSED.store(true, Ordering::SeqCst);
+            wait(&x_handle);
+            wait(&y_handle);
+        } else {
+            wait_until(|| GROUP_REFUSED.load(Ordering::SeqCst));
+            allreduce(core, 0, "allreduce.x", &mut x, ReduceOp::Sum).unwrap();
+            allreduce(core, 0, "allreduce.y", &mut y, ReduceOp::Sum).unwrap();
+        }
+        assert_eq!((x[0], y[0]), (2.0, 4.0), "rank {rank}");
+    });
+}
+
+static GROUP_REFUSED: AtomicBool = AtomicBool::new(false);
