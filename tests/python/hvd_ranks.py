@@ -196,6 +196,23 @@ def join():
             expect(lambda: hvd.allgather(torch.ones(2)), hvd.HorovodInternalError,
                    "Allgather is not supported with Join at this time.")
         assert hvd.join() != first or n == 1
+    # DistributedOptimizer's groups are named by their first parameter, as
+    # upstream's: the ranks' handle numbers differ by now (the allgathers
+    # above), and uneven epochs, a join, then a step on every rank meet
+    net = model()
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                   named_parameters=net.named_parameters(), num_groups=2)
+    for _ in range(r + 1):
+        opt.zero_grad()
+        net(torch.ones(2, 6)).sum().backward()
+        opt.step()
+    hvd.join()
+    opt.zero_grad()
+    net(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    grads = hvd.allgather(net[0].weight.grad.reshape(1, -1), name="last.grads")
+    check(grads, grads[:1].expand_as(grads), "the last step's reduced gradients")
 
 
 def sets():

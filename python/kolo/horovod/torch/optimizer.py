@@ -128,8 +128,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         members = self._groups[group]
         compressed = [self._compressed_grad(p) for p in members]
         pre, post = self._scale()
-        handle = grouped_allreduce_async_([c for c, _ in compressed], op=self.op, prescale_factor=pre,
-                                          postscale_factor=post, process_set=self.process_set)
+        # named by its first parameter, as upstream's: an unnamed group takes
+        # each rank's own handle count, which ranks that joined early or ran
+        # other sets' ops no longer share
+        handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._parameter_names.get(id(members[0])),
+                                          op=self.op, prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
         for p, (tensor, ctx) in zip(members, compressed):
             self._handles[id(p)] = (handle, (ctx, tensor), p)
         self._ready.pop(group, None)
