@@ -55,6 +55,46 @@ def test_sync_batch_norm_on_cpu_equals_batch_norm_on_the_whole_batch(n):
     passed(kolo_run(n, RANKS, "syncbn"), n, "syncbn")
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_tensors_meet_by_name_in_any_order_and_a_cached_loop_stays_off_the_coordinator(n):
+    passed(kolo_run(n, RANKS, "names"), n, "names")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_mismatch_fails_alike_on_every_rank_and_the_job_goes_on(n):
+    passed(kolo_run(n, RANKS, "goes_on"), n, "goes_on")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_join_lets_ranks_with_more_data_reduce_against_zeros(n):
+    passed(kolo_run(n, RANKS, "join"), n, "join")
+
+
+def test_process_sets_static_and_dynamic_run_among_their_members():
+    out = kolo_run(4, RANKS, "sets", env={**os.environ, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    passed(out, 4, "sets")
+
+
+def test_the_stall_warning_names_the_ranks_that_have_not_submitted():
+    out = kolo_run(2, RANKS, "stall", env={**os.environ, "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+    passed(out, 2, "stall")
+    assert "[WARNING]: One or more tensors were submitted to be reduced" in out.stderr, out.stderr
+    assert "Missing ranks:" in out.stderr, out.stderr
+
+
+def test_the_hang_report_of_a_stalled_job_carries_the_stall_warning():
+    out = watch.run(
+        [KOLO, "run", "-np", "2", "--hang-timeout", "4", "-x", "HOROVOD_STALL_CHECK_TIME_SECONDS=1", "--",
+         sys.executable, RANKS, "stalled"],
+        timeout=120,
+    )
+    assert out.returncode != 0, out.stderr
+    assert "the job hung" in out.stderr, out.stderr
+    report = out.stderr[out.stderr.index("the job hung"):]
+    assert "Horovod's stall inspector on rank 0: One or more tensors were submitted" in report, report
+    assert "kolo: 1: [allreduce.never]" in report, report
+
+
 def test_a_collective_waits_for_a_peer_busier_than_the_start_timeout():
     out = watch.run(
         [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"], timeout=120,

@@ -223,6 +223,24 @@ impl Elastic {
         }
     }
 
+    /// Another communicator of the round joined last, with the same ranks
+    /// and interrupted alike, for a second user of the round (Horovod's core
+    /// beside the torch group's): collective, every member calls it with
+    /// the same `tag`.
+    pub fn connect_again(&self, tag: &str) -> Result<Communicator, CommError> {
+        let (Some(round), Some(a), Some(watch)) = (self.joined, self.assignment, self.watch.clone()) else {
+            return Err(CommError::Bootstrap("no round joined yet: join one first".into()));
+        };
+        let config = Config {
+            rank: a.rank,
+            size: a.size,
+            job_id: format!("{}-r{round}-{tag}", self.base.job_id),
+            ..self.base.clone()
+        }
+        .with_interrupt(Interrupt::new(move || watch.newer()));
+        Communicator::connect(config)
+    }
+
     /// The next round and this process's place in it, read so that both
     /// belong to the same round.
     fn next_round(&mut self, deadline: Instant) -> Result<(u64, Option<Assignment>), CommError> {

@@ -33,6 +33,48 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use kolo_auth::{AuthError, Secret};
 pub use schedule::split_counts;
 
+/// `half`, for [`with_element_type!`]'s callers.
+#[doc(hidden)]
+pub use half as __half;
+
+/// Runs `$body` with `$t` the Rust element type of `$dtype` (a
+/// [`DType`]): one generic call for every element type kolo-comm moves.
+#[macro_export]
+macro_rules! with_element_type {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $t = $crate::__half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $t = $crate::__half::bf16;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
     #[error("kolo-comm environment: {0}")]

@@ -374,12 +374,12 @@ impl Inspector {
     pub async fn views(&self) -> Vec<crate::hang::RankView> {
         futures_join(self.0.links.iter().map(|link| async move {
             let ended = link.lost_reason().is_some();
-            let (progress, cpu_percent) = if ended {
-                (None, None)
+            let (progress, cpu_percent, stall) = if ended {
+                (None, None, None)
             } else {
                 match tokio::time::timeout(SAMPLE_WAIT, link.inspect(false, None)).await {
-                    Ok(Ok(sample)) => (sample.progress, sample.cpu_percent),
-                    _ => (None, None),
+                    Ok(Ok(sample)) => (sample.progress, sample.cpu_percent, sample.stall),
+                    _ => (None, None, None),
                 }
             };
             crate::hang::RankView {
@@ -390,6 +390,7 @@ impl Inspector {
                 since_output: link.since_output().min(link.since_report()),
                 cpu_percent,
                 ended,
+                stall,
             }
         }))
         .await

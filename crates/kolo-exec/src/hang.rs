@@ -20,6 +20,9 @@ pub struct RankView {
     pub cpu_percent: Option<f64>,
     /// Its command ended: it holds nobody back by running.
     pub ended: bool,
+    /// Its Horovod core's last stall warning (the coordinator's: it names
+    /// the tensors and the ranks that have not submitted them).
+    pub stall: Option<String>,
 }
 
 /// Watches for a job in which nothing moves: no rank completes a
@@ -73,8 +76,19 @@ fn who(ranks: &[&RankView]) -> String {
     }
 }
 
-/// The hang report's first line: that the job hung, and who holds it back.
+/// The hang report's first line: that the job hung, and who holds it
+/// back; then the stall warnings of the ranks' Horovod cores.
 pub fn explain(ranks: &[RankView], still: Duration) -> String {
+    let mut text = who_holds_back(ranks, still);
+    for r in ranks.iter().filter(|r| !r.ended) {
+        if let Some(stall) = &r.stall {
+            text.push_str(&format!("\nHorovod's stall inspector on rank {}: {stall}", r.rank));
+        }
+    }
+    text
+}
+
+fn who_holds_back(ranks: &[RankView], still: Duration) -> String {
     let running: Vec<&RankView> = ranks.iter().filter(|r| !r.ended).collect();
     let waiting: Vec<&RankView> =
         running.iter().copied().filter(|r| r.progress.is_some_and(|p| p.entered > p.done)).collect();
@@ -252,6 +266,7 @@ mod tests {
             since_output: Duration::from_secs(100),
             cpu_percent: Some(0.0),
             ended: false,
+            stall: None,
         }
     }
 
@@ -277,6 +292,17 @@ mod tests {
         let mut quiet = rank(0, 0, 0);
         quiet.progress = None;
         assert!(explain(&[quiet], Duration::from_secs(9)).contains("no rank made progress"));
+    }
+
+    #[test]
+    fn the_stall_warning_of_a_horovod_core_follows_the_first_line() {
+        let mut coordinator = rank(0, 3, 2);
+        coordinator.stall = Some("One or more tensors were submitted...\nMissing ranks:\n1: [allreduce.w]".into());
+        let text = explain(&[coordinator, rank(1, 2, 2)], Duration::from_secs(9));
+        let (first, rest) = text.split_once('\n').expect("two parts");
+        assert!(first.contains("rank 1 (host h1) is not in the collective"), "{text}");
+        assert!(rest.starts_with("Horovod's stall inspector on rank 0: One or more"), "{text}");
+        assert!(rest.ends_with("1: [allreduce.w]"), "{text}");
     }
 
     fn waited(rank: u32, wait_ms: u64) -> RankView {

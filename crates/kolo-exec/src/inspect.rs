@@ -45,6 +45,7 @@ pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
         progress: None,
         gpu_percent: None,
         gpu_memory_bytes: None,
+        stall: None,
     };
     Ok((sample, number(11) + number(12)))
 }
@@ -90,6 +91,45 @@ pub fn own_progress_file() -> std::io::Result<String> {
     }
     let file = OWN_PROGRESS.get().expect("made above");
     Ok(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(file)))
+}
+
+/// The variable that names the file a rank's Horovod core writes its last
+/// stall warning to, for the hang report.
+pub(crate) const STALL_FILE_VAR: &str = "KOLO_STALL_FILE";
+/// Most of a stall warning read back (a long list of names is cut).
+const STALL_MAX: u64 = 16 << 10;
+
+/// Where the rank in `dir` writes its stall warning (made by its core).
+pub(crate) fn stall_file(dir: &std::path::Path) -> PathBuf {
+    dir.join("horovod-stall")
+}
+
+/// The rank's last stall warning, if its core wrote one.
+pub(crate) fn read_stall(file: &std::path::Path) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(file).ok()?.take(STALL_MAX).read_to_string(&mut text).ok()?;
+    let text = text.trim_end();
+    (!text.is_empty()).then(|| text.to_string())
+}
+
+/// The stall warning file of a worker that runs calls in its own Python
+/// (`kolo.Executor`'s): in memory, as its progress counters are.
+static OWN_STALL: std::sync::OnceLock<std::fs::File> = std::sync::OnceLock::new();
+
+/// A path this process's Horovod core can write its stall warning to.
+pub fn own_stall_file() -> std::io::Result<String> {
+    if OWN_STALL.get().is_none() {
+        let fd = nix::sys::memfd::memfd_create(c"kolo-stall", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?;
+        let _ = OWN_STALL.set(std::fs::File::from(fd));
+    }
+    let file = OWN_STALL.get().expect("made above");
+    Ok(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(file)))
+}
+
+pub(crate) fn read_own_stall() -> Option<String> {
+    let file = OWN_STALL.get()?;
+    read_stall(std::path::Path::new(&format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(file))))
 }
 
 /// What this process's own hook counted, where it has one.

@@ -71,7 +71,7 @@ pub use engine::{
 };
 pub use guard::{Guard, GuardOptions};
 pub use hurry::{calm, hurried, hurry};
-pub use inspect::{own_progress_file, py_spy_on_path};
+pub use inspect::{own_progress_file, own_stall_file, py_spy_on_path};
 pub use nics::PairReport;
 pub use output::{LineSplitter, OutputOptions, OutputSink, Stream, MAX_LINE};
 pub use policy::Cause;

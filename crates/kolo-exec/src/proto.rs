@@ -212,6 +212,9 @@ pub(crate) struct RankSample {
     /// Its GPUs' utilisation (the busiest) and the memory it holds, where NVML is.
     pub(crate) gpu_percent: Option<f64>,
     pub(crate) gpu_memory_bytes: Option<u64>,
+    /// The last stall warning of the rank's Horovod core, where it has one.
+    #[serde(default)]
+    pub(crate) stall: Option<String>,
 }
 
 /// A rank's collectives and steps, as its Python hook counts them in its

@@ -61,6 +61,14 @@ impl ElasticWorker {
         crate::torch::TorchComm::started(comm)
     }
 
+    /// Horovod's core for the round joined last, over a communicator of
+    /// its own (collective: every member of the round calls it).
+    #[pyo3(signature = (process_sets=Vec::new()))]
+    fn horovod_core(&self, py: Python<'_>, process_sets: Vec<Vec<i64>>) -> PyResult<crate::horovod::HorovodCore> {
+        let comm = py.allow_threads(|| self.lock().connect_again("hvd")).map_err(comm_error)?;
+        crate::horovod::HorovodCore::start(py, comm, process_sets)
+    }
+
     /// This process's six Horovod numbers in the round joined last (rank,
     /// size, local rank, local size, cross rank, cross size).
     #[getter]

@@ -8,12 +8,14 @@
 //! - `worker`: a worker's Python state, the pickled calls, `kolo.report`
 //! - `driver`: `kolo.Executor`'s job and its driver, fixed or elastic
 //! - `elastic`: kolo-comm's elastic API for the workers, events as dicts
+//! - `horovod`: Horovod's core (kolo-horovod) for `kolo.horovod.torch`
 
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
 mod driver;
 mod elastic;
+mod horovod;
 mod ordered;
 mod torch;
 mod worker;
@@ -114,5 +116,6 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("HangError", m.py().get_type::<HangError>())?;
     elastic::register(m)?;
     torch::register(m)?;
+    horovod::register(m)?;
     Ok(())
 }

@@ -9,7 +9,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use half::{bf16, f16};
 use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -60,7 +59,7 @@ impl AddressBook for PyBook {
 
 /// An address book within this process (a one-rank communicator's).
 #[derive(Default)]
-struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
+pub(crate) struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
 
 impl AddressBook for LocalBook {
     fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
@@ -79,42 +78,6 @@ fn dtype_of(name: &str) -> PyResult<DType> {
 
 fn op_of(name: &str) -> PyResult<ReduceOp> {
     name.parse().map_err(PyValueError::new_err)
-}
-
-/// Runs `$body` with `$t` the Rust type of `$dtype`.
-macro_rules! typed {
-    ($dtype:expr, $t:ident => $body:expr) => {
-        match $dtype {
-            DType::F32 => {
-                type $t = f32;
-                $body
-            }
-            DType::F64 => {
-                type $t = f64;
-                $body
-            }
-            DType::F16 => {
-                type $t = f16;
-                $body
-            }
-            DType::BF16 => {
-                type $t = bf16;
-                $body
-            }
-            DType::I32 => {
-                type $t = i32;
-                $body
-            }
-            DType::I64 => {
-                type $t = i64;
-                $body
-            }
-            DType::U8 => {
-                type $t = u8;
-                $body
-            }
-        }
-    };
 }
 
 /// `count` elements at `addr`.
@@ -298,7 +261,7 @@ impl TorchComm {
             later,
             then,
             keep,
-            move |c| typed!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
+            move |c| kolo_comm::with_element_type!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
         )
     }
 
@@ -321,7 +284,7 @@ impl TorchComm {
         // SAFETY (every view below): kolo's Horovod passes live contiguous
         // tensors that do not overlap, and keeps them until the call ends
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut fused: Vec<T> = Vec::with_capacity(parts.iter().map(|&(_, count)| count).sum());
                 for &(addr, count) in &parts {
                     fused.extend_from_slice(unsafe { view::<T>(addr, count) });
@@ -358,7 +321,7 @@ impl TorchComm {
             later,
             then,
             keep,
-            move |c| typed!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)),
+            move |c| kolo_comm::with_element_type!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)),
         )
     }
 
@@ -379,7 +342,7 @@ impl TorchComm {
         let dtype = dtype_of(dtype)?;
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
                 c.allgatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts)
             })
@@ -405,7 +368,7 @@ impl TorchComm {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
                 c.reduce_scatter_counts(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, op)
             })
@@ -429,7 +392,7 @@ impl TorchComm {
         let dtype = dtype_of(dtype)?;
         let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
                 c.alltoallv(unsafe { input::<T>(send, sn, recv, rn, &mut owned) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts)
             })
@@ -456,7 +419,7 @@ impl TorchComm {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
         let is_root = self.rank == root;
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 // in place: the input is copied first, as the two may not alias
                 let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
                 let out = if is_root { unsafe { view::<T>(recv, count) } } else { &mut [] };
@@ -484,7 +447,7 @@ impl TorchComm {
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
                 c.gatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts, root)
             })
@@ -510,7 +473,7 @@ impl TorchComm {
         let mine = counts.get(self.rank).copied().unwrap_or(0);
         let total = if self.rank == root { counts.iter().sum() } else { 0 };
         self.issue(py, later, then, keep, move |c| {
-            typed!(dtype, T => {
+            kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
                 c.scatterv(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, root)
             })
@@ -531,7 +494,13 @@ impl TorchComm {
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.issue(py, later, then, keep, move |c| typed!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(
+            py,
+            later,
+            then,
+            keep,
+            move |c| kolo_comm::with_element_type!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)),
+        )
     }
 
     #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None, keep=None))]
@@ -548,7 +517,13 @@ impl TorchComm {
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let dtype = dtype_of(dtype)?;
-        self.issue(py, later, then, keep, move |c| typed!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)))
+        self.issue(
+            py,
+            later,
+            then,
+            keep,
+            move |c| kolo_comm::with_element_type!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)),
+        )
     }
 
     #[pyo3(signature = (later=false, then=None, keep=None))]

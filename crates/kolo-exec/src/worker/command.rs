@@ -94,6 +94,13 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
                 command.env(crate::inspect::PROGRESS_FILE_VAR, &file);
                 progress = Some(file);
             }
+            // where its Horovod core writes a stall warning (removed
+            // before the directory, if this agent dies)
+            let stall = crate::inspect::stall_file(dir.path());
+            if let Some(guard) = &guard {
+                let _ = guard.remove_path(&stall);
+            }
+            command.env(crate::inspect::STALL_FILE_VAR, &stall);
             if let Some(hooks) = write_python_hooks(dir.path(), guard.as_deref()) {
                 let path = match lookup("PYTHONPATH").filter(|p| !p.is_empty()) {
                     Some(rest) => format!("{}:{rest}", hooks.display()),

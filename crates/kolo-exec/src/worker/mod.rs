@@ -233,6 +233,12 @@ impl Agent {
             // a worker that runs calls is the rank: its own counters
             None => crate::inspect::read_own_progress(),
         };
+        sample.stall = match crate::lock(&self.command).as_ref() {
+            Some(running) => {
+                running.dir.as_deref().and_then(|d| crate::inspect::read_stall(&crate::inspect::stall_file(d)))
+            }
+            None => crate::inspect::read_own_stall(),
+        };
         if let Some(hint) = stacks {
             if pid == std::process::id() {
                 // py-spy, a child of this process, may trace it (Yama's

@@ -2,16 +2,19 @@
 kolo.horovod.torch as hvd`, or, in a kolo job without Horovod installed,
 `import horovod.torch as hvd` itself.
 
-CPU tensors go through kolo-comm, in place in their memory; CUDA tensors
-through torch's NCCL, in a group kolo makes from its own store. Every rank
-must issue the same operations in the same order (kolo does not negotiate
-by name as Horovod's coordinator does; a rank that calls something else
-gets `HorovodInternalError` naming the rank and both calls). Beyond
-upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built (raising
-`NotImplementedError` when used): Adasum, process sets other than the
-global one, the timeline, alltoall and reducescatter of CUDA tensors.
-`hvd.elastic` runs under `kolo run --in-place` and in elastic
-`kolo.Executor`s."""
+Collectives are matched by name, as upstream's core matches them: kolo's
+Horovod core (Rust, kolo-horovod) negotiates through a coordinator which
+names every rank has submitted, runs them in one order everywhere, fuses
+small reductions (`HOROVOD_FUSION_THRESHOLD`), caches what it negotiated
+(`HOROVOD_CACHE_CAPACITY`), answers a mismatch with the same
+`HorovodInternalError` on every rank and goes on; `join`, process sets
+(static and `HOROVOD_DYNAMIC_PROCESS_SETS`) and the stall warning as
+upstream. CPU tensors move in place in their memory; CUDA tensors go
+through torch's NCCL in a group kolo makes from its own store. Beyond
+upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built
+(raising `NotImplementedError` when used): Adasum, the timeline, alltoall
+and reducescatter of CUDA tensors. `hvd.elastic` runs under `kolo run
+--in-place` and in elastic `kolo.Executor`s."""
 
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from .compression import Compression
@@ -24,6 +27,7 @@ from .ops import (
     Product,
     ProcessSet,
     Sum,
+    add_process_set,
     allgather,
     allgather_async,
     allgather_object,
@@ -48,10 +52,13 @@ from .ops import (
     gloo_enabled,
     global_process_set,
     grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     init,
     is_homogeneous,
     is_initialized,
@@ -66,9 +73,11 @@ from .ops import (
     rank,
     reducescatter,
     reducescatter_async,
+    remove_process_set,
     rocm_built,
     shutdown,
     size,
+    sparse_allreduce_async,
     start_timeline,
     stop_timeline,
     synchronize,

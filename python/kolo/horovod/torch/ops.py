@@ -1,60 +1,153 @@
-"""Horovod's PyTorch operations (`horovod/torch/mpi_ops.py`) on kolo-comm:
-init and topology, allreduce, allgather, broadcast, alltoall,
-reducescatter, barrier, join, handles. CPU tensors go through kolo-comm,
-in place in their memory; every rank issues the same calls in the same
-order (kolo has no negotiation by name: a rank that calls something else
-gets `HorovodInternalError` naming the rank and both calls)."""
+"""Horovod's PyTorch operations (`horovod/torch/mpi_ops.py`) on kolo's
+Horovod core (kolo-horovod): tensors are submitted by name, a background
+thread per process agrees with the other ranks (a coordinator, or the
+response cache) on which names every rank has submitted, runs them in one
+order on every rank and fuses small reductions; a mismatch raises the same
+`HorovodInternalError` on every rank and the job goes on. This module only
+converts tensors, handles and gradients: no ordering or negotiation here.
+CPU tensors go through the core in place in their memory; CUDA tensors
+through torch's NCCL, in a group kolo makes from its own store."""
 
 import atexit
-import math
 import os
 import threading
-import time
 
 import torch
 
 from kolo import _kolo
-import kolo.torch as _kolo_torch
-from kolo.torch import _DTYPES, _bytes
 
 from ..common.exceptions import HorovodInternalError
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_KOLO_OPS = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
+_OPS = (Average, Sum, Min, Max, Product)
 
-# what upstream reduces (plus bfloat16 and uint8: kolo.torch's types), and what it only moves
-_REDUCIBLE = set(_DTYPES)
-_MOVABLE = _REDUCIBLE | {torch.int8, torch.int16}
+# the types upstream takes (its mpi_lib's functions), with kolo's own
+# additions: bfloat16 and uint8 reductions
+_REDUCIBLE = {
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8",
+}
+_MOVABLE = {**_REDUCIBLE, torch.int8: "int8", torch.int16: "int16"}
+
+
+# ---- process sets (horovod/common/process_sets.py) -------------------------
 
 
 class ProcessSet:
-    """Horovod's process sets: kolo has the global one only."""
+    """A set of the job's processes that runs collectives among themselves:
+    pass it to `init(process_sets=[...])` or `add_process_set`; once
+    registered, `process_set_id` is its id on every rank."""
 
-    def __init__(self, ranks=None):
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks_or_comm):
+        try:
+            ranks = sorted(ranks_or_comm)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm "
+                             "object") from None
+        if any(not isinstance(r, int) for r in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.ranks = ranks
-        self.process_set_id = 0 if ranks is None else None
 
-    def __repr__(self):
-        return "ProcessSet(global)" if self.ranks is None else f"ProcessSet({self.ranks})"
+    def _invalidate(self):
+        self.process_set_id = None
+
+    def size(self):
+        """How many processes the set has; None until it is registered."""
+        if self.process_set_id is None:
+            return None
+        ranks = _core().process_set_ranks(self.process_set_id)
+        if ranks is None:
+            raise ValueError("Process set does not exist or has not been registered.")
+        return len(ranks)
+
+    def rank(self):
+        """This process's rank inside the set; None until it is registered."""
+        if self.process_set_id is None:
+            return None
+        ranks = _core().process_set_ranks(self.process_set_id)
+        if ranks is None:
+            raise ValueError("Process set does not exist or has not been registered.")
+        if rank() not in ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return ranks.index(rank())
+
+    def included(self):
+        """Whether this process belongs to the set (None without ranks)."""
+        if self.ranks is None:
+            return None
+        return rank() in self.ranks
+
+    def __str__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
+
+    __repr__ = __str__
 
 
-global_process_set = ProcessSet()
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
 
 
-def _global_only(process_set):
-    if process_set is not global_process_set and getattr(process_set, "ranks", None) is not None:
-        raise NotImplementedError("kolo's Horovod has the global process set only: leave process_set out")
+def _set_id(process_set, op):
+    """The id of a registered set (upstream's message for one that is not)."""
+    process_set = global_process_set if process_set is None else process_set
+    if process_set.process_set_id is None:
+        raise ValueError(f"{op}: Process set provided does not exist, or has not been registered.")
+    return process_set.process_set_id
+
+
+def add_process_set(process_set):
+    """Registers a process set with every rank (each calls this alike and
+    in the same order; needs `HOROVOD_DYNAMIC_PROCESS_SETS=1` or
+    `init(process_sets="dynamic")`); the set, with its id."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    try:
+        handle = _core().add_process_set(process_set.ranks)
+        (_, dims, _), = handle.results()
+    except _kolo.CollectiveError as e:
+        raise HorovodInternalError(str(e)) from None
+    process_set.process_set_id = dims[0]
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Removes a process set with every rank; whether it was removed."""
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0:
+        return False
+    process_set._invalidate()
+    try:
+        handle = _core().remove_process_set(set_id)
+        if handle is None:
+            return False
+        handle.results()
+    except _kolo.CollectiveError as e:
+        raise HorovodInternalError(str(e)) from None
+    return True
+
+
+# ---- init and topology -------------------------------------------------------
 
 
 class _State:
     def __init__(self):
+        self.core = None
+        # an elastic round's communicator (kolo.torch.elastic's state moves over it)
         self.comm = None
         self.generation = 0
         self.ranks = None
         self.handles = {}
-        self.next_handle = 1
-        self.in_flight = set()
+        # upstream's handle counter: 0 in a new process and after shutdown
+        self.last_handle = 0
         self.lock = threading.Lock()
         self.atexit = False
         self.nccl = None
@@ -71,52 +164,70 @@ def _env_int(*names, default):
     return default
 
 
+def _static_sets(process_sets):
+    """`init`'s process sets as rank lists, with upstream's checks."""
+    if process_sets is None:
+        return [], []
+    if process_sets == "dynamic":
+        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+        return [], []
+    sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+    seen = []
+    for i, ps in enumerate(sets):
+        if ps.ranks is None:
+            raise ValueError("kolo's Horovod builds process sets from lists of ranks, not MPI communicators")
+        if ps.ranks in seen or ps.ranks == []:
+            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
+                             f"duplicate: {ps}")
+        seen.append(ps.ranks)
+    return sets, seen
+
+
 def init(comm=None, process_sets=None):
-    """Joins the job's communicator (idempotent). Inside a kolo job: every
-    rank of it; elsewhere: one process alone, as Horovod without a
-    rendezvous."""
-    if _state.comm is not None:
+    """Starts Horovod's core on the job's ranks (idempotent). Inside a kolo
+    job: every rank of it; elsewhere: one process alone, as Horovod without
+    a rendezvous. `process_sets`: sets registered now (a list of
+    `ProcessSet`s or rank lists), or "dynamic" to add them later."""
+    if _state.core is not None:
         return
     if comm is not None:
         raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
-    if process_sets:
-        raise NotImplementedError("kolo's Horovod has the global process set only: call init() without process_sets")
+    sets, ranks = _static_sets(process_sets)
     from kolo.torch import elastic
 
-    if elastic.in_place_job():
-        # an in-place elastic job: the next round this process has a place
-        # in, with its ranks there (`hvd.elastic.run` re-inits each round)
-        try:
+    try:
+        if elastic.in_place_job():
+            # an in-place elastic job: the next round this process has a
+            # place in, with its ranks there (`hvd.elastic.run` re-inits
+            # each round); the core gets a communicator of its own
             joined = elastic.join("hvd.init")
-        except _kolo.CollectiveError as e:
-            raise HorovodInternalError(str(e)) from None
-        _state.comm = joined.comm
-        _state.generation += 1
-        _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
-                        joined.cross_size)
-    else:
-        _join_job()
+            core = elastic._the_worker("hvd.init").horovod_core(ranks)
+            _state.comm = joined.comm
+            _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
+                            joined.cross_size)
+        else:
+            core = _join_job(ranks)
+    except _kolo.CollectiveError as e:
+        raise HorovodInternalError(str(e)) from None
+    _state.core = core
+    _state.generation += 1
     _state.handles.clear()
-    _state.in_flight.clear()
-    _state.next_handle = 1
+    global_process_set.ranks = list(range(core.size))
+    for ps in sets:
+        ps.process_set_id = core.process_set_id(ps.ranks)
     if not _state.atexit:
         atexit.register(shutdown)
         _state.atexit = True
 
 
-def _join_job():
+def _join_job(sets):
     in_job = bool(os.environ.get("KOLO_SECRET")) and "KOLO_RANK" in os.environ
     # Horovod's collectives wait as long as their peers take (rank 0 saving
     # a checkpoint, say); a peer that dies is noticed at once all the same.
     # KOLO_COMM_TIMEOUT_SECONDS bounds the wait; else torch's 30 minutes.
     timeout = float(os.environ.get("KOLO_COMM_TIMEOUT_SECONDS") or 1800)
-    try:
-        _state.comm = _kolo.TorchComm.from_env(_state.generation, timeout) if in_job else _kolo.TorchComm.single()
-    except _kolo.CollectiveError as e:
-        raise HorovodInternalError(str(e)) from None
-    _state.generation += 1
-    size = _state.comm.size
-    rank = _state.comm.rank
+    core = _kolo.HorovodCore.from_env(_state.generation, timeout, sets) if in_job else _kolo.HorovodCore.single(sets)
+    size, rank = core.size, core.rank
     _state.ranks = (
         rank,
         size,
@@ -125,24 +236,27 @@ def _join_job():
         _env_int("HOROVOD_CROSS_RANK", default=0),
         _env_int("HOROVOD_CROSS_SIZE", default=1),
     )
+    return core
 
 
 def shutdown():
-    """Leaves the communicator; `init()` may be called again."""
-    comm, _state.comm = _state.comm, None
+    """Stops the core with every rank; `init()` may be called again."""
+    core, _state.core = _state.core, None
     _state.ranks = None
     _state.handles.clear()
-    _state.in_flight.clear()
-    _state.next_handle = 1
+    _state.last_handle = 0
+    global_process_set.ranks = []
+    if core is not None:
+        core.shutdown()
+    comm, _state.comm = _state.comm, None
     if comm is not None:
-        comm.shutdown()
         from kolo.torch import elastic
 
         elastic.leave()
 
 
 def is_initialized():
-    return _state.comm is not None
+    return _state.core is not None
 
 
 def _ranks():
@@ -151,10 +265,10 @@ def _ranks():
     return _state.ranks
 
 
-def _comm():
-    if _state.comm is None:
+def _core():
+    if _state.core is None:
         raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return _state.comm
+    return _state.core
 
 
 def rank():
@@ -235,11 +349,11 @@ def mpi_threads_supported():
 
 
 def start_timeline(file_path, mark_cycles=False):
-    raise NotImplementedError("kolo's Horovod has no timeline")
+    raise NotImplementedError("kolo's Horovod has no timeline: kolo status, kolo stack and kolo top show a job")
 
 
 def stop_timeline():
-    raise NotImplementedError("kolo's Horovod has no timeline")
+    raise NotImplementedError("kolo's Horovod has no timeline: kolo status, kolo stack and kolo top show a job")
 
 
 # ---- checks -----------------------------------------------------------------
@@ -253,57 +367,101 @@ def _op_of(average, op, default=Average):
     op = default if op is None else op
     if op == Adasum:
         raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
-    if op not in _KOLO_OPS:
+    if op not in _OPS:
         raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
     return op
 
 
-def _tensor(t, allowed, what):
+def _wire_type(t, allowed):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what} takes a torch.Tensor, not {type(t).__name__}")
-    if t.dtype not in allowed:
-        raise ValueError(f"Tensor type {t.dtype} is not supported.")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"kolo's Horovod takes CPU and CUDA tensors, not {t.device}")
+        raise TypeError(f"Horovod takes torch.Tensors, not {type(t).__name__}")
+    dtype = allowed.get(t.dtype)
+    if dtype is None or t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"Tensor type {t.type()} is not supported.")
     if not t.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    return t
-
-
-def _cpu_only(t, what):
-    if t.is_cuda:
-        raise NotImplementedError(f"kolo's Horovod runs {what} on CPU tensors only; move this {t.device} tensor to the CPU")
+    return dtype
 
 
 def _failed(e):
     return HorovodInternalError(str(e))
 
 
+# ---- handles ----------------------------------------------------------------
+
+
+class _Pending:
+    """A submission's handle and what synchronize returns from its results."""
+
+    __slots__ = ("handle", "after", "keep")
+
+    def __init__(self, handle, after, keep):
+        self.handle, self.after, self.keep = handle, after, keep
+
+
+def _next_handle():
+    with _state.lock:
+        _state.last_handle += 1
+        return _state.last_handle
+
+
+def _wire_name(kind, name, handle):
+    return f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
+
+
+def _submit(handle, process_set, op_title, tensors, after, keep):
+    """Submits `tensors` (the core's tuples) as one group; `handle`, kept
+    with what synchronize returns."""
+    set_id = _set_id(process_set, op_title)
+    try:
+        pending = _core().submit(set_id, tensors, keep)
+    except _kolo.CollectiveError as e:
+        raise _failed(e) from None
+    _state.handles[handle] = _Pending(pending, after, keep)
+    return handle
+
+
+def _entry(kind, name, dtype, t, *, root=0, op=Sum, prescale=1.0, postscale=1.0, output=None, splits=()):
+    """One tensor as the core takes it."""
+    out = None if output is None else (output.data_ptr(), output.numel() * output.element_size())
+    device = -1 if t.device.type == "cpu" else t.device.index
+    return (kind, name, dtype, list(t.shape), device, root, op, float(prescale), float(postscale),
+            (t.data_ptr(), t.numel() * t.element_size()), out, list(splits))
+
+
+def poll(handle):
+    """Whether the operation of `handle` is done (synchronize will not block)."""
+    pending = _state.handles.get(handle)
+    if pending is None:
+        raise ValueError(f"unknown handle {handle}")
+    return pending.handle.poll()
+
+
+def synchronize(handle):
+    """Waits for the operation of `handle`; its output (None for a handle
+    that is not in flight)."""
+    pending = _state.handles.get(handle)
+    if pending is None:
+        return None
+    try:
+        results = pending.handle.results()
+    except _kolo.CollectiveError as e:
+        _state.handles.pop(handle, None)
+        raise _failed(e) from None
+    except BaseException:
+        # Ctrl-C while waiting: the handle stays, it may be waited for again
+        raise
+    _state.handles.pop(handle, None)
+    return pending.after(results)
+
+
 # ---- CUDA tensors: torch's NCCL ---------------------------------------------
 
 
-class _TorchPending:
-    """A torch Work as a handle's pending call."""
-
-    __slots__ = ("work",)
-
-    def __init__(self, work):
-        self.work = work
-
-    def wait(self):
-        self.work.wait()
-
-    def done(self):
-        return self.work.is_completed()
-
-
-_TORCH_OPS = {
-    Average: "AVG",
-    Sum: "SUM",
-    Min: "MIN",
-    Max: "MAX",
-    Product: "PRODUCT",
-}
+def _cuda_unsupported(t, what):
+    if t.is_cuda:
+        raise NotImplementedError(f"kolo's Horovod runs {what} of CUDA tensors through NCCL only for allreduce, "
+                                  f"allgather and broadcast; move this {t.device} tensor to the CPU")
 
 
 def _nccl():
@@ -314,210 +472,123 @@ def _nccl():
 
     import torch.distributed as dist
 
-    if getattr(_state, "nccl", None) is not None and _state.nccl[0] == _state.generation:
+    if _state.nccl is not None and _state.nccl[0] == _state.generation:
         return _state.nccl[1]
     if not dist.is_nccl_available():
         raise ValueError("a CUDA tensor came to kolo's Horovod, but this torch has no NCCL")
-    comm = _comm()
-    if comm.size == 1:
+    n, r = size(), rank()
+    if n == 1:
         store = dist.HashStore()
     else:
         timeout = datetime.timedelta(seconds=_env_int("HOROVOD_GLOO_TIMEOUT_SECONDS", default=30))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), comm.size, False, timeout)
-    group = dist.ProcessGroupNCCL(dist.PrefixStore(f"kolo-hvd-nccl/{_state.generation}/", store), comm.rank, comm.size)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, False, timeout)
+    group = dist.ProcessGroupNCCL(dist.PrefixStore(f"kolo-hvd-nccl/{_state.generation}/", store), r, n)
     _state.nccl = (_state.generation, group)
     return group
 
 
-def _torch_op(op):
+class _CudaPending:
+    """torch Works as a core handle: poll and results."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def poll(self):
+        return all(w.is_completed() for w in self.works)
+
+    def results(self):
+        for w in self.works:
+            w.wait()
+        return [(None, [], -1)] * len(self.works)
+
+
+def _cuda_allreduce(handle, tensors, op, prescale, postscale, after):
     import torch.distributed as dist
 
-    return getattr(dist.ReduceOp, _TORCH_OPS[op])
+    works = []
+    for t in tensors:
+        if prescale != 1.0:
+            t.mul_(prescale)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, {Average: "AVG", Sum: "SUM", Min: "MIN", Max: "MAX",
+                                                Product: "PRODUCT"}[op])
+        works.append(_nccl().allreduce([t], opts))
 
+    def scaled(results):
+        if postscale != 1.0:
+            for t in tensors:
+                t.mul_(postscale)
+        return after(results)
 
-# ---- handles ----------------------------------------------------------------
-
-
-class _Handle:
-    __slots__ = ("pendings", "output", "after", "name")
-
-    def __init__(self, pendings, output, after, name):
-        self.pendings, self.output, self.after, self.name = pendings, output, after, name
-
-
-def _reserve(kind, name):
-    """A handle for a call about to be issued, and its wire name; a name
-    still in flight is refused before anything is issued."""
-    with _state.lock:
-        handle = _state.next_handle
-        wire = f"{kind}.{name}" if name else f"{kind}.noname.{handle}"
-        if name and wire in _state.in_flight:
-            raise ValueError(f"a {kind} named '{name}' is still in flight: synchronize it before reusing the name")
-        _state.next_handle += 1
-        if name:
-            _state.in_flight.add(wire)
-    return handle, (wire if name else None)
-
-
-def _register(reserved, pendings, output, after=None):
-    handle, wire = reserved
-    _state.handles[handle] = _Handle(pendings, output, after, wire)
+    _state.handles[handle] = _Pending(_CudaPending(works), scaled, tensors)
     return handle
-
-
-def poll(handle):
-    """Whether the call of `handle` has ended (synchronize will not block)."""
-    h = _state.handles.get(handle)
-    if h is None:
-        raise ValueError(f"unknown handle {handle}")
-    return all(p is None or p.done() for p in h.pendings)
-
-
-def synchronize(handle):
-    """Waits for the call of `handle`; its output."""
-    h = _state.handles.pop(handle, None)
-    if h is None:
-        raise ValueError(f"unknown handle {handle}")
-    try:
-        for p in h.pendings:
-            if p is not None:
-                p.wait()
-    except _kolo.CollectiveError as e:
-        raise _failed(e) from None
-    finally:
-        if h.name:
-            _state.in_flight.discard(h.name)
-    return h.after() if h.after is not None else h.output
-
-
-def _issue(method, *args, keep):
-    """Queues a kolo-comm call after the ones issued before; kolo holds
-    `keep` (the tensors whose memory it uses) until the call ends."""
-    try:
-        return method(*args, later=True, keep=keep)
-    except _kolo.CollectiveError as e:
-        raise _failed(e) from None
-
-
-def _now(method, *args):
-    try:
-        method(*args)
-    except _kolo.CollectiveError as e:
-        raise _failed(e) from None
 
 
 # ---- allreduce -------------------------------------------------------------
 
 
+def _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, grouped):
+    """Submits reductions of `tensors` into `outputs` (the same tensors when
+    in place) as one group; the handle."""
+    op = _op_of(None, op)
+    dtypes = [_wire_type(t, _REDUCIBLE) for t in tensors]
+    handle = _next_handle()
+    base = _wire_name("allreduce", name, handle)
+    if any(t.is_cuda for t in tensors):
+        if not all(t.is_cuda for t in tensors):
+            raise HorovodInternalError("Tensors in list must be on same device.")
+        for t, o in zip(tensors, outputs):
+            if o is not t:
+                o.copy_(t)
+        after = (lambda _: outputs[0]) if not grouped else (lambda _: tuple(outputs))
+        return _cuda_allreduce(handle, outputs, op, prescale_factor, postscale_factor, after)
+    n = len(tensors)
+    names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
+    entries = [_entry("allreduce", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
+                      output=o)
+               for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
+    after = (lambda _: outputs[0]) if not grouped else (lambda _: tuple(outputs))
+    return _submit(handle, process_set, "Allreduce", entries, after, (tensors, outputs))
+
+
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set):
-    """Starts reducing `tensor` in place over every rank; a handle."""
-    return _grouped_async([tensor], average, name, op, prescale_factor, postscale_factor, process_set, single=True)
+    """Starts reducing `tensor` in place over the set's ranks; a handle."""
+    op = _op_of(average, op)
+    return _allreduce_group([tensor], [tensor], name, op, prescale_factor, postscale_factor, process_set, False)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
-    """Starts reducing a copy of `tensor`; a handle whose output is the copy."""
-    _tensor(tensor, _REDUCIBLE, "allreduce")
-    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def _fusion_threshold():
-    """Horovod's HOROVOD_FUSION_THRESHOLD: the most bytes one fused
-    reduction carries (128 MiB by default, as upstream; 0 turns fusion off)."""
-    return _env_int("HOROVOD_FUSION_THRESHOLD", default=128 * 1024 * 1024)
-
-
-def _fused(tensors, threshold):
-    """The CPU tensors of a group in runs of one type (types in the order
-    they first come, tensors in their order) of at most `threshold` bytes
-    each, a tensor over it alone: every rank makes the same runs from the
-    same group."""
-    by_type = {}
-    for t in tensors:
-        by_type.setdefault(t.dtype, []).append(t)
-    runs = []
-    for same_type in by_type.values():
-        current, current_bytes = [], 0
-        for t in same_type:
-            nbytes = t.numel() * t.element_size()
-            if current and current_bytes + nbytes > threshold:
-                runs.append(current)
-                current, current_bytes = [], 0
-            current.append(t)
-            current_bytes += nbytes
-        if current:
-            runs.append(current)
-    return runs
-
-
-def _grouped_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set, single=False):
-    _global_only(process_set)
+    """Starts reducing `tensor` into a new tensor; a handle whose output it is."""
     op = _op_of(average, op)
-    comm = _comm()
-    pendings = []
-    for t in tensors:
-        _tensor(t, _REDUCIBLE, "allreduce")
-    reserved = _reserve("allreduce", name)
-    cpu, cuda = [], []
-    for t in tensors:
-        if t.is_cuda:
-            cuda.append(t)
-            if prescale_factor != 1.0:
-                t.mul_(prescale_factor)
-            import torch.distributed as dist
-
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = _torch_op(op)
-            pendings.append(_TorchPending(_nccl().allreduce([t], opts)))
-        else:
-            cpu.append(t)
-    # a group's tensors go as few reductions (Horovod's tensor fusion): kolo
-    # copies each run of one type into one buffer, reduces it and copies
-    # it back
-    if prescale_factor != 1.0 and cpu:
-        torch._foreach_mul_(cpu, prescale_factor)
-    threshold = _fusion_threshold()
-    for run in _fused(cpu, threshold) if threshold > 0 and len(cpu) > 1 else [[t] for t in cpu]:
-        kind, op_name = _DTYPES[run[0].dtype], _KOLO_OPS[op]
-        if len(run) == 1:
-            t = run[0]
-            pendings.append(_issue(comm.allreduce, t.data_ptr(), t.numel(), kind, op_name, keep=t))
-        else:
-            parts = [(t.data_ptr(), t.numel()) for t in run]
-            pendings.append(_issue(comm.allreduce_fused, parts, kind, op_name, keep=run))
-
-    def after():
-        for on_one_device in (cpu, cuda):
-            if postscale_factor != 1.0 and on_one_device:
-                torch._foreach_mul_(on_one_device, postscale_factor)
-        return tensors[0] if single else tuple(tensors)
-
-    return _register(reserved, pendings, tensors, after)
+    output = torch.empty_like(tensor)
+    return _allreduce_group([tensor], [output], name, op, prescale_factor, postscale_factor, process_set, False)
 
 
 class _Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor):
-        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
-        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, prescale_factor, postscale_factor, process_set
+        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        return allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post), None, None, None, None
+        reduced = allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
+                            process_set=ctx.process_set)
+        return reduced, None, None, None, None, None
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
               process_set=global_process_set):
-    """`tensor` reduced over every rank (op Average by default), out of
+    """`tensor` reduced over the set's ranks (op Average by default), out of
     place and differentiable."""
     from .compression import Compression
 
-    _global_only(process_set)
     op = _op_of(average, op)
     compression = compression or Compression.none
     compressed, ctx = compression.compress(tensor)
-    summed = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor)
+    summed = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(summed, ctx)
 
 
@@ -529,143 +600,196 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                              process_set=global_process_set):
-    return _grouped_async(list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
+    tensors = list(tensors)
+    op = _op_of(average, op)
+    return _allreduce_group(tensors, tensors, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                             process_set=global_process_set):
-    copies = [_tensor(t, _REDUCIBLE, "grouped_allreduce").detach().clone() for t in tensors]
-    return grouped_allreduce_async_(copies, average, name, op, prescale_factor, postscale_factor, process_set)
+    tensors = list(tensors)
+    op = _op_of(average, op)
+    outputs = [torch.empty_like(t) for t in tensors]
+    return _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale_factor, postscale_factor, *tensors):
-        ctx.op, ctx.pre, ctx.post = op, prescale_factor, postscale_factor
-        return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor))
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, prescale_factor, postscale_factor, process_set
+        return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor,
+                                                   process_set))
 
     @staticmethod
     def backward(ctx, *grads):
         reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.pre,
-                                    postscale_factor=ctx.post)
-        return (None, None, None, None, *reduced)
+                                    postscale_factor=ctx.post, process_set=ctx.process_set)
+        return (None, None, None, None, None, *reduced)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=global_process_set):
-    """Each of `tensors` reduced over every rank, fused into as few
-    reductions as the fusion threshold allows; out of place and
-    differentiable."""
+    """Each of `tensors` reduced over the set's ranks as one group (fused
+    up to the fusion threshold); out of place and differentiable."""
     from .compression import Compression
 
-    _global_only(process_set)
     op = _op_of(average, op)
     compression = compression or Compression.none
     compressed = [compression.compress(t) for t in tensors]
-    summed = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, *[c for c, _ in compressed])
+    summed = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                     *[c for c, _ in compressed])
     return [compression.decompress(s, ctx) for s, (_, ctx) in zip(summed, compressed)]
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """A sparse tensor reduced as upstream does it: its indices and values
+    allgathered (named `{name}.indices` and `{name}.values`); a callable
+    that waits and returns the uncoalesced sum (the average divides the
+    values by the set's size)."""
+    t = tensor
+    indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                              process_set=process_set)
+    values = allgather_async(t._values(), name=f"{name}.values", process_set=process_set)
+
+    def handle():
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if op == Average:
+            gathered_values = gathered_values / process_set.size()
+        if gathered_indices.dim() == 0 or gathered_values.dim() == 0:
+            return t.new().resize_as_(t)
+        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, t.size(),
+                                       check_invariants=False)
+
+    return handle
 
 
 # ---- allgather -------------------------------------------------------------
 
 
+def _gathered(t, data, dims):
+    """A result the core made as a tensor like `t` with `dims[0]` rows."""
+    out = torch.frombuffer(data, dtype=t.dtype) if len(data) else torch.empty(0, dtype=t.dtype)
+    return out.reshape(dims[0], *t.shape[1:])
+
+
+def _allgather_group(tensors, name, process_set, grouped):
+    dtypes = [_wire_type(t, _MOVABLE) for t in tensors]
+    handle = _next_handle()
+    base = _wire_name("allgather", name, handle)
+    if any(t.is_cuda for t in tensors):
+        return _cuda_allgather(handle, tensors, grouped)
+    n = len(tensors)
+    names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
+    entries = [_entry("allgather", wire, dtype, t) for wire, dtype, t in zip(names, dtypes, tensors)]
+
+    def after(results):
+        outs = [_gathered(t, data, dims) for t, (data, dims, _) in zip(tensors, results)]
+        return tuple(outs) if grouped else outs[0]
+
+    return _submit(handle, process_set, "Allgather", entries, after, tensors)
+
+
+def _cuda_allgather(handle, tensors, grouped):
+    """Through NCCL: every rank's rows padded to the most any rank has."""
+    outs = []
+    for tensor in tensors:
+        rows = allgather_object(tensor.shape[0] if tensor.dim() else 1)
+        most = max(rows)
+        padded = torch.zeros((most, *tensor.shape[1:]) if tensor.dim() else (1,), dtype=tensor.dtype,
+                             device=tensor.device)
+        padded[: rows[rank()]] = tensor if tensor.dim() else tensor.reshape(1)
+        flat = torch.empty((len(rows) * most, *padded.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        _nccl()._allgather_base(flat, padded).wait()
+        outs.append(torch.cat([flat[r * most: r * most + rows[r]] for r in range(len(rows))]))
+    _state.handles[handle] = _Pending(_CudaPending([]), lambda _: tuple(outs) if grouped else outs[0], tensors)
+    return handle
+
+
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Starts gathering every rank's `tensor`, concatenated along dim 0 in
     rank order (dim 0 may differ between ranks)."""
-    _global_only(process_set)
-    _tensor(tensor, _MOVABLE, "allgather")
-    comm = _comm()
-    n = comm.size
-    shape = torch.tensor([tensor.dim(), *tensor.shape] if tensor.dim() else [0], dtype=torch.int64)
-    # every rank's shape first (same number of dims everywhere, or an error naming the ranks)
-    shapes = torch.empty(n * shape.numel(), dtype=torch.int64)
-    _now(comm.allgather, shape.data_ptr(), shapes.data_ptr(), [shape.numel()] * n, "i64")
-    shapes = shapes.view(n, -1)
-    rows = shapes[:, 1].tolist() if tensor.dim() else [1] * n
-    if tensor.dim() and any(shapes[r, 2:].tolist() != list(tensor.shape[1:]) for r in range(n)):
-        differ = [r for r in range(n) if shapes[r, 2:].tolist() != list(tensor.shape[1:])]
-        raise HorovodInternalError(
-            f"allgather: ranks {differ} passed tensors whose shapes beyond dim 0 differ from this rank's {list(tensor.shape)}"
-        )
-    out_shape = (sum(rows), *tensor.shape[1:]) if tensor.dim() else (n,)
-    if tensor.is_cuda:
-        return _allgather_cuda(tensor, rows, name)
-    output = torch.empty(out_shape, dtype=tensor.dtype)
-    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
-    src = _bytes(tensor.detach())
-    reserved = _reserve("allgather", name)
-    pending = _issue(comm.allgather, src.data_ptr(), _bytes(output).data_ptr(), [r * row_bytes for r in rows], "u8",
-                     keep=(src, output))
-    return _register(reserved, [pending], output)
+    return _allgather_group([tensor], name, process_set, False)
 
 
-def _allgather_cuda(tensor, rows, name):
-    """Through NCCL: every rank's rows padded to the most any rank has."""
-    most = max(rows)
-    padded = torch.zeros((most, *tensor.shape[1:]) if tensor.dim() else (1,), dtype=tensor.dtype, device=tensor.device)
-    padded[: rows[rank()]] = tensor if tensor.dim() else tensor.reshape(1)
-    flat = torch.empty((len(rows) * most, *padded.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    reserved = _reserve("allgather", name)
-    work = _nccl()._allgather_base(flat, padded)
-    after = lambda: torch.cat([flat[r * most : r * most + rows[r]] for r in range(len(rows))])  # noqa: E731
-    return _register(reserved, [_TorchPending(work)], flat, after)
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    return _allgather_group(list(tensors), name, process_set, True)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.dim0 = tensor.shape[0] if tensor.dim() else 1
-        return synchronize(allgather_async(tensor, name))
+    def forward(ctx, tensor, name, process_set):
+        ctx.dim, ctx.process_set = tensor.shape[0] if tensor.dim() else 1, process_set
+        return synchronize(allgather_async(tensor, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Sum)
-        rows = allgather_object(ctx.dim0)
-        offset = sum(rows[: rank()])
-        return reduced.narrow(0, offset, ctx.dim0), None
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
+        dims = allgather(torch.tensor([ctx.dim], dtype=torch.int32), process_set=ctx.process_set)
+        r = ctx.process_set.rank()
+        offset = int(dims[:r].sum()) if r else 0
+        return reduced.narrow(0, offset, ctx.dim), None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
-    _global_only(process_set)
-    return _Allgather.apply(tensor, name)
+    """Every rank's `tensor`, concatenated along dim 0 in rank order;
+    differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.dims, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return synchronize(grouped_allgather_async(list(tensors), name, process_set))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = grouped_allreduce(list(grads), op=Average, process_set=ctx.process_set)
+        dims = grouped_allgather([torch.tensor([d], dtype=torch.int32) for d in ctx.dims], process_set=ctx.process_set)
+        r = ctx.process_set.rank()
+        offsets = [int(d[:r].sum()) if r else 0 for d in dims]
+        return (None, None, *[g.narrow(0, o, d) for g, o, d in zip(reduced, offsets, ctx.dims)])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    return [allgather(t, f"{name}.{i}" if name else None, process_set) for i, t in enumerate(tensors)]
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ---- broadcast -------------------------------------------------------------
 
 
-def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
-    """Starts overwriting `tensor` with rank `root_rank`'s, in place."""
-    _global_only(process_set)
-    _tensor(tensor, _MOVABLE, "broadcast")
-    comm = _comm()
-    if not 0 <= root_rank < comm.size:
-        raise ValueError(f"root_rank {root_rank} is not a rank of this {comm.size}-rank job")
+def _broadcast(tensor, output, root_rank, name, process_set):
+    dtype = _wire_type(tensor, _MOVABLE)
+    handle = _next_handle()
+    wire = _wire_name("broadcast", name, handle)
     if tensor.is_cuda:
         import torch.distributed as dist
 
+        if output is not tensor:
+            output.copy_(tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank = root_rank
-        reserved = _reserve("broadcast", name)
-        return _register(reserved, [_TorchPending(_nccl().broadcast([tensor], opts))], tensor)
-    dtype = _DTYPES.get(tensor.dtype)
-    view = tensor if dtype else _bytes(tensor)
-    reserved = _reserve("broadcast", name)
-    pending = _issue(comm.broadcast, view.data_ptr(), view.numel(), dtype or "u8", root_rank, keep=tensor)
-    return _register(reserved, [pending], tensor)
+        work = _nccl().broadcast([output], opts)
+        _state.handles[handle] = _Pending(_CudaPending([work]), lambda _: output, output)
+        return handle
+    entry = _entry("broadcast", wire, dtype, tensor, root=root_rank, output=output)
+    return _submit(handle, process_set, "Broadcast", [entry], lambda _: output, (tensor, output))
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Starts overwriting `tensor` with rank `root_rank`'s (a global rank), in place."""
+    return _broadcast(tensor, tensor, root_rank, name, process_set)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
-    _tensor(tensor, _MOVABLE, "broadcast")
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+    return _broadcast(tensor, torch.empty_like(tensor), root_rank, name, process_set)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -674,137 +798,228 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average)
+        reduced = allreduce(grad, op=Average, process_set=ctx.process_set)
         if rank() != ctx.root_rank:
             reduced = reduced * 0
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Rank `root_rank`'s `tensor`, out of place and differentiable."""
-    _global_only(process_set)
-    return _Broadcast.apply(tensor, root_rank, name)
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
 
 
-# ---- alltoall, reducescatter, barrier, join ---------------------------------
+# ---- alltoall ----------------------------------------------------------------
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
-    _global_only(process_set)
-    _tensor(tensor, _MOVABLE, "alltoall")
-    _cpu_only(tensor, "alltoall")
-    comm = _comm()
-    n = comm.size
-    rows = tensor.shape[0] if tensor.dim() else 1
+    """Starts sending dim 0 of `tensor` over the set's ranks (equally, or by
+    `splits`); synchronize gives `(output, received_splits)`."""
+    dtype = _wire_type(tensor, _MOVABLE)
+    _cuda_unsupported(tensor, "alltoall")
     if splits is None:
-        if rows % n:
-            raise ValueError(f"alltoall: dim 0 ({rows}) does not split equally over {n} ranks; pass splits")
-        send_rows = [rows // n] * n
+        rows = []
     else:
-        send_rows = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-        if len(send_rows) != n or sum(send_rows) != rows or min(send_rows) < 0:
-            raise ValueError(f"alltoall: splits {send_rows} must have {n} non-negative entries summing to dim 0 ({rows})")
-    sent = torch.tensor(send_rows, dtype=torch.int64)
-    received = torch.empty(n, dtype=torch.int64)
-    _now(comm.alltoall, sent.data_ptr(), [1] * n, received.data_ptr(), [1] * n, "i64")
-    recv_rows = received.tolist()
-    row_bytes = (tensor.numel() // rows if rows else 0) * tensor.element_size()
-    output = torch.empty((sum(recv_rows), *tensor.shape[1:]), dtype=tensor.dtype)
-    src = _bytes(tensor.detach())
-    reserved = _reserve("alltoall", name)
-    pending = _issue(
-        comm.alltoall, src.data_ptr(), [r * row_bytes for r in send_rows], _bytes(output).data_ptr(),
-        [r * row_bytes for r in recv_rows], "u8", keep=(src, output),
-    )
-    after = (lambda: output) if splits is None else (lambda: (output, received))
-    return _register(reserved, [pending], output, after)
+        if not isinstance(splits, torch.Tensor):
+            splits = torch.tensor(splits, dtype=torch.int32)
+        if splits.dim() != 1:
+            raise ValueError("alltoall expects a 1D splits tensor")
+        if splits.dtype != torch.int32:
+            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+        rows = [int(s) for s in splits.tolist()]
+    handle = _next_handle()
+    wire = _wire_name("alltoall", name, handle)
+    entry = _entry("alltoall", wire, dtype, tensor, splits=rows)
+
+    def after(results):
+        (data, received, _), = results
+        out = torch.frombuffer(data, dtype=tensor.dtype) if len(data) else torch.empty(0, dtype=tensor.dtype)
+        return out.reshape(sum(received), *tensor.shape[1:]), torch.tensor(received, dtype=torch.int32)
+
+    return _submit(handle, process_set, "Alltoall", [entry], after, tensor)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.process_set, ctx.received = process_set, received
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        back, _ = alltoall(grad.contiguous(), splits=ctx.received, process_set=ctx.process_set)
+        return back, None, None, None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """dim 0 of `tensor` split over the ranks (equally, or by `splits`);
-    with `splits`, `(output, received_splits)`."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    """dim 0 of `tensor` split over the set's ranks (equally, or by
+    `splits`); with `splits`, `(output, received_splits)`. Differentiable."""
+    return _Alltoall.apply(tensor, splits, name, process_set)
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set):
-    _global_only(process_set)
+# ---- reducescatter ----------------------------------------------------------
+
+
+def _scattered_rows(tensor, process_set):
+    """This rank's rows of a reducescatter: the first dim0 % size ranks of
+    the set get one more."""
+    set_id = _set_id(process_set, "Reducescatter")
+    ranks = _core().process_set_ranks(set_id)
+    if ranks is None or rank() not in ranks:
+        raise ValueError(f"Invalid process set id for this rank: {set_id}")
+    n, r = len(ranks), ranks.index(rank())
+    rows = tensor.shape[0]
+    return rows // n + (1 if r < rows % n else 0)
+
+
+def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postscale_factor, grouped):
     if op not in (Average, Sum):
-        raise ValueError("reducescatter takes op=hvd.Average or hvd.Sum")
-    _tensor(tensor, _REDUCIBLE, "reducescatter")
-    _cpu_only(tensor, "reducescatter")
-    comm = _comm()
-    n = comm.size
-    rows = tensor.shape[0] if tensor.dim() else 1
-    row = tensor.numel() // rows if rows else 0
-    base, extra = divmod(rows, n)
-    mine_rows = [base + (1 if r < extra else 0) for r in range(n)]
-    output = torch.empty((mine_rows[comm.rank], *tensor.shape[1:]), dtype=tensor.dtype)
-    src = tensor.detach().contiguous()
-    reserved = _reserve("reducescatter", name)
-    pending = _issue(
-        comm.reduce_scatter, src.data_ptr(), output.data_ptr(), [r * row for r in mine_rows],
-        _DTYPES[tensor.dtype], _KOLO_OPS[op], keep=(src, output),
-    )
-    return _register(reserved, [pending], output)
+        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+    dtypes = [_wire_type(t, _REDUCIBLE) for t in tensors]
+    for t in tensors:
+        _cuda_unsupported(t, "reducescatter")
+        if t.dim() == 0:
+            raise ValueError("Reducescatter does not support scalar inputs")
+    outputs = [torch.empty((_scattered_rows(t, process_set), *t.shape[1:]), dtype=t.dtype) for t in tensors]
+    handle = _next_handle()
+    base = _wire_name("reducescatter", name, handle)
+    n = len(tensors)
+    names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
+    entries = [_entry("reducescatter", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
+                      output=o)
+               for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
+    after = (lambda _: tuple(outputs)) if grouped else (lambda _: outputs[0])
+    return _submit(handle, process_set, "Reducescatter", entries, after, (tensors, outputs))
 
 
-def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set):
-    """`tensor` reduced over every rank, dim 0 scattered: this rank's rows
-    (the first dim0 % size ranks get one more)."""
-    return synchronize(reducescatter_async(tensor, name, op, process_set))
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
+                        postscale_factor=1.0):
+    return _reducescatter_group([tensor], name, op, process_set, prescale_factor, postscale_factor, False)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    return _reducescatter_group(list(tensors), name, op, process_set, prescale_factor, postscale_factor, True)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, prescale_factor, postscale_factor
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = (ctx.process_set.size() if ctx.op == Sum else 1) * ctx.pre * ctx.post
+        grad = grad * scale if scale != 1 else grad
+        return allgather(grad.contiguous(), process_set=ctx.process_set), None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """`tensor` reduced over the set's ranks, dim 0 scattered: this rank's
+    rows (the first dim0 % size ranks get one more). Differentiable."""
+    from .compression import Compression
+
+    compression = compression or Compression.none
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, prescale_factor, postscale_factor
+        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
+                                                       postscale_factor))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        scale = (ctx.process_set.size() if ctx.op == Sum else 1) * ctx.pre * ctx.post
+        grads = [g * scale if scale != 1 else g for g in grads]
+        return (None, None, None, None, None, *grouped_allgather([g.contiguous() for g in grads],
+                                                                 process_set=ctx.process_set))
+
+
+def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    from .compression import Compression
+
+    compression = compression or Compression.none
+    compressed = [compression.compress(t) for t in tensors]
+    outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
+                                       *[c for c, _ in compressed])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+
+
+# ---- barrier, join ----------------------------------------------------------
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def barrier(process_set=global_process_set):
-    _global_only(process_set)
-    _now(_comm().barrier)
+    """Waits until every rank of the set has come here."""
+    handle = _next_handle()
+    entry = _entry("barrier", "barrier", "uint8", _NOTHING)
+    _submit(handle, process_set, "Barrier", [entry], lambda _: None, None)
+    synchronize(handle)
 
 
 def join(device=-1):
-    """Waits for every rank to join; the rank that joined last. kolo's join
-    is a meeting point: ranks still issuing collectives meanwhile get an
-    error naming the calls (upstream lets joined ranks add zeros)."""
-    stamp = torch.tensor([time.time()], dtype=torch.float64)
-    stamps = torch.empty(size(), dtype=torch.float64)
-    _now(_comm().allgather, stamp.data_ptr(), stamps.data_ptr(), [1] * size(), "f64")
-    return int(stamps.argmax())
+    """This rank has no more data: until every rank joins, it takes part in
+    the others' allreduces with zeros. The rank that joined last."""
+    handle = _next_handle()
+    entry = _entry("join", "join", "uint8", _NOTHING)
+    _submit(handle, global_process_set, "Join", [entry], lambda results: results[0][2], None)
+    return synchronize(handle)
 
 
 # ---- objects ---------------------------------------------------------------
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Rank `root_rank`'s object (cloudpickle), on every rank."""
-    _global_only(process_set)
-    try:
-        return _kolo_torch.broadcast_object(_comm(), obj, root_rank)
-    except _kolo.CollectiveError as e:
-        raise _failed(e) from None
+    """Rank `root_rank`'s object (cloudpickle), on every rank of the set."""
+    import cloudpickle
+
+    name = name or type(obj).__name__
+    if rank() == root_rank:
+        data = cloudpickle.dumps(obj)
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        broadcast_(length, root_rank, f"{name}.sz", process_set)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        broadcast_(buf, root_rank, f"{name}.t", process_set)
+        return obj
+    length = torch.empty(1, dtype=torch.int64)
+    broadcast_(length, root_rank, f"{name}.sz", process_set)
+    buf = torch.empty(int(length), dtype=torch.uint8)
+    broadcast_(buf, root_rank, f"{name}.t", process_set)
+    return cloudpickle.loads(buf.numpy().tobytes())
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
-    """Every rank's object, in rank order."""
+    """Every rank's object, in the set's rank order."""
     import cloudpickle
 
-    _global_only(process_set)
-    comm = _comm()
-    n = comm.size
+    name = name or type(obj).__name__
     data = cloudpickle.dumps(obj)
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    lengths = torch.empty(n, dtype=torch.int64)
-    _now(comm.allgather, length.data_ptr(), lengths.data_ptr(), [1] * n, "i64")
-    counts = lengths.tolist()
-    src = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    out = torch.empty(sum(counts), dtype=torch.uint8)
-    _now(comm.allgather, src.data_ptr(), out.data_ptr(), counts, "u8")
-    raw = out.numpy().tobytes()
+    sizes = allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.sz", process_set=process_set)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    gathered = allgather(buf, name=f"{name}.t", process_set=process_set)
+    raw = gathered.numpy().tobytes()
     objs, at = [], 0
-    for c in counts:
-        objs.append(cloudpickle.loads(raw[at : at + c]))
-        at += c
+    for n in sizes.tolist():
+        objs.append(cloudpickle.loads(raw[at: at + n]))
+        at += n
     return objs

@@ -8,7 +8,8 @@ import warnings
 import torch
 
 from .compression import Compression
-from .ops import Adasum, Average, _op_of, allreduce_async_, global_process_set, grouped_allreduce_async_, size, synchronize
+from .ops import (Adasum, Average, _op_of, allreduce_async_, global_process_set, grouped_allreduce_async_, size,
+                  sparse_allreduce_async, synchronize)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -59,7 +60,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = _groups_of(self.param_groups, groups)
         self._group_of = {id(p): g for g, members in enumerate(self._groups) for p in members}
         self._ready = {}
-        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+        # a rank outside the set reduces nothing (upstream's rule)
+        if self.process_set.included() is not False and (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"):
             self._register_hooks()
 
     def _register_hooks(self):
@@ -106,12 +108,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
             if not self.sparse_as_dense:
-                raise NotImplementedError("kolo's Horovod reduces dense gradients: pass sparse_as_dense=True")
-            p.grad = p.grad.to_dense()
+                raise NotImplementedError("Sparse gradients in groups: pass sparse_as_dense=True")
+            # reduced dense; p.grad stays sparse and gets the result back
+            return self._compression.compress(p.grad.to_dense())
         return self._compression.compress(p.grad)
 
     def _allreduce_grad_async(self, p):
         name = self._parameter_names.get(id(p))
+        if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+            # indices and values allgathered; `synchronize` sums them
+            return sparse_allreduce_async(p.grad, name=name, op=self.op, process_set=self.process_set), None
         compressed, ctx = self._compressed_grad(p)
         pre, post = self._scale()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
@@ -122,8 +128,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         members = self._groups[group]
         compressed = [self._compressed_grad(p) for p in members]
         pre, post = self._scale()
-        handle = grouped_allreduce_async_([c for c, _ in compressed], op=self.op, prescale_factor=pre,
-                                          postscale_factor=post, process_set=self.process_set)
+        # named by its first parameter, as upstream's: an unnamed group takes
+        # each rank's own handle count, which ranks that joined early or ran
+        # other sets' ops no longer share
+        handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._parameter_names.get(id(members[0])),
+                                          op=self.op, prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
         for p, (tensor, ctx) in zip(members, compressed):
             self._handles[id(p)] = (handle, (ctx, tensor), p)
         self._ready.pop(group, None)
@@ -131,7 +141,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self):
         """Waits for every gradient's reduction (starting those of
         parameters that got none) and puts the results in `p.grad`."""
-        if size() == 1 and not self._hooks:
+        if (size() == 1 and not self._hooks) or self.process_set.included() is False:
             self._synchronized = True
             return
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -145,12 +155,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     handle, ctx = self._allreduce_grad_async(p)
                     self._handles[id(p)] = (handle, ctx, p)
         waited = set()
-        for key, (handle, (ctx, compressed), p) in list(self._handles.items()):
+        for key, (handle, sent, p) in list(self._handles.items()):
+            if sent is None:  # a sparse gradient's reduction
+                aggregated = handle()
+                self._allreduce_delay[key] = self.backward_passes_per_step
+                # a sparse tensor has no set_: the same in place
+                p.grad.zero_().add_(aggregated)
+                continue
+            ctx, compressed = sent
             if handle not in waited:  # a group's members share one handle
                 synchronize(handle)
                 waited.add(handle)
             self._allreduce_delay[key] = self.backward_passes_per_step
-            if compressed is not p.grad:
+            if p.grad.is_sparse:
+                # a sparse tensor has no copy_ from a dense one
+                p.grad.zero_().add_(self._compression.decompress(compressed, ctx).to_sparse())
+            elif compressed is not p.grad:
                 p.grad.copy_(self._compression.decompress(compressed, ctx))
         self._handles.clear()
         self._ready.clear()
@@ -169,9 +189,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without a loss.backward() since the last synchronize(); "
-                              "gradients are reduced again. Use `with optimizer.skip_synchronize():` after calling "
-                              "synchronize() yourself.")
+                # upstream's text, which scripts and tests match
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                              "code.")
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)

@@ -1,0 +1,332 @@
+//! What ranks tell the coordinator (requests) and what it answers
+//! (responses), as Horovod's `horovod/common/message.h` defines them, with
+//! the names upstream's messages print.
+
+use serde::{Deserialize, Serialize};
+
+/// The device of a tensor in host memory (upstream's `CPU_DEVICE_ID`).
+pub const CPU_DEVICE_ID: i32 = -1;
+
+/// The name join's table entry takes: a second join while one is pending
+/// is a duplicate name.
+pub const JOIN_TENSOR_NAME: &str = "join.noname";
+
+/// What a request asks for (upstream's numbering).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RequestType {
+    Allreduce = 0,
+    Allgather = 1,
+    Broadcast = 2,
+    Join = 3,
+    Adasum = 4,
+    Alltoall = 5,
+    Barrier = 6,
+    Reducescatter = 7,
+    /// kolo's: every rank registers a process set (its ranks in `shape`).
+    AddProcessSet = 100,
+    /// kolo's: every rank removes a process set (its id in `shape`).
+    RemoveProcessSet = 101,
+}
+
+impl RequestType {
+    /// Upstream's `RequestType_Name`: what its messages print.
+    pub fn name(self) -> &'static str {
+        match self {
+            RequestType::Allreduce => "ALLREDUCE",
+            RequestType::Allgather => "ALLGATHER",
+            RequestType::Broadcast => "BROADCAST",
+            RequestType::Join => "JOIN",
+            RequestType::Adasum => "ADASUM",
+            RequestType::Alltoall => "ALLTOALL",
+            RequestType::Barrier => "BARRIER",
+            RequestType::Reducescatter => "REDUCESCATTER",
+            RequestType::AddProcessSet => "ADD_PROCESS_SET",
+            RequestType::RemoveProcessSet => "REMOVE_PROCESS_SET",
+        }
+    }
+}
+
+/// What a response tells every rank to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ResponseType {
+    Allreduce,
+    Allgather,
+    Broadcast,
+    Join,
+    Adasum,
+    Alltoall,
+    Barrier,
+    Reducescatter,
+    AddProcessSet,
+    RemoveProcessSet,
+    Error,
+}
+
+impl ResponseType {
+    /// The response a request of this type gets when it succeeds.
+    pub fn of(request: RequestType) -> ResponseType {
+        match request {
+            RequestType::Allreduce => ResponseType::Allreduce,
+            RequestType::Allgather => ResponseType::Allgather,
+            RequestType::Broadcast => ResponseType::Broadcast,
+            RequestType::Join => ResponseType::Join,
+            RequestType::Adasum => ResponseType::Adasum,
+            RequestType::Alltoall => ResponseType::Alltoall,
+            RequestType::Barrier => ResponseType::Barrier,
+            RequestType::Reducescatter => ResponseType::Reducescatter,
+            RequestType::AddProcessSet => ResponseType::AddProcessSet,
+            RequestType::RemoveProcessSet => ResponseType::RemoveProcessSet,
+        }
+    }
+
+    /// Whether responses of this type may be cached (upstream caches these
+    /// four only).
+    pub fn cacheable(self) -> bool {
+        matches!(
+            self,
+            ResponseType::Allreduce | ResponseType::Allgather | ResponseType::Adasum | ResponseType::Alltoall
+        )
+    }
+}
+
+/// Element types, upstream's numbering and names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DataType {
+    Uint8 = 0,
+    Int8 = 1,
+    Uint16 = 2,
+    Int16 = 3,
+    Int32 = 4,
+    Int64 = 5,
+    Float16 = 6,
+    Float32 = 7,
+    Float64 = 8,
+    Bool = 9,
+    Bfloat16 = 11,
+}
+
+impl DataType {
+    /// Upstream's `DataType_Name`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DataType::Uint8 => "uint8",
+            DataType::Int8 => "int8",
+            DataType::Uint16 => "uint16",
+            DataType::Int16 => "int16",
+            DataType::Int32 => "int32",
+            DataType::Int64 => "int64",
+            DataType::Float16 => "float16",
+            DataType::Float32 => "float32",
+            DataType::Float64 => "float64",
+            DataType::Bool => "bool",
+            DataType::Bfloat16 => "bfloat16",
+        }
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataType::Uint8 | DataType::Int8 | DataType::Bool => 1,
+            DataType::Uint16 | DataType::Int16 | DataType::Float16 | DataType::Bfloat16 => 2,
+            DataType::Int32 | DataType::Float32 => 4,
+            DataType::Int64 | DataType::Float64 => 8,
+        }
+    }
+}
+
+/// Reduction operations, upstream's numbering (messages print the number).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ReduceOp {
+    Average = 0,
+    Sum = 1,
+    Adasum = 2,
+    Min = 3,
+    Max = 4,
+    Product = 5,
+}
+
+/// One rank's request for one named tensor.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Request {
+    /// The rank inside the process set.
+    pub rank: u32,
+    pub kind: RequestType,
+    pub dtype: DataType,
+    pub name: String,
+    pub shape: Vec<i64>,
+    /// `CPU_DEVICE_ID` or a GPU's index.
+    pub device: i32,
+    /// Broadcast's root, as a rank inside the process set.
+    pub root_rank: u32,
+    pub prescale: f64,
+    pub postscale: f64,
+    pub reduce_op: ReduceOp,
+}
+
+impl Request {
+    /// A request with upstream's defaults (scale factors 1, Sum).
+    pub fn new(rank: u32, kind: RequestType, dtype: DataType, name: impl Into<String>, shape: Vec<i64>) -> Request {
+        Request {
+            rank,
+            kind,
+            dtype,
+            name: name.into(),
+            shape,
+            device: CPU_DEVICE_ID,
+            root_rank: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+            reduce_op: ReduceOp::Sum,
+        }
+    }
+
+    pub fn elements(&self) -> i64 {
+        self.shape.iter().product()
+    }
+}
+
+/// What every rank of a set does for one or more tensors (more once fused).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Response {
+    pub kind: ResponseType,
+    pub names: Vec<String>,
+    /// For `Error`: the message every rank raises.
+    pub error: String,
+    /// Each set rank's device.
+    pub devices: Vec<i32>,
+    /// Allreduce, Adasum, Reducescatter: each tensor's element count.
+    /// Allgather: each tensor's first dimension on every set rank, tensor
+    /// after tensor.
+    pub sizes: Vec<i64>,
+    pub dtype: DataType,
+    pub prescale: f64,
+    pub postscale: f64,
+    pub reduce_op: ReduceOp,
+    /// Join: the global rank that joined last.
+    pub last_joined_rank: i32,
+}
+
+impl Response {
+    pub fn new(kind: ResponseType, name: impl Into<String>) -> Response {
+        Response {
+            kind,
+            names: vec![name.into()],
+            error: String::new(),
+            devices: Vec::new(),
+            sizes: Vec::new(),
+            dtype: DataType::Uint8,
+            prescale: 1.0,
+            postscale: 1.0,
+            reduce_op: ReduceOp::Sum,
+            last_joined_rank: -1,
+        }
+    }
+
+    pub fn error(name: impl Into<String>, message: String) -> Response {
+        let mut r = Response::new(ResponseType::Error, name);
+        r.error = message;
+        r
+    }
+
+    /// Whether every rank's device is the CPU.
+    pub fn on_cpu(&self) -> bool {
+        self.devices.iter().all(|&d| d == CPU_DEVICE_ID)
+    }
+}
+
+/// One rank's requests of a cycle, sent to the coordinator.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestList {
+    pub requests: Vec<Request>,
+    pub shutdown: bool,
+}
+
+/// The coordinator's answer to a cycle: every rank runs exactly these, in
+/// this order.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ResponseList {
+    pub responses: Vec<Response>,
+    pub shutdown: bool,
+}
+
+/// `[a, b]`: upstream's `TensorShape::DebugString`.
+pub fn shape_text(shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+    format!("[{}]", dims.join(", "))
+}
+
+/// A double as C++'s default ostream prints it (`%g` with 6 significant
+/// digits): `1`, `0.5`, `1e-05`, `1.5e+10`.
+pub fn double_text(x: f64) -> String {
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0".into() } else { "0".into() };
+    }
+    if x.is_nan() {
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x < 0.0 { "-inf".into() } else { "inf".into() };
+    }
+    const PRECISION: i32 = 6;
+    // the exponent after rounding to 6 significant digits
+    let sci = format!("{:.*e}", (PRECISION - 1) as usize, x);
+    let (mantissa, exponent) = sci.split_once('e').expect("{:e} has an exponent");
+    let exponent: i32 = exponent.parse().expect("an integer exponent");
+    if !(-4..PRECISION).contains(&exponent) {
+        let mantissa = strip_zeros(mantissa);
+        let sign = if exponent < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exponent.abs())
+    } else {
+        let decimals = (PRECISION - 1 - exponent).max(0) as usize;
+        strip_zeros(&format!("{x:.decimals$}")).to_string()
+    }
+}
+
+fn strip_zeros(s: &str) -> &str {
+    if s.contains('.') {
+        s.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doubles_print_as_cpp_streams_print_them() {
+        for (x, text) in [
+            (1.0, "1"),
+            (0.5, "0.5"),
+            (2.0, "2"),
+            (0.25, "0.25"),
+            (1e-05, "1e-05"),
+            (0.0001, "0.0001"),
+            (123456.0, "123456"),
+            (1234567.0, "1.23457e+06"),
+            (1.5e10, "1.5e+10"),
+            (0.1 + 0.2, "0.3"),
+            (-3.0, "-3"),
+            (1.0 / 3.0, "0.333333"),
+            (0.0, "0"),
+        ] {
+            assert_eq!(double_text(x), text, "{x}");
+        }
+    }
+
+    #[test]
+    fn shapes_print_as_upstreams_debug_string() {
+        assert_eq!(shape_text(&[17, 3]), "[17, 3]");
+        assert_eq!(shape_text(&[]), "[]");
+    }
+
+    #[test]
+    fn lists_go_over_the_wire_and_back() {
+        let mut r = Request::new(1, RequestType::Allgather, DataType::Float32, "allgather.x", vec![3, 4]);
+        r.prescale = 0.5;
+        let list = RequestList { requests: vec![r], shutdown: true };
+        let bytes = postcard::to_stdvec(&list).unwrap();
+        assert_eq!(postcard::from_bytes::<RequestList>(&bytes).unwrap(), list);
+    }
+}

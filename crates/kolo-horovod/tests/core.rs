@@ -1,0 +1,508 @@
+//! The core with real communicators: ranks as threads of this process,
+//! meeting on a real rendezvous store, talking over shared memory.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kolo_comm::{Communicator, Config, Secret};
+use kolo_horovod::{Buffer, Core, DataType, FailureKind, Handle, ReduceOp, RequestType, Settings, Submit};
+use kolo_rendezvous::{RendezvousServer, ServerConfig};
+
+struct Job {
+    server: RendezvousServer,
+    // after the server, which stops with it
+    _runtime: tokio::runtime::Runtime,
+}
+
+impl Job {
+    fn new() -> Job {
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        let server =
+            runtime.block_on(RendezvousServer::start(ServerConfig::new("127.0.0.1:0".parse().unwrap()), &[])).unwrap();
+        Job { server, _runtime: runtime }
+    }
+
+    /// Runs `f` as each of `n` ranks (a thread each, with its own core);
+    /// the results in rank order.
+    fn run<R: Send + 'static>(
+        &self,
+        n: usize,
+        settings: Settings,
+        sets: Vec<Vec<i64>>,
+        f: impl Fn(usize, &Core) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let job = format!("job-{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let f = Arc::new(f);
+        let threads: Vec<_> = (0..n)
+            .map(|r| {
+                let config =
+                    Config::new(r, n, "this-host", self.server.addr().to_string(), Secret::new("s").unwrap(), &job)
+                        .unwrap()
+                        .with_timeout(Duration::from_secs(20));
+                let (f, settings, sets) = (f.clone(), settings.clone(), sets.clone());
+                std::thread::spawn(move || {
+                    let comm = Communicator::connect(config).unwrap();
+                    let core = Core::start(comm, settings, &sets).unwrap();
+                    let result = f(r, &core);
+                    core.shutdown();
+                    // every rank's loop ended with the shutdown every rank
+                    // agreed on, not with a peer that stopped cycling first
+                    let stopped = core.stopped().expect("stopped").message;
+                    assert_eq!(stopped, kolo_horovod::SHUT_DOWN, "rank {r}");
+                    result
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+}
+
+static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn settings() -> Settings {
+    Settings { dynamic_sets: true, ..Settings::default() }
+}
+
+fn buf<T>(v: &mut [T]) -> Buffer {
+    Buffer::new(v.as_mut_ptr() as usize, std::mem::size_of_val(v))
+}
+
+fn allreduce_submit(name: &str, v: &mut [f32], op: ReduceOp) -> Submit {
+    let mut s = Submit::new(RequestType::Allreduce, name, DataType::Float32, vec![v.len() as i64], buf(v));
+    s.reduce_op = op;
+    s
+}
+
+fn wait(handle: &Handle) {
+    assert!(handle.wait_for(Duration::from_secs(30)), "the handle never completed");
+}
+
+/// Submits and waits; the error's text if it failed.
+fn allreduce(core: &Core, set: u32, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), String> {
+    let handle = core.submit(set, vec![allreduce_submit(name, v, op)]).map_err(|e| e.message)?;
+    wait(&handle);
+    handle.outcomes().unwrap().remove(0).map(drop).map_err(|f| f.message)
+}
+
+#[test]
+fn named_tensors_submitted_in_different_orders_and_sizes_meet_by_name_and_a_steady_loop_stays_off_the_coordinator() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let names = ["a", "b", "c"];
+        let sizes = [10usize, 1000, 3];
+        let mut sent_after_warmup = 0;
+        for step in 0..30 {
+            // each rank submits the names in its own order
+            let order: Vec<usize> = (0..3).map(|i| (i + rank) % 3).collect();
+            let mut data: Vec<Vec<f32>> =
+                sizes.iter().map(|&n| vec![(rank + 1) as f32 * (step + 1) as f32; n]).collect();
+            let handles: Vec<_> = order
+                .iter()
+                .map(|&i| {
+                    let name = format!("allreduce.{}", names[i]);
+                    core.submit(0, vec![allreduce_submit(&name, &mut data[i], ReduceOp::Sum)]).unwrap()
+                })
+                .collect();
+            for h in &handles {
+                wait(h);
+                assert!(h.outcomes().unwrap()[0].is_ok());
+            }
+            for (i, d) in data.iter().enumerate() {
+                let want = 6.0 * (step + 1) as f32;
+                assert!(d.iter().all(|&x| x == want), "step {step} {}: {} != {want}", names[i], d[0]);
+            }
+            if step == 9 {
+                sent_after_warmup = core.stats().requests_sent;
+            }
+        }
+        core.stats().requests_sent - sent_after_warmup
+    });
+    // cached: the last 20 steps sent nothing to the coordinator
+    assert_eq!(results, vec![0, 0, 0]);
+}
+
+#[test]
+fn a_quiet_job_cycles_less_often_and_the_first_submission_after_it_is_served() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        // past the quiet threshold, ten cycles take at least ten slow
+        // waits: a lower bound, which a loaded machine cannot break
+        wait_until(|| core.stats().cycles >= 30);
+        let (before, since) = (core.stats().cycles, Instant::now());
+        wait_until(|| core.stats().cycles >= before + 10);
+        let quiet = since.elapsed();
+        let mut v = vec![rank as f32 + 1.0; 100];
+        allreduce(core, 0, "after.quiet", &mut v, ReduceOp::Sum).unwrap();
+        assert!(v.iter().all(|&x| x == 3.0));
+        quiet
+    });
+    for (rank, quiet) in results.iter().enumerate() {
+        // the default cycle is 1 ms: ten of them would take 10 ms
+        assert!(*quiet >= Duration::from_millis(50), "rank {rank}: ten quiet cycles in {quiet:?}");
+    }
+}
+
+#[test]
+fn a_mismatch_fails_alike_on_every_rank_and_the_next_collective_succeeds() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let mut v = vec![1.0f32; if rank == 1 { 3 } else { 4 }];
+        let failed = allreduce(core, 0, "allreduce.x", &mut v, ReduceOp::Sum).unwrap_err();
+        let mut ok = vec![rank as f32; 5];
+        allreduce(core, 0, "allreduce.y", &mut ok, ReduceOp::Max).unwrap();
+        // and the mismatched name is free again
+        let mut again = vec![1.0f32; 4];
+        allreduce(core, 0, "allreduce.x", &mut again, ReduceOp::Sum).unwrap();
+        (failed, ok[0], again[0])
+    });
+    let message = "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [4], but another rank sent a \
+                   tensor of shape [3].";
+    for (failed, max, sum) in results {
+        assert_eq!(failed, message);
+        assert_eq!((max, sum), (2.0, 3.0));
+    }
+}
+
+#[test]
+fn a_name_in_flight_is_refused_as_a_duplicate_and_free_once_done() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        let mut v = vec![1.0f32; 4];
+        let mut w = vec![1.0f32; 4];
+        let mut refused = None;
+        if rank == 0 {
+            let first = core.submit(0, vec![allreduce_submit("allreduce.d", &mut v, ReduceOp::Sum)]).unwrap();
+            let second = core.submit(0, vec![allreduce_submit("allreduce.d", &mut w, ReduceOp::Sum)]).unwrap_err();
+            refused = Some((second.kind, second.message));
+            DUPLICATE_TRIED.store(true, Ordering::SeqCst);
+            wait(&first);
+        } else {
+            // rank 1 comes once rank 0 tried: its first was in flight meanwhile
+            wait_until(|| DUPLICATE_TRIED.load(Ordering::SeqCst));
+            allreduce(core, 0, "allreduce.d", &mut v, ReduceOp::Sum).unwrap();
+        }
+        (refused, v[0])
+    });
+    assert_eq!(results[0].0, Some((FailureKind::Invalid, kolo_horovod::DUPLICATE_NAME.to_string())));
+    assert_eq!((results[0].1, results[1].1), (2.0, 2.0));
+}
+
+static DUPLICATE_TRIED: AtomicBool = AtomicBool::new(false);
+static STALL_SEEN: AtomicBool = AtomicBool::new(false);
+
+fn wait_until(cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn join(core: &Core) -> i32 {
+    let handle =
+        core.submit(0, vec![Submit::new(RequestType::Join, "join", DataType::Uint8, vec![], Buffer::new(0, 0))]);
+    let handle = handle.unwrap();
+    wait(&handle);
+    handle.outcomes().unwrap().remove(0).unwrap().last_joined_rank
+}
+
+#[test]
+fn join_lets_ranks_with_more_data_go_on_against_zeros_and_every_rank_learns_the_last_to_join() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        // rank r has r + 1 batches: the others contribute zeros once joined
+        let mut sums = Vec::new();
+        for step in 0..=rank {
+            let mut v = vec![(rank + 1) as f32; 6];
+            allreduce(core, 0, &format!("allreduce.step{step}"), &mut v, ReduceOp::Sum).unwrap();
+            sums.push(v[0]);
+        }
+        (sums, join(core))
+    });
+    assert_eq!(results[0].0, vec![6.0]);
+    assert_eq!(results[1].0, vec![6.0, 5.0]);
+    assert_eq!(results[2].0, vec![6.0, 5.0, 3.0]);
+    assert!(results.iter().all(|(_, last)| *last == 2), "{results:?}");
+}
+
+#[test]
+fn process_sets_negotiate_among_their_members_only_and_come_and_go_alike() {
+    let job = Job::new();
+    let results = job.run(4, settings(), vec![vec![0, 2]], |rank, core| {
+        let mut got = Vec::new();
+        let mut v = vec![(rank + 1) as f32; 3];
+        if rank % 2 == 0 {
+            allreduce(core, 1, "allreduce.even", &mut v, ReduceOp::Sum).unwrap();
+            got.push(v[0]);
+        } else {
+            let refused = core.submit(1, vec![allreduce_submit("allreduce.even", &mut v, ReduceOp::Sum)]).unwrap_err();
+            assert_eq!(refused.message, format!("Allreduce: Rank {rank} is not a member of the provided process set."));
+        }
+        let unknown = core.submit(7, vec![allreduce_submit("x", &mut v, ReduceOp::Sum)]).unwrap_err();
+        assert_eq!(unknown.message, "Allreduce: Process set provided does not exist, or has not been registered.");
+        // every rank adds {1, 3}, then removes it
+        let added = core.add_process_set(&[3, 1]).unwrap();
+        wait(&added);
+        let id = added.outcomes().unwrap()[0].clone().unwrap().dims[0] as u32;
+        assert_eq!(core.process_set_ranks(id), Some(vec![1, 3]));
+        if rank % 2 == 1 {
+            let mut w = vec![(rank + 1) as f32; 2];
+            allreduce(core, id, "allreduce.odd", &mut w, ReduceOp::Sum).unwrap();
+            got.push(w[0]);
+        }
+        let removed = core.remove_process_set(id).unwrap().unwrap();
+        wait(&removed);
+        assert_eq!(core.process_set_ranks(id), None);
+        assert!(core.remove_process_set(id).unwrap().is_none(), "an unknown set");
+        (id, got)
+    });
+    assert_eq!(results[0], (2, vec![4.0]));
+    assert_eq!(results[1], (2, vec![6.0]));
+    assert_eq!(results[2], (2, vec![4.0]));
+    assert_eq!(results[3], (2, vec![6.0]));
+}
+
+#[test]
+fn the_stall_inspector_names_the_rank_that_has_not_submitted() {
+    let job = Job::new();
+    let mut s = settings();
+    s.stall.warning = Duration::from_secs(1);
+    let results = job.run(2, s, vec![], |rank, core| {
+        let mut v = vec![1.0f32; 2];
+        if rank == 0 {
+            let h = core.submit(0, vec![allreduce_submit("allreduce.late", &mut v, ReduceOp::Sum)]).unwrap();
+            wait_until(|| core.stats().stall.is_some());
+            let stall = core.stats().stall;
+            STALL_SEEN.store(true, Ordering::SeqCst);
+            wait(&h);
+            assert_eq!(v[0], 2.0);
+            stall
+        } else {
+            // rank 1 submits once rank 0's coordinator has warned
+            wait_until(|| STALL_SEEN.load(Ordering::SeqCst));
+            allreduce(core, 0, "allreduce.late", &mut v, ReduceOp::Sum).unwrap();
+            None
+        }
+    });
+    let stall = results[0].clone().expect("rank 0 warned");
+    assert!(stall.contains("Missing ranks:\n1: [allreduce.late]"), "{stall}");
+}
+
+#[test]
+fn allgather_broadcast_alltoall_reducescatter_and_barrier_move_what_upstreams_do() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let r = rank as i32;
+        // allgather: rank r has r + 1 rows of two values
+        let mut rows: Vec<i32> = (0..(r + 1) * 2).map(|i| r * 100 + i).collect();
+        let mut g = Submit::new(
+            RequestType::Allgather,
+            "allgather.g",
+            DataType::Int32,
+            vec![i64::from(r + 1), 2],
+            buf(&mut rows),
+        );
+        g.device = kolo_horovod::CPU_DEVICE_ID;
+        let h = core.submit(0, vec![g]).unwrap();
+        wait(&h);
+        let out = h.outcomes().unwrap().remove(0).unwrap();
+        let gathered: Vec<i32> = bytemuck_ints(out.data.as_ref().unwrap());
+        assert_eq!(out.dims, vec![6]);
+        assert_eq!(gathered, vec![0, 1, 100, 101, 102, 103, 200, 201, 202, 203, 204, 205]);
+        // broadcast from rank 1 (a global rank)
+        let mut b = vec![r; 4];
+        let mut bs = Submit::new(RequestType::Broadcast, "broadcast.b", DataType::Int32, vec![4], buf(&mut b));
+        bs.root_rank = 1;
+        let h = core.submit(0, vec![bs]).unwrap();
+        wait(&h);
+        assert!(h.outcomes().unwrap()[0].is_ok());
+        assert_eq!(b, vec![1; 4]);
+        // alltoall: rank r sends rows [r, r] to each rank d (d + 1 of them)
+        let splits: Vec<i64> = vec![1, 2, 3];
+        let mut send: Vec<i32> =
+            splits.iter().enumerate().flat_map(|(d, &n)| vec![r * 10 + d as i32; n as usize]).collect();
+        let mut a = Submit::new(RequestType::Alltoall, "alltoall.a", DataType::Int32, vec![6], buf(&mut send));
+        a.splits = splits;
+        let h = core.submit(0, vec![a]).unwrap();
+        wait(&h);
+        let out = h.outcomes().unwrap().remove(0).unwrap();
+        assert_eq!(out.dims, vec![rank as i64 + 1; 3]);
+        let got = bytemuck_ints(out.data.as_ref().unwrap());
+        let want: Vec<i32> = (0..3).flat_map(|s| vec![s * 10 + r; rank + 1]).collect();
+        assert_eq!(got, want);
+        // reducescatter of 4 rows: ranks 0 gets 2, ranks 1 and 2 one each
+        let mut input: Vec<f32> = (0..8).map(|i| i as f32).collect();
+        let mine = if rank == 0 { 2 } else { 1 };
+        let mut output = vec![0f32; mine * 2];
+        let mut rs =
+            Submit::new(RequestType::Reducescatter, "reducescatter.r", DataType::Float32, vec![4, 2], buf(&mut input));
+        rs.output = Some(buf(&mut output));
+        rs.reduce_op = ReduceOp::Average;
+        let h = core.submit(0, vec![rs]).unwrap();
+        wait(&h);
+        assert!(h.outcomes().unwrap()[0].is_ok());
+        let start = [0, 4, 6][rank];
+        let want: Vec<f32> = (start..start + mine * 2).map(|i| i as f32).collect();
+        assert_eq!(output, want);
+        // barrier
+        let h = core
+            .submit(0, vec![Submit::new(RequestType::Barrier, "barrier", DataType::Uint8, vec![], Buffer::new(0, 0))])
+            .unwrap();
+        wait(&h);
+        assert!(h.outcomes().unwrap()[0].is_ok());
+        true
+    });
+    assert_eq!(results, vec![true; 3]);
+}
+
+fn bytemuck_ints(bytes: &[u8]) -> Vec<i32> {
+    bytes.chunks_exact(4).map(|c| i32::from_ne_bytes(c.try_into().unwrap())).collect()
+}
+
+#[test]
+fn a_group_of_small_reductions_runs_as_one_fused_collective() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        let mut data: Vec<Vec<f32>> = (0..20).map(|i| vec![(rank + i) as f32; 16]).collect();
+        let before = core.stats();
+        let submits = data
+            .iter_mut()
+            .enumerate()
+            .map(|(i, v)| allreduce_submit(&format!("allreduce.group.{i}"), v, ReduceOp::Average))
+            .collect();
+        let h = core.submit(0, submits).unwrap();
+        wait(&h);
+        assert!(h.outcomes().unwrap().iter().all(|o| o.is_ok()));
+        for (i, v) in data.iter().enumerate() {
+            assert_eq!(v[0], i as f32 + 0.5);
+        }
+        let after = core.stats();
+        (after.responses - before.responses, after.tensors - before.tensors)
+    });
+    assert_eq!(results, vec![(1, 20); 2]);
+}
+
+#[test]
+fn after_one_rank_shuts_down_the_others_pending_work_fails_with_upstreams_message() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        if rank == 0 {
+            core.shutdown();
+            return None;
+        }
+        let mut v = vec![1.0f32; 2];
+        match core.submit(0, vec![allreduce_submit("allreduce.never", &mut v, ReduceOp::Sum)]) {
+            Err(refused) => Some(refused.message),
+            Ok(h) => {
+                wait(&h);
+                Some(h.outcomes().unwrap()[0].clone().unwrap_err().message)
+            }
+        }
+    });
+    assert_eq!(results[1].as_deref(), Some(kolo_horovod::SHUT_DOWN));
+}
+
+fn allgather_submit(name: &str, rows: &mut [i32]) -> Submit {
+    let mut g = Submit::new(RequestType::Allgather, name, DataType::Int32, vec![rows.len() as i64], buf(rows));
+    g.device = kolo_horovod::CPU_DEVICE_ID;
+    g
+}
+
+fn alltoall_submit(name: &str, send: &mut [i32]) -> Submit {
+    let mut a = Submit::new(RequestType::Alltoall, name, DataType::Int32, vec![send.len() as i64], buf(send));
+    a.splits = vec![1; send.len()];
+    a
+}
+
+fn outcome(core: &Core, submit: Submit) -> Result<(), String> {
+    let handle = core.submit(0, vec![submit]).map_err(|e| e.message)?;
+    wait(&handle);
+    handle.outcomes().unwrap().remove(0).map(drop).map_err(|f| f.message)
+}
+
+#[test]
+fn cached_allgathers_and_alltoalls_beside_a_joined_rank_fail_with_upstreams_error_not_a_hang() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        // in the response cache after the first of each
+        for _ in 0..3 {
+            outcome(core, allgather_submit("allgather.cached", &mut [rank as i32; 2])).unwrap();
+            outcome(core, alltoall_submit("alltoall.cached", &mut [rank as i32; 2])).unwrap();
+        }
+        if rank == 1 {
+            return (join(core), Vec::new());
+        }
+        let errors = vec![
+            outcome(core, allgather_submit("allgather.cached", &mut [0; 2])).unwrap_err(),
+            outcome(core, alltoall_submit("alltoall.cached", &mut [0; 2])).unwrap_err(),
+        ];
+        // and an allreduce still runs against the joined rank's zeros
+        let mut v = vec![5.0f32; 3];
+        allreduce(core, 0, "allreduce.beside", &mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![5.0; 3]);
+        (join(core), errors)
+    });
+    let errors = &results[0].1;
+    assert!(errors[0].starts_with("Allgather is not supported with Join"), "{errors:?}");
+    assert_eq!(errors[1], "Alltoall is not supported with Join at this time.");
+    assert_eq!((results[0].0, results[1].0), (0, 0), "rank 0 joined last");
+}
+
+#[test]
+fn a_set_removed_and_another_made_under_its_id_in_one_cycle_starts_alike_on_every_rank() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let first = core.add_process_set(&[0, 1]).unwrap();
+        wait(&first);
+        let id = first.outcomes().unwrap()[0].clone().unwrap().dims[0] as u32;
+        // the loop runs a large allreduce while the removal and the new
+        // set queue behind it: both go in the same cycle on every rank
+        let mut busy = vec![1.0f32; 8 << 20];
+        let busy = core.submit(0, vec![allreduce_submit("allreduce.busy", &mut busy, ReduceOp::Sum)]).unwrap();
+        let removed = core.remove_process_set(id).unwrap().unwrap();
+        let second = core.add_process_set(&[1, 2]).unwrap();
+        for h in [&busy, &removed, &second] {
+            wait(h);
+        }
+        let reused = second.outcomes().unwrap()[0].clone().unwrap().dims[0] as u32;
+        let mut v = vec![rank as f32; 2];
+        if rank > 0 {
+            allreduce(core, reused, "allreduce.new", &mut v, ReduceOp::Sum).unwrap();
+        }
+        (id, reused, v[0])
+    });
+    // the id was reused (else this test would not test the case)
+    assert!(results.iter().all(|&(id, reused, _)| id == reused), "{results:?}");
+    assert_eq!(results.iter().map(|r| r.2).collect::<Vec<_>>(), vec![0.0, 3.0, 3.0]);
+}
+
+#[test]
+fn a_group_refused_for_a_name_in_flight_queues_none_of_its_tensors() {
+    let job = Job::new();
+    job.run(2, settings(), vec![], |rank, core| {
+        let (mut x, mut y) = (vec![1.0f32; 4], vec![2.0f32; 4]);
+        if rank == 0 {
+            let x_handle = core.submit(0, vec![allreduce_submit("allreduce.x", &mut x, ReduceOp::Sum)]).unwrap();
+            let mut y2 = vec![2.0f32; 4];
+            let group = vec![
+                allreduce_submit("allreduce.y", &mut y2, ReduceOp::Sum),
+                allreduce_submit("allreduce.x", &mut x.clone(), ReduceOp::Sum),
+            ];
+            let refused = core.submit(0, group).unwrap_err();
+            assert_eq!(refused.message, kolo_horovod::DUPLICATE_NAME);
+            // y was not left queued by the refused group: it is free
+            let y_handle = core.submit(0, vec![allreduce_submit("allreduce.y", &mut y, ReduceOp::Sum)]).unwrap();
+            GROUP_REFUSED.store(true, Ordering::SeqCst);
+            wait(&x_handle);
+            wait(&y_handle);
+        } else {
+            wait_until(|| GROUP_REFUSED.load(Ordering::SeqCst));
+            allreduce(core, 0, "allreduce.x", &mut x, ReduceOp::Sum).unwrap();
+            allreduce(core, 0, "allreduce.y", &mut y, ReduceOp::Sum).unwrap();
+        }
+        assert_eq!((x[0], y[0]), (2.0, 4.0), "rank {rank}");
+    });
+}
+
+static GROUP_REFUSED: AtomicBool = AtomicBool::new(false);

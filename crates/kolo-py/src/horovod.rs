@@ -1,0 +1,295 @@
+//! kolo-horovod for `kolo.horovod.torch`: the core of a job (from the
+//! environment, or an elastic round's), submissions of tensors by name as
+//! (address, bytes) of memory the Python side keeps alive until the
+//! handle is done, and handles to wait on with the GIL released.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kolo_comm::{CommError, Communicator, Config};
+use kolo_horovod::{Buffer, Core, DataType, Failure, FailureKind, Handle, ReduceOp, RequestType, Settings, Submit};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyDict};
+
+fn request_type(kind: &str) -> PyResult<RequestType> {
+    Ok(match kind {
+        "allreduce" => RequestType::Allreduce,
+        "allgather" => RequestType::Allgather,
+        "broadcast" => RequestType::Broadcast,
+        "alltoall" => RequestType::Alltoall,
+        "reducescatter" => RequestType::Reducescatter,
+        "barrier" => RequestType::Barrier,
+        "join" => RequestType::Join,
+        other => return Err(PyValueError::new_err(format!("unknown Horovod op '{other}'"))),
+    })
+}
+
+fn data_type(name: &str) -> PyResult<DataType> {
+    Ok(match name {
+        "uint8" => DataType::Uint8,
+        "int8" => DataType::Int8,
+        "uint16" => DataType::Uint16,
+        "int16" => DataType::Int16,
+        "int32" => DataType::Int32,
+        "int64" => DataType::Int64,
+        "float16" => DataType::Float16,
+        "float32" => DataType::Float32,
+        "float64" => DataType::Float64,
+        "bool" => DataType::Bool,
+        "bfloat16" => DataType::Bfloat16,
+        other => return Err(PyValueError::new_err(format!("Tensor type {other} is not supported."))),
+    })
+}
+
+fn reduce_op(op: i64) -> PyResult<ReduceOp> {
+    Ok(match op {
+        0 => ReduceOp::Average,
+        1 => ReduceOp::Sum,
+        2 => ReduceOp::Adasum,
+        3 => ReduceOp::Min,
+        4 => ReduceOp::Max,
+        5 => ReduceOp::Product,
+        other => return Err(PyValueError::new_err(format!("unknown reduction op {other}"))),
+    })
+}
+
+/// A failure as the exception upstream raises: bad input a `ValueError`,
+/// the rest kolo's `CollectiveError` (a `MembershipError` when the job's
+/// membership changed), which the Python side raises as
+/// `HorovodInternalError`.
+fn failure(f: Failure) -> PyErr {
+    match (f.kind, f.membership) {
+        (FailureKind::Invalid, _) => PyValueError::new_err(f.message),
+        (FailureKind::Internal, true) => crate::elastic::MembershipError::new_err(f.message),
+        (FailureKind::Internal, false) => crate::torch::CollectiveError::new_err(f.message),
+    }
+}
+
+fn refused(r: kolo_horovod::Refused) -> PyErr {
+    failure(Failure { kind: r.kind, message: r.message, membership: false })
+}
+
+fn settings() -> PyResult<Settings> {
+    let mut settings = Settings::from_env().map_err(PyValueError::new_err)?;
+    if settings.stall_file.is_none() {
+        // a kolo.Executor worker is the rank its agent inspects: the
+        // warning stays in this process's memory, where the agent reads it
+        settings.stall_file = kolo_exec::own_stall_file().ok().map(Into::into);
+    }
+    Ok(settings)
+}
+
+/// Horovod's core of this process.
+#[pyclass(module = "kolo._kolo")]
+pub struct HorovodCore {
+    core: Arc<Core>,
+}
+
+impl HorovodCore {
+    pub(crate) fn start(py: Python<'_>, comm: Communicator, process_sets: Vec<Vec<i64>>) -> PyResult<HorovodCore> {
+        let settings = settings()?;
+        let core = py.allow_threads(|| Core::start(comm, settings, &process_sets)).map_err(refused)?;
+        Ok(HorovodCore { core: Arc::new(core) })
+    }
+}
+
+#[pymethods]
+impl HorovodCore {
+    /// The kolo job's core, over a communicator of its own (`generation`
+    /// tells apart successive inits of the same processes); `process_sets`
+    /// are registered before anything runs (every rank passes the same).
+    #[staticmethod]
+    #[pyo3(signature = (generation, timeout_s=None, process_sets=Vec::new()))]
+    fn from_env(
+        py: Python<'_>,
+        generation: u64,
+        timeout_s: Option<f64>,
+        process_sets: Vec<Vec<i64>>,
+    ) -> PyResult<HorovodCore> {
+        let comm = py
+            .allow_threads(|| {
+                let mut config = Config::from_env()?;
+                config.job_id = format!("{}-hvd{generation}", config.job_id);
+                if let Some(s) = timeout_s {
+                    config = config.with_timeout(Duration::from_secs_f64(s.clamp(0.001, 1e9)));
+                }
+                Communicator::connect(config)
+            })
+            .map_err(crate::elastic::comm_error)?;
+        HorovodCore::start(py, comm, process_sets)
+    }
+
+    /// The core of one process alone (Horovod without a job).
+    #[staticmethod]
+    #[pyo3(signature = (process_sets=Vec::new()))]
+    fn single(py: Python<'_>, process_sets: Vec<Vec<i64>>) -> PyResult<HorovodCore> {
+        let comm = py.allow_threads(single_communicator).map_err(crate::elastic::comm_error)?;
+        HorovodCore::start(py, comm, process_sets)
+    }
+
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.core.rank()
+    }
+
+    #[getter]
+    fn size(&self) -> u32 {
+        self.core.size()
+    }
+
+    /// Submits tensors as one group: each `(op, name, dtype, shape,
+    /// device, root_rank, reduce_op, prescale, postscale, (address,
+    /// bytes), output (address, bytes) or None, splits)`. `keep` (what owns
+    /// the memory) is held until the handle is done.
+    #[pyo3(signature = (process_set, tensors, keep=None))]
+    #[allow(clippy::type_complexity)]
+    fn submit(
+        &self,
+        process_set: u32,
+        tensors: Vec<(
+            String,
+            String,
+            String,
+            Vec<i64>,
+            i32,
+            i64,
+            i64,
+            f64,
+            f64,
+            (usize, usize),
+            Option<(usize, usize)>,
+            Vec<i64>,
+        )>,
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<HorovodHandle> {
+        let mut submits = Vec::with_capacity(tensors.len());
+        for (op, name, dtype, shape, device, root, op_code, prescale, postscale, input, output, splits) in tensors {
+            let mut s = Submit::new(request_type(&op)?, name, data_type(&dtype)?, shape, Buffer::new(input.0, input.1));
+            s.device = device;
+            s.root_rank = root;
+            s.reduce_op = reduce_op(op_code)?;
+            s.prescale = prescale;
+            s.postscale = postscale;
+            s.output = output.map(|(a, n)| Buffer::new(a, n));
+            s.splits = splits;
+            submits.push(s);
+        }
+        let handle = self.core.submit(process_set, submits).map_err(refused)?;
+        Ok(HorovodHandle::new(handle, keep))
+    }
+
+    /// Registers a process set with every rank (each calls this alike).
+    fn add_process_set(&self, ranks: Vec<i64>) -> PyResult<HorovodHandle> {
+        Ok(HorovodHandle::new(self.core.add_process_set(&ranks).map_err(refused)?, None))
+    }
+
+    /// Removes a process set with every rank; None for an unknown id.
+    fn remove_process_set(&self, id: u32) -> PyResult<Option<HorovodHandle>> {
+        Ok(self.core.remove_process_set(id).map_err(refused)?.map(|h| HorovodHandle::new(h, None)))
+    }
+
+    fn process_set_ranks(&self, id: u32) -> Option<Vec<u32>> {
+        self.core.process_set_ranks(id)
+    }
+
+    fn process_set_id(&self, ranks: Vec<i64>) -> Option<u32> {
+        self.core.process_set_id(&ranks)
+    }
+
+    fn process_set_ids(&self) -> Vec<u32> {
+        self.core.process_set_ids()
+    }
+
+    /// Stops the core with every rank (waiting for this rank's loop).
+    fn shutdown(&self, py: Python<'_>) {
+        let core = self.core.clone();
+        py.allow_threads(move || core.shutdown());
+    }
+
+    /// What the loop has done: cycles, negotiated cycles, requests sent to
+    /// the coordinator, responses run and the tensors they covered, the
+    /// last stall warning.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.core.stats();
+        let d = PyDict::new(py);
+        d.set_item("cycles", s.cycles)?;
+        d.set_item("negotiated", s.negotiated)?;
+        d.set_item("requests_sent", s.requests_sent)?;
+        d.set_item("responses", s.responses)?;
+        d.set_item("tensors", s.tensors)?;
+        d.set_item("stall", s.stall)?;
+        Ok(d)
+    }
+}
+
+fn single_communicator() -> Result<Communicator, CommError> {
+    let secret = kolo_comm::Secret::new("single").map_err(CommError::Secret)?;
+    let book: Arc<dyn kolo_comm::AddressBook> = Arc::new(crate::torch::LocalBook::default());
+    Communicator::connect(Config::new(0, 1, "this-host", "", secret, "single-hvd")?.with_book(book))
+}
+
+/// The outcome of a submission.
+#[pyclass(module = "kolo._kolo")]
+pub struct HorovodHandle {
+    handle: Arc<Handle>,
+    keep: Arc<Mutex<Option<Py<PyAny>>>>,
+}
+
+impl HorovodHandle {
+    fn new(handle: Arc<Handle>, keep: Option<Py<PyAny>>) -> HorovodHandle {
+        let keep = Arc::new(Mutex::new(keep));
+        // the memory goes once the core is done with it, whatever the
+        // caller does with the handle
+        let held = keep.clone();
+        handle.on_done(Box::new(move || {
+            held.lock().unwrap_or_else(|p| p.into_inner()).take();
+        }));
+        HorovodHandle { handle, keep }
+    }
+}
+
+/// A tensor's result in Python: its data where the core made it, its
+/// dims, the last rank to join.
+type TensorResult<'py> = (Option<Bound<'py, PyByteArray>>, Vec<i64>, i32);
+
+/// How often a wait looks for Ctrl-C.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+#[pymethods]
+impl HorovodHandle {
+    fn poll(&self) -> bool {
+        self.handle.is_done()
+    }
+
+    /// Waits until every tensor is done (Ctrl-C interrupts the wait).
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        loop {
+            let handle = self.handle.clone();
+            if py.allow_threads(move || handle.wait_for(SIGNAL_CHECK)) {
+                return Ok(());
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// Each tensor's `(data as a bytearray, or None; dims; last_joined_rank)` once done;
+    /// raises the first failure (upstream's grouped handles fail as one).
+    fn results<'py>(&self, py: Python<'py>) -> PyResult<Vec<TensorResult<'py>>> {
+        self.wait(py)?;
+        let outcomes = self.handle.outcomes().expect("waited");
+        let mut results = Vec::with_capacity(outcomes.len());
+        for outcome in outcomes {
+            let out = outcome.map_err(failure)?;
+            results.push((out.data.map(|d| PyByteArray::new(py, &d)), out.dims, out.last_joined_rank));
+        }
+        drop(self.keep.lock().unwrap_or_else(|p| p.into_inner()).take());
+        Ok(results)
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<HorovodCore>()?;
+    m.add_class::<HorovodHandle>()?;
+    Ok(())
+}
