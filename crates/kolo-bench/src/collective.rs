@@ -103,15 +103,8 @@ impl Task<CommBench> for Sweep {
         let dtype: DType = self.dtype.parse()?;
         let mut rows = Vec::new();
         for &bytes in &self.sizes {
-            let row = match dtype {
-                DType::F32 => time::<f32>(&mut bench.comm, self.collective, bytes, op),
-                DType::F64 => time::<f64>(&mut bench.comm, self.collective, bytes, op),
-                DType::F16 => time::<f16>(&mut bench.comm, self.collective, bytes, op),
-                DType::BF16 => time::<bf16>(&mut bench.comm, self.collective, bytes, op),
-                DType::I32 => time::<i32>(&mut bench.comm, self.collective, bytes, op),
-                DType::I64 => time::<i64>(&mut bench.comm, self.collective, bytes, op),
-                DType::U8 => time::<u8>(&mut bench.comm, self.collective, bytes, op),
-            }?;
+            let row =
+                kolo_comm::with_element_type!(dtype, T => time::<T>(&mut bench.comm, self.collective, bytes, op))?;
             rows.push((bytes, row.0, row.1));
         }
         Ok(rows)

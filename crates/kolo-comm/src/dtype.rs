@@ -207,35 +207,21 @@ fn divide_typed<T: Arith + bytemuck::Pod>(buf: &mut [u8], n: usize) {
     }
 }
 
-macro_rules! dispatch {
-    ($dtype:expr, $f:ident, $($arg:expr),*) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F64 => $f::<f64>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            DType::I32 => $f::<i32>($($arg),*),
-            DType::I64 => $f::<i64>($($arg),*),
-            DType::U8 => $f::<u8>($($arg),*),
-        }
-    };
-}
-
 /// `dst = dst op src`, element-wise.
 pub(crate) fn reduce_into(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
     debug_assert_eq!(dst.len(), src.len());
-    dispatch!(dtype, into_typed, op, dst, src)
+    crate::with_element_type!(dtype, T => into_typed::<T>(op, dst, src))
 }
 
 /// `dst = a op b`, element-wise.
 pub(crate) fn reduce_to(dtype: DType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u8]) {
     debug_assert!(dst.len() == a.len() && a.len() == b.len());
-    dispatch!(dtype, to_typed, op, dst, a, b)
+    crate::with_element_type!(dtype, T => to_typed::<T>(op, dst, a, b))
 }
 
 /// Divides every element by `n` (the end of an average).
 pub(crate) fn divide(dtype: DType, buf: &mut [u8], n: usize) {
-    dispatch!(dtype, divide_typed, buf, n)
+    crate::with_element_type!(dtype, T => divide_typed::<T>(buf, n))
 }
 
 /// Copies with non-temporal stores: for results larger than the caches,
