@@ -907,30 +907,16 @@ impl Background {
                 let outputs = exec::allgather(&mut set.comm, &response, &refs)?;
                 finish_all(entries.iter_mut().filter_map(Option::take).map(Some), outputs);
             }
-            ResponseType::Broadcast => {
-                for slot in entries.iter_mut() {
-                    let Some(entry) = slot.as_ref() else { continue };
-                    let out = exec::broadcast(&mut set.comm, entry)?;
-                    slot.take().expect("present").finish(Ok(out));
-                }
-            }
-            ResponseType::Alltoall => {
-                for slot in entries.iter_mut() {
-                    let Some(entry) = slot.as_ref() else { continue };
-                    let out = exec::alltoall(&mut set.comm, entry)?;
-                    slot.take().expect("present").finish(Ok(out));
-                }
-            }
+            ResponseType::Broadcast => run_each(entries, |_, entry| exec::broadcast(&mut set.comm, entry))?,
+            ResponseType::Alltoall => run_each(entries, |_, entry| exec::alltoall(&mut set.comm, entry))?,
             ResponseType::Reducescatter => {
                 let per = response.sizes.len() / response.names.len().max(1);
-                for (i, slot) in entries.iter_mut().enumerate() {
-                    let Some(entry) = slot.as_ref() else { continue };
+                run_each(entries, |i, entry| {
                     let mut single = response.clone();
                     single.names = vec![response.names[i].clone()];
                     single.sizes = response.sizes[i * per..(i + 1) * per].to_vec();
-                    let out = exec::reducescatter(&mut set.comm, &single, entry)?;
-                    slot.take().expect("present").finish(Ok(out));
-                }
+                    exec::reducescatter(&mut set.comm, &single, entry)
+                })?
             }
             ResponseType::Barrier => {
                 set.comm.barrier()?;
@@ -990,6 +976,20 @@ impl Background {
         }
         Ok(())
     }
+}
+
+/// Runs each present entry's collective in order (`run` gets its index),
+/// finishing it as soon as it is done; the first failure stops the rest.
+fn run_each(
+    entries: &mut [Option<Entry>],
+    mut run: impl FnMut(usize, &Entry) -> Result<Output, CommError>,
+) -> Result<(), CommError> {
+    for (i, slot) in entries.iter_mut().enumerate() {
+        let Some(entry) = slot.as_ref() else { continue };
+        let out = run(i, entry)?;
+        slot.take().expect("present").finish(Ok(out));
+    }
+    Ok(())
 }
 
 fn finish_all(entries: impl IntoIterator<Item = Option<Entry>>, outputs: Vec<Output>) {
