@@ -80,7 +80,12 @@ fn wait(handle: &Handle) {
 
 /// Submits and waits; the error's text if it failed.
 fn allreduce(core: &Core, set: u32, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), String> {
-    let handle = core.submit(set, vec![allreduce_submit(name, v, op)]).map_err(|e| e.message)?;
+    outcome(core, set, allreduce_submit(name, v, op))
+}
+
+/// Submits one tensor to `set` and waits; the error's text if it failed.
+fn outcome(core: &Core, set: u32, submit: Submit) -> Result<(), String> {
+    let handle = core.submit(set, vec![submit]).map_err(|e| e.message)?;
     wait(&handle);
     handle.outcomes().unwrap().remove(0).map(drop).map_err(|f| f.message)
 }
@@ -415,27 +420,21 @@ fn alltoall_submit(name: &str, send: &mut [i32]) -> Submit {
     a
 }
 
-fn outcome(core: &Core, submit: Submit) -> Result<(), String> {
-    let handle = core.submit(0, vec![submit]).map_err(|e| e.message)?;
-    wait(&handle);
-    handle.outcomes().unwrap().remove(0).map(drop).map_err(|f| f.message)
-}
-
 #[test]
 fn cached_allgathers_and_alltoalls_beside_a_joined_rank_fail_with_upstreams_error_not_a_hang() {
     let job = Job::new();
     let results = job.run(2, settings(), vec![], |rank, core| {
         // in the response cache after the first of each
         for _ in 0..3 {
-            outcome(core, allgather_submit("allgather.cached", &mut [rank as i32; 2])).unwrap();
-            outcome(core, alltoall_submit("alltoall.cached", &mut [rank as i32; 2])).unwrap();
+            outcome(core, 0, allgather_submit("allgather.cached", &mut [rank as i32; 2])).unwrap();
+            outcome(core, 0, alltoall_submit("alltoall.cached", &mut [rank as i32; 2])).unwrap();
         }
         if rank == 1 {
             return (join(core), Vec::new());
         }
         let errors = vec![
-            outcome(core, allgather_submit("allgather.cached", &mut [0; 2])).unwrap_err(),
-            outcome(core, alltoall_submit("alltoall.cached", &mut [0; 2])).unwrap_err(),
+            outcome(core, 0, allgather_submit("allgather.cached", &mut [0; 2])).unwrap_err(),
+            outcome(core, 0, alltoall_submit("alltoall.cached", &mut [0; 2])).unwrap_err(),
         ];
         // and an allreduce still runs against the joined rank's zeros
         let mut v = vec![5.0f32; 3];
