@@ -265,12 +265,12 @@ def stall():
     if r == 0:
         # a loaded machine's first check may see only one of the two
         # pending long enough: wait for the warning that names both
-        def warning():
-            return hvd.ops._state.core.stats()["stall"] or ""
-
         deadline = time.monotonic() + 60
-        while not ("\n1: [allreduce.late]" in warning() and "\n0: [broadcast.warned.sz]" in warning()):
-            assert time.monotonic() < deadline, f"no stall warning naming both: {warning()!r}"
+        while True:
+            warning = hvd.ops._state.core.stats()["stall"] or ""
+            if "\n1: [allreduce.late]" in warning and "\n0: [broadcast.warned.sz]" in warning:
+                break
+            assert time.monotonic() < deadline, f"no stall warning naming both: {warning!r}"
             time.sleep(0.05)
         hvd.broadcast_object(True, root_rank=0, name="warned")
     check(hvd.synchronize(got), torch.full((2,), float(hvd.size())), "late")
