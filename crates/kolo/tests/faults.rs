@@ -202,6 +202,16 @@ fn the_dry_run_is_what_runs() {
     }
 }
 
+/// Every thread of `pid` in a group stop (or the process gone).
+fn stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
+    tasks.flatten().all(|task| {
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+        matches!(state, None | Some("T" | "Z" | "X"))
+    })
+}
+
 /// `root` and every process below it, from /proc.
 fn process_tree(root: i32) -> Vec<i32> {
     let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
@@ -248,6 +258,10 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
     for &pid in &everyone {
         let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
     }
+    // kill() returns before the stop takes hold: a thread already running
+    // (a busy machine) goes on until the stopping thread is scheduled, and
+    // an agent's reaper that sees its rank die first removes the directory
+    wait_for("every process of the job to stop", Duration::from_secs(10), || everyone.iter().all(|&p| stopped(p)));
     // the driver last: a stopped agent whose parent dies first is in an
     // orphaned process group, which the kernel sends SIGHUP and SIGCONT,
     // and the agent would clean up in the gap before its SIGKILL
