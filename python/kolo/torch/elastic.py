@@ -529,6 +529,11 @@ def run(func=None, *, backend="kolo", timeout=None):
                 continue
             except Exception as e:
                 if not _peer_lost(e):
+                    # as on the way out below: a group left to the
+                    # interpreter's exit can abort it, and the rank would
+                    # end by SIGABRT instead of the training code's error
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
                     raise
                 state.restore()
                 continue
