@@ -18,6 +18,7 @@ use kolo_comm::{CommError, Communicator};
 
 use crate::cache::{CacheCoordinator, CacheState, ResponseCache, TensorParams};
 use crate::entry::{Entry, Failure, FailureKind, Handle, Output, Submit};
+use crate::device::{self, DeviceExecutor, DeviceWork};
 use crate::exec::{self, Aligned};
 use crate::fusion::fuse;
 use crate::message::{Request, RequestList, RequestType, Response, ResponseList, ResponseType, JOIN_TENSOR_NAME};
@@ -157,6 +158,8 @@ struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     stats: Mutex<Stats>,
+    /// Runs the collectives of device tensors; none: they are refused.
+    device: Mutex<Option<Arc<dyn DeviceExecutor>>>,
 }
 
 /// What the loop has done: for tests, benchmarks and `kolo status`.
@@ -239,6 +242,7 @@ impl Core {
             state: Mutex::new(State { sets: shared_sets, ids, shutdown_asked: false, stopped: None }),
             wake: Condvar::new(),
             stats: Mutex::new(Stats::default()),
+            device: Mutex::new(None),
         });
         let background = Background::new(shared.clone(), comm, settings);
         Ok((shared, background, static_sets))
@@ -434,6 +438,12 @@ impl Core {
                 fail_all(&self.shared, Failure::internal(SHUT_DOWN));
             }
         }
+    }
+
+    /// Sets what runs the collectives of tensors outside host memory
+    /// (see `device`); until then a response over them fails.
+    pub fn set_device_executor(&self, executor: Option<Arc<dyn DeviceExecutor>>) {
+        *self.shared.device.lock().unwrap_or_else(|p| p.into_inner()) = executor;
     }
 
     pub fn stats(&self) -> Stats {
@@ -891,6 +901,25 @@ impl Background {
         let set = self.sets.get_mut(&id).expect("held");
         let take_all =
             |entries: &mut [Option<Entry>]| -> Vec<Entry> { entries.iter_mut().filter_map(Option::take).collect() };
+        if device::on_device(&response) {
+            let executor = self.shared.device.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let Some(executor) = executor else {
+                let no = "a tensor outside host memory came to Horovod's core, and nothing runs device collectives in \
+                          this process";
+                for entry in take_all(entries) {
+                    entry.finish(Err(Failure::invalid(no)));
+                }
+                return Ok(());
+            };
+            let present = entries.iter().map(Option::is_some).collect();
+            executor
+                .execute(&DeviceWork { set: id, response: &response, present })
+                .map_err(|message| Stop::Failed(Failure::internal(message)))?;
+            for entry in take_all(entries) {
+                entry.finish(Ok(Output::default()));
+            }
+            return Ok(());
+        }
         match response.kind {
             ResponseType::Error => {
                 for entry in take_all(entries) {
@@ -1041,8 +1070,10 @@ fn negotiate(
             at += len;
         }
         let mut responses = Vec::new();
-        // the common cache hits first (not once everyone joined)
-        if coordinator.joined_size() < size {
+        // the common cache hits first; not once everyone joined, this
+        // cycle's joins counted (they would only reduce zeros everywhere)
+        let joining = lists.iter().flatten().filter(|r| r.kind == RequestType::Join).count();
+        if coordinator.joined_size() + joining < size {
             responses.extend(coord.hits.iter().map(|&bit| set.cache.peek(bit).clone()));
         }
         responses.extend(coordinator.on_cycle(&lists, &mut set.stall, now));

@@ -9,10 +9,12 @@
 //! The decisions are pure and tested on their own: `negotiate` (readiness,
 //! order, upstream's checks and messages), `cache`, `fusion`, `stall`,
 //! `process_sets`. `core` is the thread and its cycles; `exec` runs a
-//! response on a communicator.
+//! response on a communicator; `device` hands those over device memory
+//! to the process's device executor.
 
 pub mod cache;
 pub mod core;
+pub mod device;
 pub mod entry;
 mod exec;
 pub mod fusion;
@@ -22,5 +24,6 @@ pub mod process_sets;
 pub mod stall;
 
 pub use crate::core::{Core, Refused, Settings, Stats, DUPLICATE_NAME, SHUT_DOWN};
+pub use device::{DeviceExecutor, DeviceWork};
 pub use entry::{Buffer, Failure, FailureKind, Handle, Outcome, Output, Submit};
 pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID};

@@ -505,3 +505,75 @@ fn a_group_refused_for_a_name_in_flight_queues_none_of_its_tensors() {
 }
 
 static GROUP_REFUSED: AtomicBool = AtomicBool::new(false);
+
+/// What a device executor was handed: each response's names and which of
+/// them this rank submitted.
+#[derive(Debug, Default)]
+struct DeviceLog(std::sync::Mutex<Vec<(Vec<String>, Vec<bool>)>>);
+
+impl kolo_horovod::DeviceExecutor for DeviceLog {
+    fn execute(&self, work: &kolo_horovod::DeviceWork<'_>) -> Result<(), String> {
+        self.0.lock().unwrap().push((work.response.names.clone(), work.present.clone()));
+        Ok(())
+    }
+}
+
+fn device_submit(name: &str, elements: i64) -> Submit {
+    // memory the core must never touch: no host address at all
+    let mut s = Submit::new(RequestType::Allreduce, name, DataType::Float32, vec![elements], Buffer::new(0, 0));
+    s.device = 0;
+    s
+}
+
+#[test]
+fn device_tensors_go_to_the_device_executor_in_one_order_on_every_rank_a_joined_rank_without_its_own() {
+    let job = Job::new();
+    let results = job.run(3, settings(), vec![], |rank, core| {
+        let log = Arc::new(DeviceLog::default());
+        core.set_device_executor(Some(log.clone()));
+        for step in 0..5 {
+            // each rank submits the names in its own order
+            let handles: Vec<_> = (0..4)
+                .map(|i| {
+                    let name = format!("allreduce.step{step}.{}", (i + rank) % 4);
+                    core.submit(0, vec![device_submit(&name, 8)]).unwrap()
+                })
+                .collect();
+            for h in &handles {
+                wait(h);
+                assert!(h.outcomes().unwrap()[0].is_ok());
+            }
+        }
+        // rank 2 joins; the others' next device reduction runs on it too
+        if rank == 2 {
+            join(core);
+        } else {
+            outcome(core, 0, device_submit("allreduce.after-join", 8)).unwrap();
+            join(core);
+        }
+        let handed = log.0.lock().unwrap().clone();
+        handed
+    });
+    let names = |log: &[(Vec<String>, Vec<bool>)]| -> Vec<String> { log.iter().flat_map(|(n, _)| n.clone()).collect() };
+    // every name once, in one order everywhere
+    assert_eq!(names(&results[0]).len(), 21, "{:?}", results[0]);
+    assert!(results.iter().all(|r| names(r) == names(&results[0])), "{results:?}");
+    let last = |r: &[(Vec<String>, Vec<bool>)]| r.last().unwrap().clone();
+    assert_eq!(last(&results[0]), (vec!["allreduce.after-join".to_string()], vec![true]));
+    assert_eq!(last(&results[2]), (vec!["allreduce.after-join".to_string()], vec![false]));
+}
+
+#[test]
+fn a_device_tensor_without_a_device_executor_fails_on_every_rank_and_the_next_collective_succeeds() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        let refused = outcome(core, 0, device_submit("allreduce.on-a-gpu", 4));
+        let mut v = vec![rank as f32 + 1.0; 4];
+        allreduce(core, 0, "allreduce.next", &mut v, ReduceOp::Sum).unwrap();
+        (refused, v[0])
+    });
+    for (refused, sum) in results {
+        assert!(refused.unwrap_err().contains("nothing runs device collectives"));
+        assert_eq!(sum, 3.0);
+    }
+}
