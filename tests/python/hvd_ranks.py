@@ -473,4 +473,9 @@ if __name__ == "__main__":
     hvd.init()
     globals()[scenario]()
     hvd.shutdown()
+    if os.environ.get("KOLO_HOROVOD_CPU_BACKEND") == "gloo":
+        # the scenario's tensors went through the device executor
+        from kolo.horovod.torch import device
+
+        assert device.Executor.responses > 0, "no response reached the device executor"
     print(f"ok {scenario}", flush=True)

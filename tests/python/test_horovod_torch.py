@@ -75,6 +75,16 @@ def test_process_sets_static_and_dynamic_run_among_their_members():
     passed(out, 4, "sets")
 
 
+@pytest.mark.parametrize("scenario,n", [("ops", 2), ("ops", 3), ("names", 3), ("goes_on", 2), ("join", 3),
+                                        ("fusion", 2), ("optimizer", 2), ("sets", 4)])
+def test_tensors_through_the_device_executor_keep_horovods_semantics(scenario, n):
+    # CUDA tensors' path (negotiated by the core, run by torch in the
+    # agreed order) taken by CPU tensors through torch's gloo: the same
+    # scenarios, where no GPU is
+    env = {**os.environ, "KOLO_HOROVOD_CPU_BACKEND": "gloo", "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+    passed(kolo_run(n, RANKS, scenario, env=env), n, scenario)
+
+
 def test_the_stall_warning_names_the_ranks_that_have_not_submitted():
     out = kolo_run(2, RANKS, "stall", env={**os.environ, "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
     passed(out, 2, "stall")

@@ -26,4 +26,4 @@ pub mod stall;
 pub use crate::core::{Core, Refused, Settings, Stats, DUPLICATE_NAME, SHUT_DOWN};
 pub use device::{DeviceExecutor, DeviceWork};
 pub use entry::{Buffer, Failure, FailureKind, Handle, Outcome, Output, Submit};
-pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID};
+pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID, HOST_EXECUTOR_DEVICE_ID};

@@ -7,6 +7,11 @@ use serde::{Deserialize, Serialize};
 /// The device of a tensor in host memory (upstream's `CPU_DEVICE_ID`).
 pub const CPU_DEVICE_ID: i32 = -1;
 
+/// A tensor in host memory that the device executor runs rather than the
+/// core (kolo's own: CPU tensors through torch's gloo, run in the order
+/// the core agrees, as CUDA tensors run through NCCL).
+pub const HOST_EXECUTOR_DEVICE_ID: i32 = -2;
+
 /// The name join's table entry takes: a second join while one is pending
 /// is a duplicate name.
 pub const JOIN_TENSOR_NAME: &str = "join.noname";

@@ -9,7 +9,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use crate::message::{
-    double_text, shape_text, Request, RequestType, Response, ResponseType, CPU_DEVICE_ID, JOIN_TENSOR_NAME,
+    double_text, shape_text, Request, RequestType, Response, ResponseType, CPU_DEVICE_ID, HOST_EXECUTOR_DEVICE_ID,
+    JOIN_TENSOR_NAME,
 };
 use crate::stall::StallInspector;
 
@@ -280,9 +281,12 @@ pub fn construct_response(
         }
     }
     if error.is_none() {
-        let cpu = |r: &Request| r.device == CPU_DEVICE_ID;
-        if let Some(other) = requests.iter().find(|r| cpu(r) != cpu(first)) {
-            let place = |r: &Request| if cpu(r) { "CPU" } else { "GPU" };
+        let place = |r: &Request| match r.device {
+            CPU_DEVICE_ID => "CPU",
+            HOST_EXECUTOR_DEVICE_ID => "CPU (through the device executor)",
+            _ => "GPU",
+        };
+        if let Some(other) = requests.iter().find(|r| place(r) != place(first)) {
             error = Some(format!(
                 "Mismatched {op} CPU/GPU device selection: One rank specified device {}, but another rank specified \
                  device {}.",
@@ -391,9 +395,18 @@ mod tests {
         c.reduce_op = ReduceOp::Sum;
         c.device = 0;
         assert_eq!(
-            error_of(&[a.clone(), c]),
+            error_of(&[a.clone(), c.clone()]),
             "Mismatched ALLREDUCE CPU/GPU device selection: One rank specified device CPU, but another rank \
              specified device GPU."
+        );
+        // host memory the device executor runs meets only its own kind:
+        // two ranks would otherwise run one collective through two libraries
+        let mut d = c.clone();
+        d.device = HOST_EXECUTOR_DEVICE_ID;
+        assert_eq!(
+            error_of(&[c, d]),
+            "Mismatched ALLREDUCE CPU/GPU device selection: One rank specified device GPU, but another rank \
+             specified device CPU (through the device executor)."
         );
     }
 

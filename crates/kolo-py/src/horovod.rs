@@ -7,7 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kolo_comm::{CommError, Communicator, Config};
-use kolo_horovod::{Buffer, Core, DataType, Failure, FailureKind, Handle, ReduceOp, RequestType, Settings, Submit};
+use kolo_horovod::message::ResponseType;
+use kolo_horovod::{
+    Buffer, Core, DataType, DeviceExecutor, DeviceWork, Failure, FailureKind, Handle, ReduceOp, RequestType, Settings,
+    Submit,
+};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
@@ -52,6 +56,70 @@ fn reduce_op(op: i64) -> PyResult<ReduceOp> {
         5 => ReduceOp::Product,
         other => return Err(PyValueError::new_err(format!("unknown reduction op {other}"))),
     })
+}
+
+fn data_type_name(dtype: DataType) -> &'static str {
+    match dtype {
+        DataType::Uint8 => "uint8",
+        DataType::Int8 => "int8",
+        DataType::Uint16 => "uint16",
+        DataType::Int16 => "int16",
+        DataType::Int32 => "int32",
+        DataType::Int64 => "int64",
+        DataType::Float16 => "float16",
+        DataType::Float32 => "float32",
+        DataType::Float64 => "float64",
+        DataType::Bool => "bool",
+        DataType::Bfloat16 => "bfloat16",
+    }
+}
+
+fn reduce_op_code(op: ReduceOp) -> i64 {
+    match op {
+        ReduceOp::Average => 0,
+        ReduceOp::Sum => 1,
+        ReduceOp::Adasum => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Max => 4,
+        ReduceOp::Product => 5,
+    }
+}
+
+/// The Python side's runner of device collectives: called from the core's
+/// thread with each agreed response over device tensors, as `(kind,
+/// process_set, names, present, sizes, dtype, reduce_op, prescale,
+/// postscale, devices)`; an exception stops the core with its text.
+#[derive(Debug)]
+struct PythonDeviceExecutor(Py<PyAny>);
+
+impl DeviceExecutor for PythonDeviceExecutor {
+    fn execute(&self, work: &DeviceWork<'_>) -> Result<(), String> {
+        let r = work.response;
+        let kind = match r.kind {
+            ResponseType::Allreduce => "allreduce",
+            ResponseType::Adasum => "adasum",
+            ResponseType::Allgather => "allgather",
+            ResponseType::Broadcast => "broadcast",
+            ResponseType::Alltoall => "alltoall",
+            ResponseType::Reducescatter => "reducescatter",
+            other => return Err(format!("a {other:?} response has no device collective")),
+        };
+        Python::with_gil(|py| {
+            let args = (
+                kind,
+                work.set,
+                r.names.clone(),
+                work.present.clone(),
+                r.sizes.clone(),
+                data_type_name(r.dtype),
+                reduce_op_code(r.reduce_op),
+                r.prescale,
+                r.postscale,
+                r.devices.clone(),
+            );
+            self.0.call1(py, args).map(drop).map_err(|e| format!("a device collective ({kind}) failed: {e}"))
+        })
+    }
 }
 
 /// A failure as the exception upstream raises: bad input a `ValueError`,
@@ -201,6 +269,13 @@ impl HorovodCore {
         self.core.process_set_ids()
     }
 
+    /// Sets the runner of collectives over device tensors (None: such
+    /// tensors fail); see `PythonDeviceExecutor`.
+    fn set_device_executor(&self, executor: Option<Py<PyAny>>) {
+        let executor = executor.map(|e| Arc::new(PythonDeviceExecutor(e)) as Arc<dyn DeviceExecutor>);
+        self.core.set_device_executor(executor);
+    }
+
     /// Stops the core with every rank (waiting for this rank's loop).
     fn shutdown(&self, py: Python<'_>) {
         let core = self.core.clone();
@@ -220,6 +295,17 @@ impl HorovodCore {
         d.set_item("tensors", s.tensors)?;
         d.set_item("stall", s.stall)?;
         Ok(d)
+    }
+}
+
+impl Drop for HorovodCore {
+    fn drop(&mut self) {
+        // the core's thread may be waiting for the GIL (a device collective
+        // it hands to Python): stop it with the GIL released
+        if Arc::strong_count(&self.core) == 1 {
+            let core = self.core.clone();
+            Python::with_gil(|py| py.allow_threads(move || core.shutdown()));
+        }
     }
 }
 

@@ -17,6 +17,7 @@ import torch
 from kolo import _kolo
 
 from ..common.exceptions import HorovodInternalError
+from . import device as _device
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OPS = (Average, Sum, Min, Max, Product)
@@ -150,7 +151,10 @@ class _State:
         self.last_handle = 0
         self.lock = threading.Lock()
         self.atexit = False
-        self.nccl = None
+        # the runner of device tensors' collectives (see device.py)
+        self.device = None
+        # CPU tensors through torch's gloo too (KOLO_HOROVOD_CPU_BACKEND)
+        self.cpu_external = False
 
 
 _state = _State()
@@ -212,6 +216,9 @@ def init(comm=None, process_sets=None):
     _state.core = core
     _state.generation += 1
     _state.handles.clear()
+    _state.cpu_external = _device.cpu_backend() == "gloo"
+    _state.device = _device.Executor(_state.generation, core.rank, core.size, core.process_set_ranks)
+    core.set_device_executor(_state.device)
     global_process_set.ranks = list(range(core.size))
     for ps in sets:
         ps.process_set_id = core.process_set_id(ps.ranks)
@@ -248,6 +255,10 @@ def shutdown():
     global_process_set.ranks = []
     if core is not None:
         core.shutdown()
+        core.set_device_executor(None)
+    executor, _state.device = _state.device, None
+    if executor is not None:
+        executor.close()
     comm, _state.comm = _state.comm, None
     if comm is not None:
         from kolo.torch import elastic
@@ -409,22 +420,50 @@ def _wire_name(kind, name, handle):
     return f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
 
 
-def _submit(handle, process_set, op_title, tensors, after, keep):
+def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
     """Submits `tensors` (the core's tuples) as one group; `handle`, kept
-    with what synchronize returns."""
+    with what synchronize returns. `records`: the device executor's, one
+    per tensor, for tensors it runs (synchronize first waits for their
+    collectives)."""
     set_id = _set_id(process_set, op_title)
+    core = _core()
+    if records is not None:
+        for entry, record in zip(tensors, records):
+            _state.device.register(set_id, entry[1], record)
     try:
-        pending = _core().submit(set_id, tensors, keep)
-    except _kolo.CollectiveError as e:
-        raise _failed(e) from None
+        pending = core.submit(set_id, tensors, keep)
+    except BaseException as e:
+        if records is not None:
+            for entry in tensors:
+                _state.device.unregister(set_id, entry[1])
+        if isinstance(e, _kolo.CollectiveError):
+            raise _failed(e) from None
+        raise
+    if records is not None:
+        plain = after
+
+        def after(results):
+            for record in records:
+                record.batch.complete()
+            return plain(results)
+
     _state.handles[handle] = _Pending(pending, after, keep)
     return handle
+
+
+def _through_executor(tensors):
+    """Whether the device executor runs these tensors (all of them or none,
+    as upstream's groups are on one device)."""
+    external = [t.is_cuda or _state.cpu_external for t in tensors]
+    if any(external) and not all(external):
+        raise HorovodInternalError("Tensors in list must be on same device.")
+    return bool(external) and external[0]
 
 
 def _entry(kind, name, dtype, t, *, root=0, op=Sum, prescale=1.0, postscale=1.0, output=None, splits=()):
     """One tensor as the core takes it."""
     out = None if output is None else (output.data_ptr(), output.numel() * output.element_size())
-    device = -1 if t.device.type == "cpu" else t.device.index
+    device = _device.device_id(t, _state.cpu_external)
     return (kind, name, dtype, list(t.shape), device, root, op, float(prescale), float(postscale),
             (t.data_ptr(), t.numel() * t.element_size()), out, list(splits))
 
@@ -455,75 +494,6 @@ def synchronize(handle):
     return pending.after(results)
 
 
-# ---- CUDA tensors: torch's NCCL ---------------------------------------------
-
-
-def _cuda_unsupported(t, what):
-    if t.is_cuda:
-        raise NotImplementedError(f"kolo's Horovod runs {what} of CUDA tensors through NCCL only for allreduce, "
-                                  f"allgather and broadcast; move this {t.device} tensor to the CPU")
-
-
-def _nccl():
-    """torch's NCCL group over the job's ranks, for CUDA tensors: made the
-    first time one comes, from the store kolo serves its ranks
-    (MASTER_ADDR:MASTER_PORT), under a prefix of this init's own."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if _state.nccl is not None and _state.nccl[0] == _state.generation:
-        return _state.nccl[1]
-    if not dist.is_nccl_available():
-        raise ValueError("a CUDA tensor came to kolo's Horovod, but this torch has no NCCL")
-    n, r = size(), rank()
-    if n == 1:
-        store = dist.HashStore()
-    else:
-        timeout = datetime.timedelta(seconds=_env_int("HOROVOD_GLOO_TIMEOUT_SECONDS", default=30))
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), n, False, timeout)
-    group = dist.ProcessGroupNCCL(dist.PrefixStore(f"kolo-hvd-nccl/{_state.generation}/", store), r, n)
-    _state.nccl = (_state.generation, group)
-    return group
-
-
-class _CudaPending:
-    """torch Works as a core handle: poll and results."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def poll(self):
-        return all(w.is_completed() for w in self.works)
-
-    def results(self):
-        for w in self.works:
-            w.wait()
-        return [(None, [], -1)] * len(self.works)
-
-
-def _cuda_allreduce(handle, tensors, op, prescale, postscale, after):
-    import torch.distributed as dist
-
-    works = []
-    for t in tensors:
-        if prescale != 1.0:
-            t.mul_(prescale)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = getattr(dist.ReduceOp, {Average: "AVG", Sum: "SUM", Min: "MIN", Max: "MAX",
-                                                Product: "PRODUCT"}[op])
-        works.append(_nccl().allreduce([t], opts))
-
-    def scaled(results):
-        if postscale != 1.0:
-            for t in tensors:
-                t.mul_(postscale)
-        return after(results)
-
-    _state.handles[handle] = _Pending(_CudaPending(works), scaled, tensors)
-    return handle
-
-
 # ---- allreduce -------------------------------------------------------------
 
 
@@ -534,21 +504,16 @@ def _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_fact
     dtypes = [_wire_type(t, _REDUCIBLE) for t in tensors]
     handle = _next_handle()
     base = _wire_name("allreduce", name, handle)
-    if any(t.is_cuda for t in tensors):
-        if not all(t.is_cuda for t in tensors):
-            raise HorovodInternalError("Tensors in list must be on same device.")
-        for t, o in zip(tensors, outputs):
-            if o is not t:
-                o.copy_(t)
-        after = (lambda _: outputs[0]) if not grouped else (lambda _: tuple(outputs))
-        return _cuda_allreduce(handle, outputs, op, prescale_factor, postscale_factor, after)
+    records = None
+    if _through_executor(tensors):
+        records = [_device.Record("allreduce", t, o) for t, o in zip(tensors, outputs)]
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
     entries = [_entry("allreduce", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
                       output=o)
                for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
     after = (lambda _: outputs[0]) if not grouped else (lambda _: tuple(outputs))
-    return _submit(handle, process_set, "Allreduce", entries, after, (tensors, outputs))
+    return _submit(handle, process_set, "Allreduce", entries, after, (tensors, outputs), records)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -683,33 +648,23 @@ def _allgather_group(tensors, name, process_set, grouped):
     dtypes = [_wire_type(t, _MOVABLE) for t in tensors]
     handle = _next_handle()
     base = _wire_name("allgather", name, handle)
-    if any(t.is_cuda for t in tensors):
-        return _cuda_allgather(handle, tensors, grouped)
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
     entries = [_entry("allgather", wire, dtype, t) for wire, dtype, t in zip(names, dtypes, tensors)]
+    if _through_executor(tensors):
+        records = [_device.Record("allgather", t) for t in tensors]
+
+        def gathered(_):
+            outs = [r.result for r in records]
+            return tuple(outs) if grouped else outs[0]
+
+        return _submit(handle, process_set, "Allgather", entries, gathered, tensors, records)
 
     def after(results):
         outs = [_gathered(t, data, dims) for t, (data, dims, _) in zip(tensors, results)]
         return tuple(outs) if grouped else outs[0]
 
     return _submit(handle, process_set, "Allgather", entries, after, tensors)
-
-
-def _cuda_allgather(handle, tensors, grouped):
-    """Through NCCL: every rank's rows padded to the most any rank has."""
-    outs = []
-    for tensor in tensors:
-        rows = allgather_object(tensor.shape[0] if tensor.dim() else 1)
-        most = max(rows)
-        padded = torch.zeros((most, *tensor.shape[1:]) if tensor.dim() else (1,), dtype=tensor.dtype,
-                             device=tensor.device)
-        padded[: rows[rank()]] = tensor if tensor.dim() else tensor.reshape(1)
-        flat = torch.empty((len(rows) * most, *padded.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        _nccl()._allgather_base(flat, padded).wait()
-        outs.append(torch.cat([flat[r * most: r * most + rows[r]] for r in range(len(rows))]))
-    _state.handles[handle] = _Pending(_CudaPending([]), lambda _: tuple(outs) if grouped else outs[0], tensors)
-    return handle
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -769,18 +724,9 @@ def _broadcast(tensor, output, root_rank, name, process_set):
     dtype = _wire_type(tensor, _MOVABLE)
     handle = _next_handle()
     wire = _wire_name("broadcast", name, handle)
-    if tensor.is_cuda:
-        import torch.distributed as dist
-
-        if output is not tensor:
-            output.copy_(tensor)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = root_rank
-        work = _nccl().broadcast([output], opts)
-        _state.handles[handle] = _Pending(_CudaPending([work]), lambda _: output, output)
-        return handle
     entry = _entry("broadcast", wire, dtype, tensor, root=root_rank, output=output)
-    return _submit(handle, process_set, "Broadcast", [entry], lambda _: output, (tensor, output))
+    records = [_device.Record("broadcast", tensor, output, root=root_rank)] if _through_executor([tensor]) else None
+    return _submit(handle, process_set, "Broadcast", [entry], lambda _: output, (tensor, output), records)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -822,7 +768,6 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     """Starts sending dim 0 of `tensor` over the set's ranks (equally, or by
     `splits`); synchronize gives `(output, received_splits)`."""
     dtype = _wire_type(tensor, _MOVABLE)
-    _cuda_unsupported(tensor, "alltoall")
     if splits is None:
         rows = []
     else:
@@ -836,6 +781,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     handle = _next_handle()
     wire = _wire_name("alltoall", name, handle)
     entry = _entry("alltoall", wire, dtype, tensor, splits=rows)
+    if _through_executor([tensor]):
+        record = _device.Record("alltoall", tensor, splits=rows)
+        return _submit(handle, process_set, "Alltoall", [entry], lambda _: record.result, tensor, [record])
 
     def after(results):
         (data, received, _), = results
@@ -887,10 +835,13 @@ def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postsc
         raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
     dtypes = [_wire_type(t, _REDUCIBLE) for t in tensors]
     for t in tensors:
-        _cuda_unsupported(t, "reducescatter")
         if t.dim() == 0:
             raise ValueError("Reducescatter does not support scalar inputs")
-    outputs = [torch.empty((_scattered_rows(t, process_set), *t.shape[1:]), dtype=t.dtype) for t in tensors]
+    outputs = [torch.empty((_scattered_rows(t, process_set), *t.shape[1:]), dtype=t.dtype, device=t.device)
+               for t in tensors]
+    records = None
+    if _through_executor(tensors):
+        records = [_device.Record("reducescatter", t, o) for t, o in zip(tensors, outputs)]
     handle = _next_handle()
     base = _wire_name("reducescatter", name, handle)
     n = len(tensors)
@@ -899,7 +850,7 @@ def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postsc
                       output=o)
                for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
     after = (lambda _: tuple(outputs)) if grouped else (lambda _: outputs[0])
-    return _submit(handle, process_set, "Reducescatter", entries, after, (tensors, outputs))
+    return _submit(handle, process_set, "Reducescatter", entries, after, (tensors, outputs), records)
 
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
@@ -979,7 +930,11 @@ def barrier(process_set=global_process_set):
 
 def join(device=-1):
     """This rank has no more data: until every rank joins, it takes part in
-    the others' allreduces with zeros. The rank that joined last."""
+    the others' allreduces with zeros (on CUDA device `device` where
+    theirs are CUDA tensors; -1: the current one). The rank that joined
+    last."""
+    _core()
+    _state.device.join_device = device
     handle = _next_handle()
     entry = _entry("join", "join", "uint8", _NOTHING)
     _submit(handle, global_process_set, "Join", [entry], lambda results: results[0][2], None)
