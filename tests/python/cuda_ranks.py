@@ -61,10 +61,29 @@ def horovod():
         opt.step()
     sums = hvd.allgather_object(round(sum(p.detach().double().sum().item() for p in model.parameters()), 5))
     assert len(set(sums)) == 1, sums
-    try:
-        hvd.alltoall(torch.ones(n, device="cuda"))
-    except NotImplementedError as e:
-        assert "CPU tensors only" in str(e), e
+    # through the core: names met in any order, alltoall, reducescatter,
+    # a mismatch every rank survives, join with zeros on the device
+    r = hvd.rank()
+    names = ["a", "b", "c"] if r % 2 == 0 else ["c", "b", "a"]
+    handles = {k: hvd.allreduce_async(torch.full((4 + len(k),), float(r), device="cuda"), name=k, op=hvd.Sum)
+               for k in names}
+    for k, h in handles.items():
+        check(hvd.synchronize(h), torch.full((4 + len(k),), float(n * (n - 1) // 2)), f"hvd by name {k}")
+    out = hvd.alltoall(torch.arange(2 * n, device="cuda") + 100 * r)
+    assert out.is_cuda
+    check(out, torch.cat([torch.arange(2 * r, 2 * r + 2) + 100 * p for p in range(n)]), "hvd alltoall")
+    part = hvd.reducescatter(torch.ones(2 * n, 3, device="cuda") * (r + 1), op=hvd.Sum)
+    check(part, torch.full((2, 3), float(n * (n + 1) // 2)), "hvd reducescatter")
+    if n > 1:
+        try:
+            hvd.allreduce(torch.ones(3 + r, device="cuda"), name="odd")
+            raise AssertionError("a shape mismatch went through")
+        except hvd.HorovodInternalError as e:
+            assert "Mismatched ALLREDUCE tensor shapes" in str(e), e
+    check(hvd.allreduce(torch.ones(2, device="cuda"), op=hvd.Sum, name="odd"), torch.full((2,), float(n)), "after")
+    if r == 0:
+        check(hvd.allreduce(torch.ones(3, device="cuda"), op=hvd.Sum, name="j"), torch.ones(3), "beside joined")
+    assert hvd.join(device=hvd.local_rank()) == 0 or n == 1
     hvd.shutdown()
 
 

@@ -147,7 +147,8 @@ def test_the_executor_runs_a_kolo_backend_function_twice_on_the_same_workers():
 
 def test_cuda_tensors_go_to_nccl_in_the_backend_and_horovods_api():
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here: the CUDA paths (torch's NCCL under kolo) are tested where one is")
+        pytest.skip("no CUDA device here: the CUDA paths (torch's NCCL under kolo, Horovod's CUDA tensors through "
+                    "its core) are tested where one is; test_horovod_torch runs the core's device path with gloo")
     gpus = torch.cuda.device_count()
     out = watch.run(
         [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")], timeout=300,

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use kolo_comm::{CommError, Communicator};
 
 use crate::cache::{CacheCoordinator, CacheState, ResponseCache, TensorParams};
-use crate::entry::{Entry, Failure, FailureKind, Handle, Output, Submit};
 use crate::device::{self, DeviceExecutor, DeviceWork};
+use crate::entry::{Entry, Failure, FailureKind, Handle, Output, Submit};
 use crate::exec::{self, Aligned};
 use crate::fusion::fuse;
 use crate::message::{Request, RequestList, RequestType, Response, ResponseList, ResponseType, JOIN_TENSOR_NAME};
@@ -911,9 +911,9 @@ impl Background {
                 }
                 return Ok(());
             };
-            let present = entries.iter().map(Option::is_some).collect();
+            let inputs = entries.iter().map(|e| e.as_ref().map(|e| e.submit.input.addr)).collect();
             executor
-                .execute(&DeviceWork { set: id, response: &response, present })
+                .execute(&DeviceWork { set: id, response: &response, inputs })
                 .map_err(|message| Stop::Failed(Failure::internal(message)))?;
             for entry in take_all(entries) {
                 entry.finish(Ok(Output::default()));

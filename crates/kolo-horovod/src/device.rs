@@ -19,9 +19,10 @@ pub struct DeviceWork<'a> {
     /// The process set it runs in.
     pub set: u32,
     pub response: &'a Response,
-    /// Whether this rank submitted each of the response's names; a rank
-    /// that joined submitted none and takes part with zeros.
-    pub present: Vec<bool>,
+    /// The input address this rank submitted under each of the response's
+    /// names (what tells its tensor apart from another submitted under the
+    /// same name); none for a rank that joined, which takes part with zeros.
+    pub inputs: Vec<Option<usize>>,
 }
 
 /// Whether a response runs on the device executor: a collective over

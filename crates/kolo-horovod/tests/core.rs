@@ -513,7 +513,8 @@ struct DeviceLog(std::sync::Mutex<Vec<(Vec<String>, Vec<bool>)>>);
 
 impl kolo_horovod::DeviceExecutor for DeviceLog {
     fn execute(&self, work: &kolo_horovod::DeviceWork<'_>) -> Result<(), String> {
-        self.0.lock().unwrap().push((work.response.names.clone(), work.present.clone()));
+        let present = work.inputs.iter().map(Option::is_some).collect();
+        self.0.lock().unwrap().push((work.response.names.clone(), present));
         Ok(())
     }
 }

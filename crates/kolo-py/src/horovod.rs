@@ -87,8 +87,10 @@ fn reduce_op_code(op: ReduceOp) -> i64 {
 
 /// The Python side's runner of device collectives: called from the core's
 /// thread with each agreed response over device tensors, as `(kind,
-/// process_set, names, present, sizes, dtype, reduce_op, prescale,
-/// postscale, devices)`; an exception stops the core with its text.
+/// process_set, names, inputs, sizes, dtype, reduce_op, prescale,
+/// postscale, devices)` (`inputs`: the address this rank submitted under
+/// each name, None where it joined); an exception stops the core with
+/// its text.
 #[derive(Debug)]
 struct PythonDeviceExecutor(Py<PyAny>);
 
@@ -109,7 +111,7 @@ impl DeviceExecutor for PythonDeviceExecutor {
                 kind,
                 work.set,
                 r.names.clone(),
-                work.present.clone(),
+                work.inputs.clone(),
                 r.sizes.clone(),
                 data_type_name(r.dtype),
                 reduce_op_code(r.reduce_op),

@@ -113,11 +113,17 @@ class Executor:
 
     # ---- the caller's side -------------------------------------------------
 
-    def register(self, set_id, name, record):
-        self.records[(set_id, name)] = record
+    # records are keyed by the tensor's address too: a second tensor
+    # submitted under a name in flight (which the core refuses) must not
+    # take the first one's place
 
-    def unregister(self, set_id, name):
-        self.records.pop((set_id, name), None)
+    def register(self, set_id, name, record):
+        self.records[(set_id, name, record.tensor.data_ptr())] = record
+
+    def unregister(self, set_id, name, record):
+        key = (set_id, name, record.tensor.data_ptr())
+        if self.records.get(key) is record:
+            del self.records[key]
 
     def close(self):
         """Ends the groups of this init (NCCL's communicators)."""
@@ -131,9 +137,17 @@ class Executor:
 
     # ---- the core's side ---------------------------------------------------
 
-    def __call__(self, kind, set_id, names, present, sizes, dtype, op, prescale, postscale, devices):
+    def __call__(self, kind, set_id, names, inputs, sizes, dtype, op, prescale, postscale, devices):
         Executor.responses += 1
-        records = [self.records.pop((set_id, n), None) if here else None for n, here in zip(names, present)]
+        records = []
+        for name, at in zip(names, inputs):
+            if at is None:
+                records.append(None)
+                continue
+            record = self.records.pop((set_id, name, at), None)
+            if record is None:
+                raise RuntimeError(f"kolo's Horovod has no record of the device tensor {name} it submitted")
+            records.append(record)
         cuda = any(d >= 0 for d in devices)
         group = self._group(set_id, "nccl" if cuda else "gloo")
         ranks = self.set_ranks(set_id)

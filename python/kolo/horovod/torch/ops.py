@@ -404,10 +404,10 @@ def _failed(e):
 class _Pending:
     """A submission's handle and what synchronize returns from its results."""
 
-    __slots__ = ("handle", "after", "keep")
+    __slots__ = ("handle", "after", "keep", "drop")
 
-    def __init__(self, handle, after, keep):
-        self.handle, self.after, self.keep = handle, after, keep
+    def __init__(self, handle, after, keep, drop=None):
+        self.handle, self.after, self.keep, self.drop = handle, after, keep, drop
 
 
 def _next_handle():
@@ -427,15 +427,23 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
     collectives)."""
     set_id = _set_id(process_set, op_title)
     core = _core()
+    drop = None
     if records is not None:
+        device = _state.device
         for entry, record in zip(tensors, records):
-            _state.device.register(set_id, entry[1], record)
+            device.register(set_id, entry[1], record)
+
+        def drop():
+            # what the executor never took (a refused submission, an
+            # error response) goes; only these records, by identity
+            for entry, record in zip(tensors, records):
+                device.unregister(set_id, entry[1], record)
+
     try:
         pending = core.submit(set_id, tensors, keep)
     except BaseException as e:
-        if records is not None:
-            for entry in tensors:
-                _state.device.unregister(set_id, entry[1])
+        if drop is not None:
+            drop()
         if isinstance(e, _kolo.CollectiveError):
             raise _failed(e) from None
         raise
@@ -447,7 +455,7 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
                 record.batch.complete()
             return plain(results)
 
-    _state.handles[handle] = _Pending(pending, after, keep)
+    _state.handles[handle] = _Pending(pending, after, keep, drop)
     return handle
 
 
@@ -486,6 +494,8 @@ def synchronize(handle):
         results = pending.handle.results()
     except _kolo.CollectiveError as e:
         _state.handles.pop(handle, None)
+        if pending.drop is not None:
+            pending.drop()
         raise _failed(e) from None
     except BaseException:
         # Ctrl-C while waiting: the handle stays, it may be waited for again
