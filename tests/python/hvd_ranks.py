@@ -172,8 +172,10 @@ def goes_on():
     expect(lambda: hvd.broadcast(torch.ones(2), root_rank=r, name="roots"), hvd.HorovodInternalError,
            "Mismatched BROADCAST root ranks")
     check(hvd.allreduce(torch.ones(4), op=hvd.Sum, name="odd"), torch.full((4,), float(n)), "after the mismatch")
-    h = hvd.allreduce_async(torch.ones(2), name="twice")
-    expect(lambda: hvd.allreduce_async(torch.ones(2), name="twice"), ValueError,
+    # the same tensor again under its name in flight, as upstream's test does
+    twice = torch.ones(2)
+    h = hvd.allreduce_async(twice, name="twice")
+    expect(lambda: hvd.allreduce_async(twice, name="twice"), ValueError,
            "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
            "currently being processed.")
     hvd.synchronize(h)
@@ -250,7 +252,18 @@ def sets():
     assert hvd.remove_process_set(odds) and odds.process_set_id is None
     again = hvd.add_process_set(list(range(1, n, 2)))
     assert again.process_set_id == 2, "a freed id is used again"
+    if r % 2 == 1:
+        check(hvd.allgather(torch.tensor([r]), name="odds.again", process_set=again),
+              torch.tensor(list(range(1, n, 2))), "odds again")
     hvd.remove_process_set(again)
+    # the id again, for other ranks: their collectives meet among them only
+    # (named: the ranks' handle counts differ by now, as upstream's would)
+    pair = hvd.add_process_set([0, 1])
+    assert pair.process_set_id == 2, pair
+    if r < 2:
+        check(hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, name="pair", process_set=pair),
+              torch.tensor([3.0]), "pair")
+    hvd.remove_process_set(pair)
 
 
 def stall():

@@ -63,7 +63,7 @@ def _rows_of_bytes(t, rows):
 class Record:
     """One submitted tensor, from submission to its caller's synchronize."""
 
-    __slots__ = ("kind", "tensor", "output", "root", "splits", "ready", "batch", "result")
+    __slots__ = ("kind", "tensor", "output", "root", "splits", "ready", "batch", "result", "handle")
 
     def __init__(self, kind, tensor, output=None, root=0, splits=None):
         self.kind, self.tensor, self.output, self.root, self.splits = kind, tensor, output, root, splits
@@ -75,6 +75,8 @@ class Record:
             self.ready.record(torch.cuda.current_stream(tensor.device))
         self.batch = None
         self.result = None
+        # the core's handle, once submitted
+        self.handle = None
 
 
 class Batch:
@@ -113,12 +115,18 @@ class Executor:
 
     # ---- the caller's side -------------------------------------------------
 
-    # records are keyed by the tensor's address too: a second tensor
-    # submitted under a name in flight (which the core refuses) must not
-    # take the first one's place
+    # records are keyed by the tensor's address too, and one in flight is
+    # never replaced: a tensor submitted again under a name in flight
+    # (which the core refuses) must not take the first one's place. One
+    # whose handle is done was never run (an error response nobody
+    # synchronized): it goes.
 
     def register(self, set_id, name, record):
-        self.records[(set_id, name, record.tensor.data_ptr())] = record
+        key = (set_id, name, record.tensor.data_ptr())
+        there = self.records.get(key)
+        if there is not None and not (there.handle is not None and there.handle.poll()):
+            return
+        self.records[key] = record
 
     def unregister(self, set_id, name, record):
         key = (set_id, name, record.tensor.data_ptr())
@@ -171,14 +179,17 @@ class Executor:
 
     def _group(self, set_id, backend):
         """torch's group of the set's ranks for `backend`, made the first
-        time (every member gets the set's first device response at once)."""
-        key = (set_id, backend)
+        time (every member gets the set's first device response at once).
+        Kept by ranks, not by set id: an id removed and given to other
+        ranks must not find the old group, and the same ranks again find
+        theirs (every member kept it)."""
+        ranks = self.set_ranks(set_id)
+        key = (tuple(ranks), backend)
         group = self.groups.get(key)
         if group is not None:
             return group
         import torch.distributed as dist
 
-        ranks = self.set_ranks(set_id)
         n, r = len(ranks), ranks.index(self.rank)
         timeout = datetime.timedelta(seconds=float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS") or 1800))
         if self.size == 1:
@@ -186,7 +197,8 @@ class Executor:
         else:
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size, False,
                                   timeout)
-        store = dist.PrefixStore(f"kolo-hvd-{backend}/{self.generation}/{set_id}/", store)
+        members = ",".join(map(str, ranks))
+        store = dist.PrefixStore(f"kolo-hvd-{backend}/{self.generation}/{members}/", store)
         if backend == "nccl":
             if not dist.is_nccl_available():
                 raise ValueError("a CUDA tensor came to kolo's Horovod, but this torch has no NCCL")

@@ -448,6 +448,8 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
             raise _failed(e) from None
         raise
     if records is not None:
+        for record in records:
+            record.handle = pending
         plain = after
 
         def after(results):
