@@ -58,33 +58,6 @@ fn reduce_op(op: i64) -> PyResult<ReduceOp> {
     })
 }
 
-fn data_type_name(dtype: DataType) -> &'static str {
-    match dtype {
-        DataType::Uint8 => "uint8",
-        DataType::Int8 => "int8",
-        DataType::Uint16 => "uint16",
-        DataType::Int16 => "int16",
-        DataType::Int32 => "int32",
-        DataType::Int64 => "int64",
-        DataType::Float16 => "float16",
-        DataType::Float32 => "float32",
-        DataType::Float64 => "float64",
-        DataType::Bool => "bool",
-        DataType::Bfloat16 => "bfloat16",
-    }
-}
-
-fn reduce_op_code(op: ReduceOp) -> i64 {
-    match op {
-        ReduceOp::Average => 0,
-        ReduceOp::Sum => 1,
-        ReduceOp::Adasum => 2,
-        ReduceOp::Min => 3,
-        ReduceOp::Max => 4,
-        ReduceOp::Product => 5,
-    }
-}
-
 /// The Python side's runner of device collectives: called from the core's
 /// thread with each agreed response over device tensors, as `(kind,
 /// process_set, names, inputs, sizes, dtype, reduce_op, prescale,
@@ -113,8 +86,9 @@ impl DeviceExecutor for PythonDeviceExecutor {
                 r.names.clone(),
                 work.inputs.clone(),
                 r.sizes.clone(),
-                data_type_name(r.dtype),
-                reduce_op_code(r.reduce_op),
+                r.dtype.name(),
+                // upstream's numbering, as Python's ops take it
+                r.reduce_op as i64,
                 r.prescale,
                 r.postscale,
                 r.devices.clone(),
