@@ -112,6 +112,10 @@ class Executor:
         self.records = {}
         self.groups = {}
         self.join_device = _CPU_DEVICE
+        # the CUDA device this rank's tensors were last on: where a rank
+        # that joined without naming one makes its zeros (the core's
+        # thread's current device is not the caller's)
+        self.last_cuda_device = None
 
     # ---- the caller's side -------------------------------------------------
 
@@ -156,6 +160,8 @@ class Executor:
             if record is None:
                 raise RuntimeError(f"kolo's Horovod has no record of the device tensor {name} it submitted")
             records.append(record)
+            if record.tensor.is_cuda:
+                self.last_cuda_device = record.tensor.device.index
         cuda = any(d >= 0 for d in devices)
         group = self._group(set_id, "nccl" if cuda else "gloo")
         ranks = self.set_ranks(set_id)
@@ -216,7 +222,9 @@ class Executor:
     def _zeros(self, elements, dtype, cuda):
         if not cuda:
             return torch.zeros(elements, dtype=dtype)
-        device = self.join_device if self.join_device >= 0 else torch.cuda.current_device()
+        device = self.join_device
+        if device < 0:
+            device = self.last_cuda_device if self.last_cuda_device is not None else torch.cuda.current_device()
         return torch.zeros(elements, dtype=dtype, device=torch.device("cuda", device))
 
     def _allreduce(self, group, n, records, sizes, dtype, cuda, op, prescale, postscale):
