@@ -353,5 +353,7 @@ impl HorovodHandle {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HorovodCore>()?;
     m.add_class::<HorovodHandle>()?;
+    // the device a CPU tensor is submitted with to go through the executor
+    m.add("HOROVOD_HOST_EXECUTOR_DEVICE", kolo_horovod::HOST_EXECUTOR_DEVICE_ID)?;
     Ok(())
 }

@@ -245,11 +245,17 @@ pub(crate) fn wait_for_showing(what: &str, limit: Duration, mut cond: impl FnMut
     }
 }
 
+/// The state letter of a `/proc/.../stat` line (after the command name,
+/// which may hold spaces and parentheses).
+pub(crate) fn stat_state(stat: &str) -> Option<&str> {
+    stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next())
+}
+
 /// Alive and not a zombie.
 pub(crate) fn alive(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
-            let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
+            let state = stat_state(&stat);
             state != Some("Z") && state != Some("X")
         }
         Err(_) => false,

@@ -207,31 +207,8 @@ fn stopped(pid: i32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return true };
     tasks.flatten().all(|task| {
         let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next());
-        matches!(state, None | Some("T" | "Z" | "X"))
+        matches!(stat_state(&stat), None | Some("T" | "Z" | "X"))
     })
-}
-
-/// `root` and every process below it, from /proc.
-fn process_tree(root: i32) -> Vec<i32> {
-    let parents: Vec<(i32, i32)> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let ppid = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
-            Some((pid, ppid))
-        })
-        .collect();
-    let mut tree = vec![root];
-    let mut at = 0;
-    while at < tree.len() {
-        let parent = tree[at];
-        tree.extend(parents.iter().filter(|&&(_, ppid)| ppid == parent).map(|&(pid, _)| pid));
-        at += 1;
-    }
-    tree
 }
 
 #[test]
@@ -250,7 +227,7 @@ fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job
         .unwrap();
     commands_and_agents(dir.path(), 2);
     // stopped first, so that none of them sees another die and cleans up
-    let everyone = process_tree(child.id() as i32);
+    let everyone: Vec<i32> = process_tree(child.id()).into_iter().map(|p| p as i32).collect();
     let before: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().flatten().map(|e| e.path()).collect();
     let comms: Vec<String> =
         everyone.iter().map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default()).collect();

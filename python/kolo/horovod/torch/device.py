@@ -18,8 +18,8 @@ import threading
 
 import torch
 
-# kolo_horovod::HOST_EXECUTOR_DEVICE_ID: host memory this module runs
-HOST_EXECUTOR_DEVICE = -2
+from kolo import _kolo
+
 _CPU_DEVICE = -1
 
 _DTYPES = {
@@ -63,10 +63,10 @@ def _rows_of_bytes(t, rows):
 class Record:
     """One submitted tensor, from submission to its caller's synchronize."""
 
-    __slots__ = ("kind", "tensor", "output", "root", "splits", "ready", "batch", "result", "handle")
+    __slots__ = ("tensor", "output", "root", "splits", "ready", "batch", "result", "handle")
 
-    def __init__(self, kind, tensor, output=None, root=0, splits=None):
-        self.kind, self.tensor, self.output, self.root, self.splits = kind, tensor, output, root, splits
+    def __init__(self, tensor, output=None, root=0, splits=None):
+        self.tensor, self.output, self.root, self.splits = tensor, output, root, splits
         self.ready = None
         if tensor.is_cuda:
             # the caller's stream has the tensor's last writes: the
@@ -163,8 +163,8 @@ class Executor:
             if record.tensor.is_cuda:
                 self.last_cuda_device = record.tensor.device.index
         cuda = any(d >= 0 for d in devices)
-        group = self._group(set_id, "nccl" if cuda else "gloo")
         ranks = self.set_ranks(set_id)
+        group = self._group(ranks, "nccl" if cuda else "gloo")
         if kind == "allreduce":
             self._allreduce(group, len(ranks), records, sizes, _DTYPES[dtype], cuda, op, prescale, postscale)
         elif kind == "allgather":
@@ -183,13 +183,12 @@ class Executor:
         else:
             raise NotImplementedError(f"kolo's Horovod has no device {kind}")
 
-    def _group(self, set_id, backend):
-        """torch's group of the set's ranks for `backend`, made the first
+    def _group(self, ranks, backend):
+        """torch's group of a set's `ranks` for `backend`, made the first
         time (every member gets the set's first device response at once).
         Kept by ranks, not by set id: an id removed and given to other
         ranks must not find the old group, and the same ranks again find
         theirs (every member kept it)."""
-        ranks = self.set_ranks(set_id)
         key = (tuple(ranks), backend)
         group = self.groups.get(key)
         if group is not None:
@@ -339,10 +338,11 @@ class Executor:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         work = group.allreduce([whole], opts)
+        # this rank's rows (the caller sized the output) follow the rows of
+        # the ranks before it, each of which has as many or one more
         n, me = len(ranks), ranks.index(self.rank)
-        rows = t.shape[0]
+        rows, count = t.shape[0], rec.output.shape[0]
         start = me * (rows // n) + min(me, rows % n)
-        count = rows // n + (1 if me < rows % n else 0)
 
         def after():
             # (an average came as a sum with the postscale divided by the size)
@@ -358,4 +358,4 @@ def device_id(t, cpu_through_executor):
     device, or the core's own host memory."""
     if t.is_cuda:
         return t.device.index
-    return HOST_EXECUTOR_DEVICE if cpu_through_executor else _CPU_DEVICE
+    return _kolo.HOROVOD_HOST_EXECUTOR_DEVICE if cpu_through_executor else _CPU_DEVICE

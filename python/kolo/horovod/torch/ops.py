@@ -197,6 +197,8 @@ def init(comm=None, process_sets=None):
     if comm is not None:
         raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
     sets, ranks = _static_sets(process_sets)
+    # checked before a core starts, so that bad input leaves none behind
+    cpu_external = _device.cpu_backend() == "gloo"
     from kolo.torch import elastic
 
     try:
@@ -216,7 +218,7 @@ def init(comm=None, process_sets=None):
     _state.core = core
     _state.generation += 1
     _state.handles.clear()
-    _state.cpu_external = _device.cpu_backend() == "gloo"
+    _state.cpu_external = cpu_external
     _state.device = _device.Executor(_state.generation, core.rank, core.size, core.process_set_ranks)
     core.set_device_executor(_state.device)
     global_process_set.ranks = list(range(core.size))
@@ -518,7 +520,7 @@ def _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_fact
     base = _wire_name("allreduce", name, handle)
     records = None
     if _through_executor(tensors):
-        records = [_device.Record("allreduce", t, o) for t, o in zip(tensors, outputs)]
+        records = [_device.Record(t, o) for t, o in zip(tensors, outputs)]
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
     entries = [_entry("allreduce", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
@@ -664,7 +666,7 @@ def _allgather_group(tensors, name, process_set, grouped):
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
     entries = [_entry("allgather", wire, dtype, t) for wire, dtype, t in zip(names, dtypes, tensors)]
     if _through_executor(tensors):
-        records = [_device.Record("allgather", t) for t in tensors]
+        records = [_device.Record(t) for t in tensors]
 
         def gathered(_):
             outs = [r.result for r in records]
@@ -737,7 +739,7 @@ def _broadcast(tensor, output, root_rank, name, process_set):
     handle = _next_handle()
     wire = _wire_name("broadcast", name, handle)
     entry = _entry("broadcast", wire, dtype, tensor, root=root_rank, output=output)
-    records = [_device.Record("broadcast", tensor, output, root=root_rank)] if _through_executor([tensor]) else None
+    records = [_device.Record(tensor, output, root=root_rank)] if _through_executor([tensor]) else None
     return _submit(handle, process_set, "Broadcast", [entry], lambda _: output, (tensor, output), records)
 
 
@@ -794,7 +796,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     wire = _wire_name("alltoall", name, handle)
     entry = _entry("alltoall", wire, dtype, tensor, splits=rows)
     if _through_executor([tensor]):
-        record = _device.Record("alltoall", tensor, splits=rows)
+        record = _device.Record(tensor, splits=rows)
         return _submit(handle, process_set, "Alltoall", [entry], lambda _: record.result, tensor, [record])
 
     def after(results):
@@ -853,7 +855,7 @@ def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postsc
                for t in tensors]
     records = None
     if _through_executor(tensors):
-        records = [_device.Record("reducescatter", t, o) for t, o in zip(tensors, outputs)]
+        records = [_device.Record(t, o) for t, o in zip(tensors, outputs)]
     handle = _next_handle()
     base = _wire_name("reducescatter", name, handle)
     n = len(tensors)
@@ -943,8 +945,8 @@ def barrier(process_set=global_process_set):
 def join(device=-1):
     """This rank has no more data: until every rank joins, it takes part in
     the others' allreduces with zeros (on CUDA device `device` where
-    theirs are CUDA tensors; -1: the current one). The rank that joined
-    last."""
+    theirs are CUDA tensors; -1: the device of this rank's last CUDA
+    tensor). The rank that joined last."""
     _core()
     _state.device.join_device = device
     handle = _next_handle()
