@@ -14,6 +14,7 @@ pub enum DType {
     I32,
     I64,
     U8,
+    I8,
 }
 
 impl DType {
@@ -22,7 +23,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
             DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
+            DType::U8 | DType::I8 => 1,
         }
     }
 
@@ -35,10 +36,12 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::U8 => "u8",
+            DType::I8 => "i8",
         }
     }
 
-    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
+    pub const ALL: [DType; 8] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8, DType::I8];
 }
 
 impl std::str::FromStr for DType {
@@ -47,7 +50,7 @@ impl std::str::FromStr for DType {
         DType::ALL
             .into_iter()
             .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dtype '{s}'; known: f32, f64, f16, bf16, i32, i64, u8"))
+            .ok_or_else(|| format!("unknown dtype '{s}'; known: f32, f64, f16, bf16, i32, i64, u8, i8"))
     }
 }
 
@@ -104,7 +107,7 @@ pub trait Element: bytemuck::Pod + Send + Sync + 'static {
 macro_rules! element {
     ($($t:ty => $d:ident),*) => { $(impl Element for $t { const DTYPE: DType = DType::$d; })* };
 }
-element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u8 => U8);
+element!(f32 => F32, f64 => F64, f16 => F16, bf16 => BF16, i32 => I32, i64 => I64, u8 => U8, i8 => I8);
 
 /// Arithmetic for the kernels; half types compute in f32.
 trait Arith: Copy {
@@ -148,7 +151,7 @@ macro_rules! int_arith {
         }
     )*};
 }
-int_arith!(i32, i64, u8);
+int_arith!(i32, i64, u8, i8);
 
 macro_rules! half_arith {
     ($($t:ty),*) => {$(

@@ -71,6 +71,10 @@ macro_rules! with_element_type {
                 type $t = u8;
                 $body
             }
+            $crate::DType::I8 => {
+                type $t = i8;
+                $body
+            }
         }
     };
 }

@@ -283,6 +283,12 @@ impl Core {
                     "{op}: Rank {global_rank} is not a member of the provided process set."
                 )));
             };
+            if matches!(t.kind, RequestType::Allreduce | RequestType::Reducescatter)
+                && crate::exec::comm_dtype(t.dtype).is_none()
+            {
+                // the loop could not reduce it: refused here, never there
+                return Err(Refused::invalid(format!("Tensor type {} is not supported.", t.dtype.name())));
+            }
             let mut request = Request::new(my_rank, t.kind, t.dtype, t.name.clone(), t.shape.clone());
             request.device = t.device;
             request.prescale = t.prescale;

@@ -12,6 +12,7 @@ use crate::message::{DataType, ReduceOp, Response};
 pub(crate) fn comm_dtype(dtype: DataType) -> Option<DType> {
     Some(match dtype {
         DataType::Uint8 => DType::U8,
+        DataType::Int8 => DType::I8,
         DataType::Int32 => DType::I32,
         DataType::Int64 => DType::I64,
         DataType::Float16 => DType::F16,
@@ -46,6 +47,7 @@ pub(crate) fn scale(dtype: DType, bytes: &mut [u8], factor: f64) {
         DType::I32 => each!(i32, |x: i32| (f64::from(x) * factor) as i32),
         DType::I64 => each!(i64, |x: i64| (x as f64 * factor) as i64),
         DType::U8 => each!(u8, |x: u8| (f64::from(x) * factor) as u8),
+        DType::I8 => each!(i8, |x: i8| (f64::from(x) * factor) as i8),
     }
 }
 

@@ -170,6 +170,34 @@ fn a_mismatch_fails_alike_on_every_rank_and_the_next_collective_succeeds() {
 }
 
 #[test]
+fn int8_reduces_and_a_type_the_loop_cannot_reduce_is_refused_when_submitted_not_in_the_loop() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        let mut v = vec![-3i8 + rank as i8; 4];
+        let len = v.len();
+        let mut s = Submit::new(RequestType::Allreduce, "allreduce.i8", DataType::Int8, vec![4], buf(&mut v));
+        s.reduce_op = ReduceOp::Sum;
+        outcome(core, 0, s).unwrap();
+        let mut flags = vec![1u8; 4];
+        let refused = core
+            .submit(
+                0,
+                vec![Submit::new(RequestType::Allreduce, "allreduce.bool", DataType::Bool, vec![4], buf(&mut flags))],
+            )
+            .unwrap_err();
+        // the loop goes on
+        let mut ok = vec![1.0f32; 2];
+        allreduce(core, 0, "allreduce.after", &mut ok, ReduceOp::Sum).unwrap();
+        (v[..len].to_vec(), refused.message, ok[0])
+    });
+    for (summed, refused, after) in results {
+        assert_eq!(summed, vec![-5i8; 4]);
+        assert_eq!(refused, "Tensor type bool is not supported.");
+        assert_eq!(after, 2.0);
+    }
+}
+
+#[test]
 fn a_name_in_flight_is_refused_as_a_duplicate_and_free_once_done() {
     let job = Job::new();
     let results = job.run(2, settings(), vec![], |rank, core| {
