@@ -8,19 +8,47 @@ converts tensors, handles and gradients: no ordering or negotiation here.
 CPU tensors go through the core in place in their memory; CUDA tensors
 through torch's NCCL, in a group kolo makes from its own store."""
 
-import atexit
-import os
-import threading
-
 import torch
 
 from kolo import _kolo
 
+from ..common import basics as _basics
+from ..common.basics import (  # noqa: F401  (horovod.torch's API)
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ProcessSet,
+    Sum,
+    _core,
+    _op_of,
+    _set_id,
+    _state,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    global_process_set,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from ..common.exceptions import HorovodInternalError
 from . import device as _device
-
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_OPS = (Average, Sum, Min, Max, Product)
 
 # the types upstream takes (its mpi_lib's functions), with kolo's own
 # additions: bfloat16 and uint8 reductions
@@ -36,297 +64,46 @@ _REDUCIBLE = {
 _MOVABLE = {**_REDUCIBLE, torch.int8: "int8", torch.int16: "int16"}
 
 
-# ---- process sets (horovod/common/process_sets.py) -------------------------
+# ---- init and topology: the shared core (common/basics.py) and torch's part ---
 
 
-class ProcessSet:
-    """A set of the job's processes that runs collectives among themselves:
-    pass it to `init(process_sets=[...])` or `add_process_set`; once
-    registered, `process_set_id` is its id on every rank."""
-
-    process_set_id = None
-    ranks = None
-    mpi_comm = None
-
-    def __init__(self, ranks_or_comm):
-        try:
-            ranks = sorted(ranks_or_comm)
-        except TypeError:
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm "
-                             "object") from None
-        if any(not isinstance(r, int) for r in ranks):
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
-        self.ranks = ranks
-
-    def _invalidate(self):
-        self.process_set_id = None
-
-    def size(self):
-        """How many processes the set has; None until it is registered."""
-        if self.process_set_id is None:
-            return None
-        ranks = _core().process_set_ranks(self.process_set_id)
-        if ranks is None:
-            raise ValueError("Process set does not exist or has not been registered.")
-        return len(ranks)
-
-    def rank(self):
-        """This process's rank inside the set; None until it is registered."""
-        if self.process_set_id is None:
-            return None
-        ranks = _core().process_set_ranks(self.process_set_id)
-        if ranks is None:
-            raise ValueError("Process set does not exist or has not been registered.")
-        if rank() not in ranks:
-            raise ValueError("Process is not part of provided process set.")
-        return ranks.index(rank())
-
-    def included(self):
-        """Whether this process belongs to the set (None without ranks)."""
-        if self.ranks is None:
-            return None
-        return rank() in self.ranks
-
-    def __str__(self):
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
-
-    __repr__ = __str__
-
-
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
-
-
-def _set_id(process_set, op):
-    """The id of a registered set (upstream's message for one that is not)."""
-    process_set = global_process_set if process_set is None else process_set
-    if process_set.process_set_id is None:
-        raise ValueError(f"{op}: Process set provided does not exist, or has not been registered.")
-    return process_set.process_set_id
-
-
-def add_process_set(process_set):
-    """Registers a process set with every rank (each calls this alike and
-    in the same order; needs `HOROVOD_DYNAMIC_PROCESS_SETS=1` or
-    `init(process_sets="dynamic")`); the set, with its id."""
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    try:
-        handle = _core().add_process_set(process_set.ranks)
-        (_, dims, _), = handle.results()
-    except _kolo.CollectiveError as e:
-        raise HorovodInternalError(str(e)) from None
-    process_set.process_set_id = dims[0]
-    return process_set
-
-
-def remove_process_set(process_set):
-    """Removes a process set with every rank; whether it was removed."""
-    set_id = process_set.process_set_id
-    if set_id is None or set_id == 0:
-        return False
-    process_set._invalidate()
-    try:
-        handle = _core().remove_process_set(set_id)
-        if handle is None:
-            return False
-        handle.results()
-    except _kolo.CollectiveError as e:
-        raise HorovodInternalError(str(e)) from None
-    return True
-
-
-# ---- init and topology -------------------------------------------------------
-
-
-class _State:
+class _TorchState:
     def __init__(self):
-        self.core = None
-        # an elastic round's communicator (kolo.torch.elastic's state moves over it)
-        self.comm = None
-        self.generation = 0
-        self.ranks = None
-        self.handles = {}
-        # upstream's handle counter: 0 in a new process and after shutdown
-        self.last_handle = 0
-        self.lock = threading.Lock()
-        self.atexit = False
         # the runner of device tensors' collectives (see device.py)
         self.device = None
         # CPU tensors through torch's gloo too (KOLO_HOROVOD_CPU_BACKEND)
         self.cpu_external = False
+        self.cpu_backend = None
 
 
-_state = _State()
+_torch = _TorchState()
 
 
-def _env_int(*names, default):
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return default
+def _check():
+    # an unknown backend is refused before a core starts
+    _torch.cpu_backend = _device.cpu_backend()
 
 
-def _static_sets(process_sets):
-    """`init`'s process sets as rank lists, with upstream's checks."""
-    if process_sets is None:
-        return [], []
-    if process_sets == "dynamic":
-        os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
-        return [], []
-    sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
-    seen = []
-    for i, ps in enumerate(sets):
-        if ps.ranks is None:
-            raise ValueError("kolo's Horovod builds process sets from lists of ranks, not MPI communicators")
-        if ps.ranks in seen or ps.ranks == []:
-            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
-                             f"duplicate: {ps}")
-        seen.append(ps.ranks)
-    return sets, seen
+def _start(core):
+    _torch.cpu_external = _torch.cpu_backend == "gloo"
+    _torch.device = _device.Executor(_state.generation, core.rank, core.size, core.process_set_ranks)
+    core.set_device_executor(_torch.device)
 
 
-def init(comm=None, process_sets=None):
-    """Starts Horovod's core on the job's ranks (idempotent). Inside a kolo
-    job: every rank of it; elsewhere: one process alone, as Horovod without
-    a rendezvous. `process_sets`: sets registered now (a list of
-    `ProcessSet`s or rank lists), or "dynamic" to add them later."""
-    if _state.core is not None:
-        return
-    if comm is not None:
-        raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
-    sets, ranks = _static_sets(process_sets)
-    # checked before a core starts, so that bad input leaves none behind
-    cpu_external = _device.cpu_backend() == "gloo"
-    from kolo.torch import elastic
-
-    try:
-        if elastic.in_place_job():
-            # an in-place elastic job: the next round this process has a
-            # place in, with its ranks there (`hvd.elastic.run` re-inits
-            # each round); the core gets a communicator of its own
-            joined = elastic.join("hvd.init")
-            core = elastic._the_worker("hvd.init").horovod_core(ranks)
-            _state.comm = joined.comm
-            _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
-                            joined.cross_size)
-        else:
-            core = _join_job(ranks)
-    except _kolo.CollectiveError as e:
-        raise HorovodInternalError(str(e)) from None
-    _state.core = core
-    _state.generation += 1
-    _state.handles.clear()
-    _state.cpu_external = cpu_external
-    _state.device = _device.Executor(_state.generation, core.rank, core.size, core.process_set_ranks)
-    core.set_device_executor(_state.device)
-    global_process_set.ranks = list(range(core.size))
-    for ps in sets:
-        ps.process_set_id = core.process_set_id(ps.ranks)
-    if not _state.atexit:
-        atexit.register(shutdown)
-        _state.atexit = True
-
-
-def _join_job(sets):
-    in_job = bool(os.environ.get("KOLO_SECRET")) and "KOLO_RANK" in os.environ
-    # Horovod's collectives wait as long as their peers take (rank 0 saving
-    # a checkpoint, say); a peer that dies is noticed at once all the same.
-    # KOLO_COMM_TIMEOUT_SECONDS bounds the wait; else torch's 30 minutes.
-    timeout = float(os.environ.get("KOLO_COMM_TIMEOUT_SECONDS") or 1800)
-    core = _kolo.HorovodCore.from_env(_state.generation, timeout, sets) if in_job else _kolo.HorovodCore.single(sets)
-    size, rank = core.size, core.rank
-    _state.ranks = (
-        rank,
-        size,
-        _env_int("HOROVOD_LOCAL_RANK", "LOCAL_RANK", default=0 if size == 1 else rank),
-        _env_int("HOROVOD_LOCAL_SIZE", "LOCAL_WORLD_SIZE", default=1 if size == 1 else size),
-        _env_int("HOROVOD_CROSS_RANK", default=0),
-        _env_int("HOROVOD_CROSS_SIZE", default=1),
-    )
-    return core
-
-
-def shutdown():
-    """Stops the core with every rank; `init()` may be called again."""
-    core, _state.core = _state.core, None
-    _state.ranks = None
-    _state.handles.clear()
-    _state.last_handle = 0
-    global_process_set.ranks = []
-    if core is not None:
-        core.shutdown()
-        core.set_device_executor(None)
-    executor, _state.device = _state.device, None
+def _stop(core):
+    core.set_device_executor(None)
+    executor, _torch.device = _torch.device, None
     if executor is not None:
         executor.close()
-    comm, _state.comm = _state.comm, None
-    if comm is not None:
-        from kolo.torch import elastic
-
-        elastic.leave()
 
 
-def is_initialized():
-    return _state.core is not None
-
-
-def _ranks():
-    if _state.ranks is None:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return _state.ranks
-
-
-def _core():
-    if _state.core is None:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
-    return _state.core
-
-
-def rank():
-    return _ranks()[0]
-
-
-def size():
-    return _ranks()[1]
-
-
-def local_rank():
-    return _ranks()[2]
-
-
-def local_size():
-    return _ranks()[3]
-
-
-def cross_rank():
-    return _ranks()[4]
-
-
-def cross_size():
-    return _ranks()[5]
+_basics.on_init(_check, _start)
+_basics.on_shutdown(_stop)
 
 
 def is_homogeneous():
     sizes = allgather_object(local_size())
     return len(set(sizes)) == 1
-
-
-def mpi_enabled():
-    return False
-
-
-def mpi_built():
-    return False
-
-
-def gloo_enabled():
-    return is_initialized()
-
-
-def gloo_built():
-    return True
 
 
 def nccl_built():
@@ -341,14 +118,6 @@ def nccl_built():
     return major * 10000 + minor * 100 + patch
 
 
-def ddl_built():
-    return False
-
-
-def ccl_built():
-    return False
-
-
 def cuda_built():
     return torch.cuda.is_available()
 
@@ -357,32 +126,7 @@ def rocm_built():
     return bool(getattr(torch.version, "hip", None))
 
 
-def mpi_threads_supported():
-    raise ValueError("Horovod has not been built with MPI support (kolo's Horovod runs on kolo's collectives).")
-
-
-def start_timeline(file_path, mark_cycles=False):
-    raise NotImplementedError("kolo's Horovod has no timeline: kolo status, kolo stack and kolo top show a job")
-
-
-def stop_timeline():
-    raise NotImplementedError("kolo's Horovod has no timeline: kolo status, kolo stack and kolo top show a job")
-
-
 # ---- checks -----------------------------------------------------------------
-
-
-def _op_of(average, op, default=Average):
-    if average is not None and op is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        return Average if average else Sum
-    op = default if op is None else op
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
-    if op not in _OPS:
-        raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
-    return op
 
 
 def _wire_type(t, allowed):
@@ -431,7 +175,7 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
     core = _core()
     drop = None
     if records is not None:
-        device = _state.device
+        device = _torch.device
         for entry, record in zip(tensors, records):
             device.register(set_id, entry[1], record)
 
@@ -466,7 +210,7 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
 def _through_executor(tensors):
     """Whether the device executor runs these tensors (all of them or none,
     as upstream's groups are on one device)."""
-    external = [t.is_cuda or _state.cpu_external for t in tensors]
+    external = [t.is_cuda or _torch.cpu_external for t in tensors]
     if any(external) and not all(external):
         raise HorovodInternalError("Tensors in list must be on same device.")
     return bool(external) and external[0]
@@ -475,7 +219,7 @@ def _through_executor(tensors):
 def _entry(kind, name, dtype, t, *, root=0, op=Sum, prescale=1.0, postscale=1.0, output=None, splits=()):
     """One tensor as the core takes it."""
     out = None if output is None else (output.data_ptr(), output.numel() * output.element_size())
-    device = _device.device_id(t, _state.cpu_external)
+    device = _device.device_id(t, _torch.cpu_external)
     return (kind, name, dtype, list(t.shape), device, root, op, float(prescale), float(postscale),
             (t.data_ptr(), t.numel() * t.element_size()), out, list(splits))
 
@@ -948,7 +692,7 @@ def join(device=-1):
     theirs are CUDA tensors; -1: the device of this rank's last CUDA
     tensor). The rank that joined last."""
     _core()
-    _state.device.join_device = device
+    _torch.device.join_device = device
     handle = _next_handle()
     entry = _entry("join", "join", "uint8", _NOTHING)
     _submit(handle, global_process_set, "Join", [entry], lambda results: results[0][2], None)

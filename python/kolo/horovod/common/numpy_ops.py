@@ -1,0 +1,83 @@
+"""Collectives over numpy arrays through the process's Horovod core, for
+what runs beside any framework: Keras callbacks (metrics, learning rates)
+on every backend and JAX's host callbacks. Named and negotiated as every
+other framework's ops."""
+
+import numpy as np
+
+from kolo import _kolo
+
+from . import basics
+from .exceptions import HorovodInternalError
+
+_TYPES = {
+    np.dtype(np.uint8): "uint8",
+    np.dtype(np.int8): "int8",
+    np.dtype(np.uint16): "uint16",
+    np.dtype(np.int16): "int16",
+    np.dtype(np.int32): "int32",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+    np.dtype(np.bool_): "bool",
+}
+
+
+def _wire(a):
+    try:
+        return _TYPES[a.dtype]
+    except KeyError:
+        raise ValueError(f"Tensor type {a.dtype} is not supported.") from None
+
+
+def _name(kind, name):
+    with basics._state.lock:
+        basics._state.last_handle += 1
+        handle = basics._state.last_handle
+    return f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
+
+
+def _run(process_set, entries, keep):
+    set_id = basics._set_id(process_set, entries[0][0].capitalize())
+    try:
+        return basics._core().submit(set_id, entries, keep).results()
+    except _kolo.CollectiveError as e:
+        raise HorovodInternalError(str(e)) from None
+
+
+def _entry(kind, name, a, out=None, op=basics.Sum, root=0, prescale=1.0, postscale=1.0):
+    return (kind, name, _wire(a), list(a.shape), -1, root, op, float(prescale), float(postscale),
+            (a.ctypes.data, a.nbytes), None if out is None else (out.ctypes.data, out.nbytes), [])
+
+
+def grouped_allreduce(arrays, name=None, op=basics.Average, prescale_factor=1.0, postscale_factor=1.0,
+                      process_set=basics.global_process_set):
+    """Each array reduced over the set's ranks, as one group; new arrays."""
+    arrays = [np.asarray(a, order="C") for a in arrays]
+    if not arrays:
+        return []
+    outs = [np.empty_like(a) for a in arrays]
+    base = _name("allreduce", name)
+    n = len(arrays)
+    names = [f"{base}_{i + 1}of{n}" for i in range(n)] if n > 1 else [base]
+    _run(process_set, [_entry("allreduce", w, a, o, op, prescale=prescale_factor, postscale=postscale_factor)
+                       for w, a, o in zip(names, arrays, outs)], (arrays, outs))
+    return outs
+
+
+def allreduce(array, name=None, op=basics.Average, process_set=basics.global_process_set):
+    return grouped_allreduce([np.asarray(array)], name, op, process_set=process_set)[0]
+
+
+def broadcast(array, root_rank, name=None, process_set=basics.global_process_set):
+    a = np.asarray(array, order="C")
+    out = np.empty_like(a)
+    _run(process_set, [_entry("broadcast", _name("broadcast", name), a, out, root=root_rank)], (a, out))
+    return out
+
+
+def allgather(array, name=None, process_set=basics.global_process_set):
+    a = np.asarray(array, order="C")
+    (data, dims, _), = _run(process_set, [_entry("allgather", _name("allgather", name), a)], a)
+    return np.frombuffer(bytes(data), dtype=a.dtype).reshape(dims[0], *a.shape[1:])
