@@ -252,8 +252,15 @@ impl HorovodCore {
         self.core.set_device_executor(executor);
     }
 
+    /// Makes this the core that kolo's TensorFlow ops submit to (see
+    /// `tensorflow`), with the local rank and size their topology ops report.
+    fn serve_tensorflow(&self, local_rank: i32, local_size: i32) {
+        crate::tensorflow::serve(Some(self.core.clone()), local_rank, local_size);
+    }
+
     /// Stops the core with every rank (waiting for this rank's loop).
     fn shutdown(&self, py: Python<'_>) {
+        crate::tensorflow::stop_serving(&self.core);
         let core = self.core.clone();
         py.allow_threads(move || core.shutdown());
     }

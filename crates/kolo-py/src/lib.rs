@@ -17,6 +17,7 @@ mod driver;
 mod elastic;
 mod horovod;
 mod ordered;
+mod tensorflow;
 mod torch;
 mod worker;
 
@@ -117,5 +118,6 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     elastic::register(m)?;
     torch::register(m)?;
     horovod::register(m)?;
+    tensorflow::register_module(m)?;
     Ok(())
 }
