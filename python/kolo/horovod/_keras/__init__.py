@@ -1,0 +1,155 @@
+"""Horovod's Keras support for Keras 3, on every Keras backend: what
+`horovod.tensorflow.keras` and `horovod.keras` share (upstream's
+`horovod/_keras`). Keras 3's trainers compute gradients themselves and
+call the optimizer's `apply` (TensorFlow and PyTorch; JAX's
+`stateless_apply` calls it too), so that is where the gradients are
+averaged: the methods upstream overrides for Keras 2 are never called."""
+
+import keras
+
+from ..common import basics, numpy_ops
+
+_BACKENDS = ("tensorflow", "torch", "jax")
+
+
+def _backend():
+    name = keras.backend.backend()
+    if name not in _BACKENDS:
+        raise NotImplementedError(f"kolo's Horovod Keras support runs on the {', '.join(_BACKENDS)} backends, "
+                                  f"not {name}")
+    return name
+
+
+def _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+                      process_set):
+    """`reduce(grads, variables)` for the backend's tensors."""
+    if backend == "tensorflow":
+        from .. import tensorflow as hvd_tf
+
+        def reduce(grads, variables):
+            return hvd_tf.reduce_gradients(grads, variables, compression=compression,
+                                           sparse_as_dense=sparse_as_dense, op=op,
+                                           gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                                           process_set=process_set)
+
+        return reduce
+    if backend == "torch":
+        from .. import torch as hvd_torch
+
+        def reduce(grads, variables):
+            present = [i for i, g in enumerate(grads) if g is not None]
+            if not present or process_set.size() == 1:
+                return grads
+            pre, post = 1.0, 1.0
+            if op == basics.Average and gradient_predivide_factor != 1.0:
+                pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+            out = list(grads)
+            reduced = hvd_torch.grouped_allreduce([grads[i].contiguous() for i in present], op=op,
+                                                  prescale_factor=pre, postscale_factor=post, process_set=process_set)
+            for i, r in zip(present, reduced):
+                out[i] = r
+            return out
+
+        return reduce
+    return _jax_reducer(op, gradient_predivide_factor, process_set)
+
+
+def _jax_reducer(op, gradient_predivide_factor, process_set):
+    """JAX: the reduction runs on the host, through an ordered callback,
+    inside the jitted train step."""
+    import jax
+    import numpy as np
+
+    def reduce(grads, variables):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present or process_set.size() == 1:
+            return grads
+        pre, post = 1.0, 1.0
+        if op == basics.Average and gradient_predivide_factor != 1.0:
+            pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        shapes = [jax.ShapeDtypeStruct(grads[i].shape, grads[i].dtype) for i in present]
+
+        def on_host(*arrays):
+            return numpy_ops.grouped_allreduce([np.asarray(a) for a in arrays], op=op, prescale_factor=pre,
+                                               postscale_factor=post, process_set=process_set)
+
+        reduced = jax.experimental.io_callback(on_host, shapes, *[grads[i] for i in present], ordered=True)
+        out = list(grads)
+        for i, r in zip(present, reduced):
+            out[i] = r
+        return out
+
+    return reduce
+
+
+def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_as_dense=False,
+                                 gradient_predivide_factor=1.0, op=basics.Average, backward_passes_per_step=1,
+                                 average_aggregated_gradients=False, groups=None,
+                                 process_set=basics.global_process_set, scale_local_gradients=True):
+    """A new optimizer of `optimizer`'s class and configuration (the class
+    keeps its name, so saved models load without kolo) whose `apply`
+    averages the gradients over the set's ranks first.
+    `backward_passes_per_step` > 1 uses Keras's gradient accumulation: the
+    update every N steps uses the sum of N steps' averaged gradients
+    (their mean with `average_aggregated_gradients`), as upstream."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer, not {type(optimizer).__name__}")
+    if op not in (basics.Average, basics.Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    if gradient_predivide_factor != 1.0 and op != basics.Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
+    backend = _backend()
+    if compression is None:
+        from ..tensorflow.compression import Compression
+
+        compression = Compression.none
+    reduce = _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
+                               process_set)
+    base = optimizer.__class__
+    passes = backward_passes_per_step
+    # Keras averages the accumulated gradients; upstream sums them unless asked
+    sum_passes = passes > 1 and not average_aggregated_gradients
+
+    def apply(self, grads, trainable_variables=None):
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        grads = list(grads)
+        locals_ = self._kolo_local_vars.held
+        shared = [i for i, v in enumerate(variables) if id(v) not in locals_]
+        reduced = reduce([grads[i] for i in shared], [variables[i] for i in shared])
+        for i, r in zip(shared, reduced):
+            grads[i] = r
+        if scale_local_gradients and locals_:
+            n = process_set.size()
+            grads = [g / n if g is not None and id(v) in locals_ else g for g, v in zip(grads, variables)]
+        if sum_passes:
+            grads = [g * passes if g is not None else g for g in grads]
+        return base.apply(self, grads, trainable_variables)
+
+    def register_local_var(self, var):
+        """The gradient of `var` stays this worker's (not reduced)."""
+        self._kolo_local_vars.held[id(var)] = var
+
+    cls = type(base.__name__, (base,), {
+        "apply": apply,
+        "register_local_var": register_local_var,
+        "_kolo_local_vars": None,
+        "__module__": base.__module__,
+    })
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    if passes > 1:
+        config["gradient_accumulation_steps"] = passes
+    distributed = cls.from_config(config)
+    distributed._kolo_local_vars = _LocalVars()
+    return distributed
+
+
+class _LocalVars:
+    """Variables whose gradients stay local, by identity (Keras 3's
+    variables are not hashable); an object Keras does not track."""
+
+    def __init__(self):
+        self.held = {}

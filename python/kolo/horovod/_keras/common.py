@@ -1,0 +1,67 @@
+"""What `horovod.tensorflow.keras` and `horovod.keras` both export."""
+
+import keras
+
+from ..common import basics, numpy_ops
+from . import create_distributed_optimizer
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=basics.Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=basics.global_process_set, scale_local_gradients=True):
+    """A new Keras 3 optimizer like `optimizer` whose updates use gradients
+    averaged over the set's ranks, where Keras 3 applies them (`model.fit`,
+    custom loops calling `apply_gradients` or `apply`)."""
+    if num_groups != 0 and groups is None:
+        groups = num_groups
+    if op == basics.Adasum:
+        raise ValueError("op == Adasum is not supported yet with Keras")
+    return create_distributed_optimizer(optimizer, name=name, compression=compression,
+                                        sparse_as_dense=sparse_as_dense,
+                                        gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                        backward_passes_per_step=backward_passes_per_step,
+                                        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                        process_set=process_set, scale_local_gradients=scale_local_gradients)
+
+
+def broadcast_global_variables(root_rank, model=None):
+    """Keras 3 keeps no global variable collection: pass the model."""
+    if model is None:
+        raise ValueError("Keras 3 has no global variables: call hvd.broadcast_variables(model.variables, root_rank) "
+                         "or use hvd.callbacks.BroadcastGlobalVariablesCallback")
+    from .callbacks import _variables, broadcast_variables
+
+    broadcast_variables(_variables(model), root_rank)
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=None, process_set=basics.global_process_set):
+    """A value (number or array) reduced over the ranks; a numpy array."""
+    op = basics._op_of(average, op)
+    import numpy as np
+
+    arr = np.asarray(keras.ops.convert_to_numpy(value))
+    return numpy_ops.grouped_allreduce([arr], name, op, prescale_factor, postscale_factor, process_set)[0]
+
+
+def allgather(value, name=None, process_set=basics.global_process_set):
+    import numpy as np
+
+    return numpy_ops.allgather(np.asarray(keras.ops.convert_to_numpy(value)), name, process_set)
+
+
+def broadcast(value, root_rank, name=None, process_set=basics.global_process_set):
+    import numpy as np
+
+    return numpy_ops.broadcast(np.asarray(keras.ops.convert_to_numpy(value)), root_rank, name, process_set)
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False):
+    """`keras.models.load_model` with the saved optimizer wrapped in
+    DistributedOptimizer (it keeps its class's name when saved)."""
+    model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=True)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not hasattr(optimizer, "_kolo_local_vars"):
+        model.optimizer = DistributedOptimizer(optimizer, compression=compression)
+    return model

@@ -1,0 +1,363 @@
+"""Horovod's TensorFlow API (`horovod.tensorflow`) on kolo, for TensorFlow
+2.21 with Keras 3: `import kolo.horovod.tensorflow as hvd`, or, in a kolo
+job without Horovod installed, `import horovod.tensorflow as hvd` itself.
+
+Every collective is a real TensorFlow op (see `mpi_ops`) submitted by name
+to kolo's Horovod core, the same core as `kolo.horovod.torch`'s:
+negotiated by name, fused, the same error on every rank for a mismatch
+(`tf.errors.FailedPreconditionError`), process sets and join. Ops run
+eagerly and in `tf.function`, with upstream's gradients. Not built
+(raising `NotImplementedError`): Adasum, the timeline, TensorFlow GPU
+kernels (GPU tensors are copied to the CPU ops by TensorFlow) and XLA
+(`jit_compile=True`)."""
+
+import tensorflow as tf
+
+from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
+from . import elastic  # noqa: F401
+from .compression import Compression
+from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
+from .functions import (  # noqa: F401
+    allgather_object,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+)
+from .mpi_ops import (  # noqa: F401
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ProcessSet,
+    Sum,
+    _allreduce,
+    _executing_eagerly,
+    _grouped_allreduce,
+    _normalize_name,
+    _reducescatter,
+    add_process_set,
+    allgather,
+    alltoall,
+    broadcast,
+    broadcast_,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    global_process_set,
+    grouped_allgather,
+    handle_average_backwards_compatibility,
+    init,
+    is_homogeneous,
+    is_initialized,
+    join,
+    local_rank,
+    local_rank_op,
+    local_size,
+    local_size_op,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    process_set_included_op,
+    rank,
+    rank_op,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    size_op,
+    start_timeline,
+    stop_timeline,
+)
+
+
+def _check_sparse_op(op):
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
+                                  "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+    if op not in (Sum, Average):
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+
+
+def _sparse_reduced(values, indices, like, op, process_set):
+    if op == Average:
+        values = values / tf.cast(process_set.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=like.dense_shape)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """`tensor` reduced over the set's ranks (op Average by default). A
+    `tf.IndexedSlices` is gathered instead (values and indices), as
+    upstream does."""
+    op = handle_average_backwards_compatibility(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        _check_sparse_op(op)
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+        values = allgather(tensor.values, process_set=process_set, ignore_name_scope=ignore_name_scope)
+        indices = allgather(tensor.indices, process_set=process_set, ignore_name_scope=ignore_name_scope)
+        return _sparse_reduced(values, indices, tensor, op, process_set)
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor, process_set=process_set,
+                         ignore_name_scope=ignore_name_scope)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Each of `tensors` reduced as one group (fused by the core); sparse
+    ones gathered."""
+    if not tensors:
+        return tensors
+    op = handle_average_backwards_compatibility(op, average)
+    out = [None] * len(tensors)
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        _check_sparse_op(op)
+        values = grouped_allgather([tensors[i].values for i in sparse], process_set=process_set,
+                                   ignore_name_scope=ignore_name_scope)
+        indices = grouped_allgather([tensors[i].indices for i in sparse], process_set=process_set,
+                                    ignore_name_scope=ignore_name_scope)
+        for i, v, x in zip(sparse, values, indices):
+            out[i] = _sparse_reduced(v, x, tensors[i], op, process_set)
+    if dense:
+        compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
+        reduced = _grouped_allreduce([c for c, _ in compressed], name=name, op=op, prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor, process_set=process_set,
+                                     ignore_name_scope=ignore_name_scope)
+        for i, r, (_, ctx) in zip(dense, reduced, compressed):
+            out[i] = compression.decompress(r, ctx)
+    return out
+
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """`tensor` reduced over the set's ranks, dim 0 scattered: this rank's
+    rows (the first dim0 % size ranks get one more)."""
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    out, = _reducescatter([compressed], name, op, prescale_factor, postscale_factor, process_set,
+                          ignore_name_scope)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    if not tensors:
+        return tensors
+    compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    outs = _reducescatter([c for c, _ in compressed], None, op, prescale_factor, postscale_factor, process_set,
+                          False)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+
+
+def broadcast_global_variables(root_rank):
+    """TF1's global variables from `root_rank` (graph mode only, as upstream)."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
+                           "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+# ---- reducing gradients: the tape's and the optimizers' one way --------------
+
+
+def _group_indices(grads, variables, groups):
+    """The dense gradients' indices in the groups their reductions run in:
+    by `groups` (a number of groups, or lists of variables), else one
+    group (the core fuses what it can)."""
+    dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+    if isinstance(groups, int) and groups > 0:
+        n = min(groups, len(dense)) or 1
+        chunks = [dense[k * len(dense) // n:(k + 1) * len(dense) // n] for k in range(n)]
+    elif isinstance(groups, list):
+        position = {id(v): i for i, v in enumerate(variables or [])}
+        chunks, placed = [], set()
+        for group in groups:
+            chunk = [position[id(v)] for v in group if id(v) in position and position[id(v)] in dense]
+            placed.update(chunk)
+            chunks.append(chunk)
+        chunks += [[i] for i in dense if i not in placed]
+    else:
+        chunks = [dense]
+    return [c for c in chunks if c]
+
+
+def reduce_gradients(grads, variables=None, compression=Compression.none, sparse_as_dense=False, op=Average,
+                     gradient_predivide_factor=1.0, groups=None, process_set=global_process_set):
+    """Every gradient reduced over the set's ranks, as upstream's
+    DistributedGradientTape and DistributedOptimizer reduce them: None
+    passes, sparse ones are gathered (or made dense), the dense ones in
+    grouped reductions the core fuses."""
+    if op not in (Average, Sum):
+        if op == Adasum:
+            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
+        raise ValueError("op currently only supports Average and Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    grads = list(grads)
+    if sparse_as_dense:
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    if not process_set.included() or process_set.size() == 1 and not any(
+            isinstance(g, tf.IndexedSlices) for g in grads):
+        return grads
+    prescale, postscale = 1.0, 1.0
+    if op == Average and gradient_predivide_factor != 1.0:
+        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    out = list(grads)
+    for i, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            out[i] = allreduce(g, op=op, process_set=process_set)
+    for chunk in _group_indices(grads, variables, groups):
+        reduced = grouped_allreduce([grads[i] for i in chunk], compression=compression, op=op,
+                                    prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)
+        for i, r in zip(chunk, reduced):
+            out[i] = r
+    return out
+
+
+class _Locals:
+    """Variables registered as worker-local, by identity (Keras 3's
+    variables are neither hashable nor `ref()`-able)."""
+
+    def __init__(self):
+        self._held = {}
+
+    def add(self, v):
+        self._held[id(v)] = v
+
+    def __contains__(self, v):
+        return id(v) in self._held
+
+    def __len__(self):
+        return len(self._held)
+
+
+def _reduce_with_locals(grads, sources, locals_, reduce):
+    """`reduce` over the gradients of global sources; local ones kept (and
+    divided by the set's size, as upstream's scale_local_gradients)."""
+    grads = list(grads)
+    shared = [i for i, s in enumerate(sources) if s not in locals_]
+    reduced = reduce([grads[i] for i in shared], [sources[i] for i in shared])
+    for i, r in zip(shared, reduced):
+        grads[i] = r
+    return grads
+
+
+def _scale_locals(grads, sources, locals_, scale, process_set):
+    if not scale or not len(locals_):
+        return grads
+    n = float(process_set.size())
+    out = []
+    for g, s in zip(grads, sources):
+        if s in locals_ and g is not None:
+            if isinstance(g, tf.IndexedSlices):
+                g = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+            else:
+                g = g / n
+        out.append(g)
+    return out
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """A GradientTape whose `gradient` returns gradients reduced over the
+    set's ranks."""
+
+    def _kolo_setup(self, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
+                    scale_local_gradients):
+        self._kolo_reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                                 gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                                 process_set=process_set)
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_sources = _Locals()
+
+    def register_local_source(self, source):
+        """The gradient of `source` stays this worker's (not reduced)."""
+        self._local_sources.add(source)
+
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        grads = self.gradient(target, sources, output_gradients)
+        local, shared = [], []
+        for s, g in zip(sources, grads):
+            (local if s in self._local_sources else shared).append((s, g))
+        return local, shared
+
+    def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kwargs):
+        single = not isinstance(sources, (list, tuple))
+        listed = [sources] if single else list(sources)
+        grads = super().gradient(target, listed, output_gradients, **kwargs)
+
+        def reduce(gs, vs):
+            return reduce_gradients(gs, vs, **self._kolo_reduce)
+
+        grads = _reduce_with_locals(grads, listed, self._local_sources, reduce)
+        grads = _scale_locals(grads, listed, self._local_sources, self.scale_local_gradients, self.process_set)
+        return grads[0] if single else grads
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """`gradtape`, whose `gradient()` returns gradients reduced over the
+    set's ranks (averaged by default). Record with the tape as usual."""
+    if num_groups != 0 and groups is None:
+        groups = num_groups
+    if isinstance(groups, int) and groups < 0:
+        raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
+    cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._kolo_setup(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
+                     scale_local_gradients)
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True):
+    """A DistributedGradientTape whose `local_layers`' weights keep this
+    worker's gradients."""
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set,
+                                   scale_local_gradients)
+    layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers] if local_layers else []
+    for layer in layers:
+        for w in layer.trainable_weights:
+            tape.register_local_source(w)
+    return tape
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """A Keras 3 optimizer (see `horovod.tensorflow.keras`) whose updates
+    use gradients averaged over the set's ranks."""
+    if num_groups != 0 and groups is None:
+        groups = num_groups
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        raise NotImplementedError("kolo's horovod.tensorflow wraps Keras optimizers; a TF1 "
+                                  "tf.compat.v1.train.Optimizer is not supported: use DistributedGradientTape")
+    if op == Adasum:
+        raise ValueError("op == Adasum is not supported yet with Keras")
+    from .. import _keras
+
+    return _keras.create_distributed_optimizer(
+        optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
+        scale_local_gradients=scale_local_gradients)

@@ -1,0 +1,43 @@
+"""Gradient compression (`horovod/tensorflow/compression.py`)."""
+
+import tensorflow as tf
+
+
+class Compressor:
+    @staticmethod
+    def compress(tensor):
+        """`(compressed, context)`."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Floating tensors travel as float16; others pass."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating:
+            return tf.cast(tensor, tf.float16), tensor.dtype
+        return tensor, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tf.cast(tensor, ctx) if ctx is not None and ctx.is_floating else tensor
+
+
+class Compression:
+    none = NoneCompressor
+    fp16 = FP16Compressor

@@ -1,0 +1,101 @@
+"""Horovod's TensorFlow and Keras APIs on kolo with real TensorFlow 2.21
+and Keras 3: every op and dtype against numpy eagerly and in tf.function,
+upstream's gradients, mismatches raising FailedPreconditionError on every
+rank, process sets, DistributedGradientTape and `model.fit` with
+DistributedOptimizer on each Keras backend giving one process's weights,
+SyncBatchNormalization, and a train function in kolo.Executor's workers.
+The ranks are `tf_ranks.py`."""
+
+import os
+import sys
+
+import pytest
+
+if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
+    import tensorflow  # noqa: F401
+else:
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("keras")
+
+import kolo  # noqa: E402
+import watch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RANKS = os.path.join(HERE, "tf_ranks.py")
+KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
+# TensorFlow's start-up chatter would bury a failure's output
+QUIET = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def kolo_run(n, scenario, env=None):
+    out = watch.run([KOLO, "run", "-np", str(n), "--", sys.executable, RANKS, scenario], timeout=400,
+                    env=env or QUIET)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    oks = [line for line in out.stdout.splitlines() if line.endswith(f":ok {scenario}")]
+    assert len(oks) == n, out.stdout
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_op_matches_numpy_eagerly_and_in_tf_function(n):
+    kolo_run(n, "ops")
+
+
+def test_gradients_are_upstreams_eagerly_and_in_tf_function():
+    kolo_run(2, "grads")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_mismatch_raises_failed_precondition_on_every_rank_and_the_job_goes_on(n):
+    kolo_run(n, "goes_on")
+
+
+def test_process_sets_run_tensorflow_ops_among_their_members():
+    kolo_run(4, "sets")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_distributed_gradient_tape_trains_the_weights_of_one_process_on_the_whole_batch(n):
+    kolo_run(n, "tape")
+
+
+@pytest.mark.parametrize("backend,n", [("tensorflow", 2), ("tensorflow", 4), ("torch", 2), ("jax", 2)])
+def test_keras_fit_with_distributed_optimizer_gives_one_process_weights_on_every_backend(backend, n):
+    kolo_run(n, "keras_fit", env={**QUIET, "KERAS_BACKEND": backend})
+
+
+def test_sync_batch_normalization_equals_batch_normalization_on_the_whole_batch():
+    kolo_run(2, "syncbn")
+
+
+def train_keras():
+    """horovod.ray's pattern: a train function the executor runs on every
+    worker; each rank's weights after fit."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+    import numpy as np
+
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(hvd.rank())
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x = np.random.default_rng(hvd.rank()).normal(size=(8, 2)).astype("float32")
+    model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=2, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    result = (hvd.rank(), hvd.size(), [w.tolist() for w in model.get_weights()])
+    hvd.shutdown()
+    return result
+
+
+def test_a_keras_train_function_runs_in_executor_workers():
+    executor = kolo.Executor(kolo.Settings(), num_workers=2, hosts="localhost:2")
+    executor.start()
+    try:
+        results = executor.run(train_keras)
+        assert [r[:2] for r in results] == [(0, 2), (1, 2)], results
+        # different data on each rank, the same weights: gradients were averaged
+        assert results[0][2] == results[1][2], results
+    finally:
+        executor.shutdown()
