@@ -64,6 +64,12 @@ def test_keras_fit_with_distributed_optimizer_gives_one_process_weights_on_every
     kolo_run(n, "keras_fit", env={**QUIET, "KERAS_BACKEND": backend})
 
 
+def test_keras_3_counterparts_of_upstreams_keras_tests():
+    # aggregation, local variables, from_config, the rate callbacks,
+    # broadcast with local variables, load_model, elastic state
+    kolo_run(2, "keras_api")
+
+
 def test_sync_batch_normalization_equals_batch_normalization_on_the_whole_batch():
     kolo_run(2, "syncbn")
 

@@ -318,6 +318,130 @@ def keras_fit():
     hvd.shutdown()
 
 
+def keras_api():
+    """Keras 3 counterparts of upstream's test_tensorflow2_keras.py (whose
+    Keras 2 calls Keras 3 removed): gradient aggregation, local variables,
+    from_config, the learning-rate callbacks, broadcasting with local
+    variables, load_model, elastic state."""
+    import tempfile
+
+    import keras
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd_tf
+    import horovod.tensorflow.keras as hvd
+
+    quiet(tf)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+
+    class AddGradient(keras.optimizers.Optimizer):
+        def update_step(self, gradient, variable, learning_rate):
+            variable.assign_add(gradient)
+
+    # backward passes: every 4th step applies the sum (or mean) of 4 steps' averaged gradients
+    for average in (False, True):
+        opt = hvd.DistributedOptimizer(AddGradient(learning_rate=0.1), backward_passes_per_step=4,
+                                       average_aggregated_gradients=average, sparse_as_dense=True)
+        x, y = tf.Variable([0.0]), tf.Variable([1.0, 2.0])
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = x - tf.gather(y, [0])  # y's gradient is IndexedSlices
+            grads = tape.gradient(loss, [x, y])
+            opt.apply_gradients(zip(grads, [x, y]))
+
+        for i in range(10):
+            step()
+            updates = (i + 1) // 4 * (1 if average else 4)
+            check(x.numpy(), np.array([updates], np.float32), f"aggregated x, average={average}")
+            check(y.numpy(), np.array([1.0 - updates, 2.0], np.float32), f"aggregated y, average={average}")
+        # Keras 3 counts updates (upstream's Keras 2 wrapper counted passes)
+        assert int(opt.iterations.numpy()) == 10 // 4
+
+    # a local variable keeps its own gradient, divided by the size
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    shared, local = tf.Variable([0.0]), tf.Variable([0.0])
+    opt.register_local_var(local)
+    with tf.GradientTape() as tape:
+        loss = (r + 1) * shared + r * local
+    opt.apply_gradients(zip(tape.gradient(loss, [shared, local]), [shared, local]))
+    check(shared.numpy(), np.array([-sum(p + 1 for p in range(n)) / n], np.float32), "shared variable")
+    check(local.numpy(), np.array([-r / n], np.float32), "local variable")
+
+    # from_config: the same class and configuration, still distributed
+    again = type(opt).from_config(opt.get_config())
+    assert type(again).__name__ == "SGD" and float(again.learning_rate) == 1.0
+    v = tf.Variable([0.0])
+    with tf.GradientTape() as tape:
+        loss = (r + 1) * v
+    again.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+    check(v.numpy(), np.array([-sum(p + 1 for p in range(n)) / n], np.float32), "from_config")
+
+    # the learning-rate callbacks
+    xs, ys = _data(8)
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate))
+
+    def fit(callbacks, epochs):
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+        seen.clear()
+        return m, m.fit(xs, ys, batch_size=4, epochs=epochs, verbose=0, shuffle=False,
+                        callbacks=callbacks + [Watch()])
+
+    _, history = fit([hvd.callbacks.LearningRateScheduleCallback(0.1, multiplier=0.5, start_epoch=1)], 3)
+    assert np.allclose(history.history["lr"], [0.1, 0.1, 0.05]), history.history["lr"]
+    _, history = fit([hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=2)], 3)
+    want = [0.1 / n * ((e + (b + 1) / 2) * (n - 1) / 2 + 1) for e in range(2) for b in range(2)] + [0.1, 0.1]
+    # the callback sets the rate at each batch's start; the watcher reads it after
+    assert np.allclose(seen[:4], want[:4], rtol=1e-5), (seen, want)
+
+    # broadcasting leaves local variables alone
+    keras.utils.set_random_seed(r)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)])
+    m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
+    local_kernel = m.layers[1].kernel
+    before = local_kernel.numpy()
+    m.fit(xs, ys, batch_size=8, epochs=1, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[local_kernel])])
+    check(local_kernel.numpy(), before, "local variable not broadcast")
+    firsts = hvd.allgather(m.layers[0].kernel.numpy()[None])
+    assert all(np.array_equal(f, firsts[0]) for f in firsts), "the others were not broadcast"
+
+    # load_model wraps the saved optimizer again
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.keras")
+        model, _ = fit([], 1)
+        model.save(path)
+        loaded = hvd.load_model(path)
+        assert type(loaded.optimizer).__name__ == "SGD" and hasattr(loaded.optimizer, "register_local_var")
+        for a, b in zip(loaded.get_weights(), model.get_weights()):
+            check(a, b, "loaded weights")
+
+    # elastic state: sync takes rank 0's, restore goes back to the commit
+    keras.utils.set_random_seed(r)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    state = hvd_tf.elastic.TensorFlowKerasState(m, batch=10 + r)
+    state.sync()
+    kernels = hvd.allgather(m.layers[0].kernel.numpy()[None])
+    assert all(np.array_equal(k, kernels[0]) for k in kernels) and state.batch == 10
+    state.commit()
+    saved = m.get_weights()
+    m.set_weights([w + 1 for w in saved])
+    state.batch = 99
+    state.restore()
+    for a, b in zip(m.get_weights(), saved):
+        check(a, b, "restored weights")
+    assert state.batch == 10
+    hvd.shutdown()
+
+
 def syncbn():
     """SyncBatchNormalization on each rank's rows equals BatchNormalization
     on every rank's rows together."""

@@ -115,7 +115,8 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         grads = list(grads)
-        locals_ = self._kolo_local_vars.held
+        # (an optimizer made by from_config has none registered yet)
+        locals_ = self._kolo_local_vars.held if self._kolo_local_vars is not None else {}
         shared = [i for i, v in enumerate(variables) if id(v) not in locals_]
         reduced = reduce([grads[i] for i in shared], [variables[i] for i in shared])
         for i, r in zip(shared, reduced):
@@ -129,6 +130,8 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""
+        if self._kolo_local_vars is None:
+            self._kolo_local_vars = _LocalVars()
         self._kolo_local_vars.held[id(var)] = var
 
     cls = type(base.__name__, (base,), {
