@@ -6,6 +6,8 @@ DistributedOptimizer on each Keras backend giving one process's weights,
 SyncBatchNormalization, and a train function in kolo.Executor's workers.
 The ranks are `tf_ranks.py`."""
 
+import glob
+import json
 import os
 import sys
 
@@ -22,6 +24,7 @@ import watch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = os.path.join(HERE, "tf_ranks.py")
+ELASTIC_RANKS = os.path.join(HERE, "elastic_keras_ranks.py")
 KOLO = os.path.join(os.path.dirname(sys.executable), "kolo")
 # TensorFlow's start-up chatter would bury a failure's output
 QUIET = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -105,3 +108,20 @@ def test_a_keras_train_function_runs_in_executor_workers():
         assert results[0][2] == results[1][2], results
     finally:
         executor.shutdown()
+
+
+def test_elastic_keras_in_place_goes_on_without_a_killed_rank(tmp_path):
+    # three processes on two simulated hosts; the one on b is killed in
+    # epoch 1: the two on a go on in round 1 from the last commit
+    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:2,b:1",
+                     "-x", "FAULT_AT=b:0:1:2", "--", sys.executable, ELASTIC_RANKS, str(tmp_path)],
+                    timeout=400, env=QUIET)
+    text = out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, text
+    assert "round 1: 2 processes on a:2" in out.stderr, text
+    got = {os.path.basename(f): json.load(open(f)) for f in glob.glob(str(tmp_path / "*.json"))}
+    assert sorted(got) == ["a-0.json", "a-1.json"], text
+    for r in got.values():
+        assert r["epoch"] == 4 and r["size"] == 2 and r["resets"] == [2], r
+    # different data on each survivor, the same weights: still averaged after the reset
+    assert got["a-0.json"]["weights"] == got["a-1.json"]["weights"], got

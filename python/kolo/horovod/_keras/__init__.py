@@ -62,7 +62,8 @@ def _jax_reducer(op, gradient_predivide_factor, process_set):
 
     def reduce(grads, variables):
         present = [i for i, g in enumerate(grads) if g is not None]
-        if not present or process_set.size() == 1:
+        # no shortcut at size 1: the jitted step must still reduce when an elastic job grows
+        if not present:
             return grads
         pre, post = 1.0, 1.0
         if op == basics.Average and gradient_predivide_factor != 1.0:

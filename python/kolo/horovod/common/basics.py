@@ -10,7 +10,7 @@ import atexit
 import os
 import threading
 
-from kolo import _kolo
+from kolo import _kolo, _rounds
 
 from .exceptions import HorovodInternalError
 
@@ -124,7 +124,7 @@ def remove_process_set(process_set):
 class _State:
     def __init__(self):
         self.core = None
-        # an elastic round's communicator (kolo.torch.elastic's state moves over it)
+        # an elastic round's communicator (in-place state moves over it)
         self.comm = None
         self.generation = 0
         self.ranks = None
@@ -201,14 +201,12 @@ def init(comm=None, process_sets=None):
     for check in _checks:
         check()
     try:
-        if os.environ.get("KOLO_ELASTIC_ROUND"):
-            from kolo.torch import elastic
-
+        if _rounds.in_place_job():
             # an in-place elastic job: the next round this process has a
             # place in, with its ranks there (`hvd.elastic.run` re-inits
             # each round); the core gets a communicator of its own
-            joined = elastic.join("hvd.init")
-            core = elastic._the_worker("hvd.init").horovod_core(ranks)
+            joined = _rounds.join("hvd.init")
+            core = _rounds._the_worker("hvd.init").horovod_core(ranks)
             _state.comm = joined.comm
             _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
                             joined.cross_size)
@@ -261,9 +259,7 @@ def shutdown():
             stop(core)
     comm, _state.comm = _state.comm, None
     if comm is not None:
-        from kolo.torch import elastic
-
-        elastic.leave()
+        _rounds.leave()
 
 
 def is_initialized():

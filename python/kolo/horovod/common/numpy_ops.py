@@ -81,3 +81,14 @@ def allgather(array, name=None, process_set=basics.global_process_set):
     a = np.asarray(array, order="C")
     (data, dims, _), = _run(process_set, [_entry("allgather", _name("allgather", name), a)], a)
     return np.frombuffer(bytes(data), dtype=a.dtype).reshape(dims[0], *a.shape[1:])
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=basics.global_process_set):
+    """Rank `root_rank`'s object (cloudpickle), on every rank of the set."""
+    import cloudpickle
+
+    name = name or type(obj).__name__
+    data = np.frombuffer(cloudpickle.dumps(obj), np.uint8) if basics.rank() == root_rank else np.zeros(0, np.uint8)
+    length = broadcast(np.array([len(data)], np.int64), root_rank, f"{name}.sz", process_set)
+    buf = data if basics.rank() == root_rank else np.zeros(int(length[0]), np.uint8)
+    return cloudpickle.loads(broadcast(buf, root_rank, f"{name}.t", process_set).tobytes())

@@ -29,7 +29,7 @@ from .._keras.common import (  # noqa: F401
     broadcast_global_variables,
     load_model,
 )
-from . import callbacks  # noqa: F401
+from . import callbacks, elastic  # noqa: F401
 
 
 class Compression:

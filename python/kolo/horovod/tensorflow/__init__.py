@@ -209,8 +209,9 @@ def reduce_gradients(grads, variables=None, compression=Compression.none, sparse
     grads = list(grads)
     if sparse_as_dense:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    if not process_set.included() or process_set.size() == 1 and not any(
-            isinstance(g, tf.IndexedSlices) for g in grads):
+    # no shortcut at size 1: a graph traced now must still reduce when an
+    # elastic job grows
+    if not process_set.included():
         return grads
     prescale, postscale = 1.0, 1.0
     if op == Average and gradient_predivide_factor != 1.0:

@@ -1,82 +1,25 @@
-"""Horovod's elastic state for TensorFlow and Keras 3 (`hvd.elastic`):
-`TensorFlowState` (variables) and `TensorFlowKerasState` (a model and its
-optimizer) commit, restore and sync from rank 0 over kolo's Horovod core.
-`run` (recovery in place after a lost peer) needs the in-place elastic
-loop, which kolo has for PyTorch; for TensorFlow it says so when called."""
-
-import copy
+"""Horovod's elastic API for TensorFlow (`hvd.elastic`) on kolo's
+in-place elastic jobs: `run`, `State`, `ObjectState` (see
+`common/elastic.py`), `TensorFlowState` (variables) and
+`TensorFlowKerasState` (a model and its optimizer). Run the script under
+`kolo run --in-place` or in an elastic `kolo.Executor`."""
 
 import tensorflow as tf
 
-from ..common.exceptions import HostsUpdatedInterrupt  # noqa: F401
+from ..common import elastic as _common
+from ..common.elastic import ObjectState, State  # noqa: F401
+from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from .functions import broadcast_object, broadcast_variables
 
-
-class State:
-    """What a training function keeps across a reset: `commit` saves it,
-    `restore` goes back to the last commit, `sync` takes rank 0's."""
-
-    def __init__(self):
-        self._reset_callbacks = []
-
-    def register_reset_callbacks(self, callbacks):
-        self._reset_callbacks.extend(callbacks)
-
-    def on_reset(self):
-        for callback in self._reset_callbacks:
-            callback()
-
-    def commit(self):
-        self.save()
-        self.check_host_updates()
-
-    def check_host_updates(self):
-        """Hosts are added and removed by kolo's in-place rounds, which
-        interrupt a collective; there is nothing to poll."""
-
-    def save(self):
-        raise NotImplementedError
-
-    def restore(self):
-        raise NotImplementedError
-
-    def sync(self):
-        raise NotImplementedError
-
-
-class ObjectState(State):
-    """Plain attributes (`ObjectState(epoch=0, batch=0)`), synced as one
-    object from rank 0."""
-
-    def __init__(self, bcast_object=broadcast_object, **kwargs):
-        super().__init__()
-        self._bcast_object = bcast_object
-        self._saved_state = dict(kwargs)
-        for name, value in kwargs.items():
-            setattr(self, name, value)
-
-    def save(self):
-        self._saved_state = {name: copy.deepcopy(getattr(self, name)) for name in self._saved_state}
-
-    def restore(self):
-        for name, value in self._saved_state.items():
-            setattr(self, name, copy.deepcopy(value))
-
-    def sync(self):
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state)
-            self.restore()
-
-
 class TensorFlowState(ObjectState):
-    """A list of `tf.Variable`s and attributes (eager TensorFlow 2)."""
+    """A list of `tf.Variable`s (eager TensorFlow 2) and attributes."""
 
     def __init__(self, variables=None, session=None, **kwargs):
         if variables is None:
             raise ValueError("TensorFlow 2 keeps no global variables: pass TensorFlowState(variables=[...])")
         self.variables = list(variables)
         self._values = [v.numpy() for v in self.variables]
-        super().__init__(**kwargs)
+        super().__init__(bcast_object=broadcast_object, **kwargs)
 
     def save(self):
         self._values = [v.numpy() for v in self.variables]
@@ -87,10 +30,9 @@ class TensorFlowState(ObjectState):
             v.assign(value)
         super().restore()
 
-    def sync(self):
-        broadcast_variables(self.variables, root_rank=0)
-        self._values = [v.numpy() for v in self.variables]
-        super().sync()
+    def _sync_from(self, root):
+        broadcast_variables(self.variables, root_rank=root)
+        super()._sync_from(root)
 
 
 def _optimizer_variables(optimizer):
@@ -127,14 +69,16 @@ class TensorFlowKerasState(ObjectState):
             v.assign(saved)
         super().restore()
 
-    def sync(self):
-        broadcast_variables(self._variables(), root_rank=0)
-        self._save_model()
-        super().sync()
+    def _sync_from(self, root):
+        broadcast_variables(self._variables(), root_rank=root)
+        super()._sync_from(root)
+
+
+# a lost peer, as TensorFlow's ops report it too
+PEER_LOST = _common.PEER_LOST + (tf.errors.AbortedError,)
 
 
 def run(func):
-    """Horovod's `hvd.elastic.run` for TensorFlow: not built yet."""
-    raise NotImplementedError("hvd.elastic.run for TensorFlow is not available in kolo yet: kolo recovers in place "
-                              "for PyTorch (horovod.torch.elastic); TensorFlowState and TensorFlowKerasState "
-                              "commit, restore and sync")
+    """Horovod's `hvd.elastic.run` (see `common/elastic.py`), where a lost
+    peer also shows as `tf.errors.AbortedError` from an op."""
+    return _common.run(func, PEER_LOST)

@@ -33,4 +33,4 @@ from ..._keras.common import (  # noqa: F401
 from ..compression import Compression  # noqa: F401
 from ..functions import allgather_object, broadcast_object  # noqa: F401
 from ..sync_batch_norm import SyncBatchNormalization  # noqa: F401
-from . import callbacks  # noqa: F401
+from . import callbacks, elastic  # noqa: F401

@@ -1,0 +1,107 @@
+"""Horovod's elastic Keras API for Keras 3 on every backend
+(`hvd.elastic.KerasState` and the state callbacks, upstream's
+`horovod/_keras/elastic.py`): the model's and optimizer's variables move
+as numpy arrays through the round's Horovod core."""
+
+import keras
+import numpy as np
+
+from ..common import elastic as _common
+from ..common import numpy_ops
+from ..common.elastic import ObjectState, State  # noqa: F401
+
+
+def run(func):
+    """Horovod's `hvd.elastic.run` (see `common/elastic.py`); on the
+    TensorFlow backend a lost peer also shows as TensorFlow's AbortedError."""
+    if keras.backend.backend() == "tensorflow":
+        from ..tensorflow.elastic import run as tf_run
+
+        return tf_run(func)
+    return _common.run(func)
+
+
+class KerasState(ObjectState):
+    """A built Keras model, its optimizer (the model's by default) and
+    attributes (`epoch`, `batch`, ...), kept across rounds."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        if not model.built:
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        self.model = model
+        self.optimizer = optimizer or getattr(model, "optimizer", None)
+        self._saved = self._values()
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        found = list(self.model.variables)
+        if self.optimizer is not None and getattr(self.optimizer, "built", False):
+            found += list(self.optimizer.variables)
+        return found
+
+    def _values(self):
+        return [np.array(keras.ops.convert_to_numpy(v.value)) for v in self._variables()]
+
+    def save(self):
+        self._saved = self._values()
+        super().save()
+
+    def restore(self):
+        for v, value in zip(self._variables(), self._saved):
+            v.assign(value)
+        super().restore()
+
+    def _sync_from(self, root):
+        for i, v in enumerate(self._variables()):
+            value = np.asarray(keras.ops.convert_to_numpy(v.value))
+            v.assign(numpy_ops.broadcast(value, root, name=f"elastic.keras.{i}"))
+        super()._sync_from(root)
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commits the state every `batches_per_commit` batches and at each
+    epoch's end."""
+
+    def __init__(self, state, batches_per_commit=1):
+        super().__init__()
+        self.state = state
+        self.batches_per_commit = batches_per_commit
+        self.batches_remaining = batches_per_commit
+
+    def on_train_begin(self, logs=None):
+        self.batches_remaining = self.batches_per_commit
+
+    def on_batch_end(self, batch, logs=None):
+        self.batches_remaining -= 1
+        if self.batches_remaining == 0:
+            self.state.commit()
+            self.batches_remaining = self.batches_per_commit
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keeps `state.batch`: the batch just done, 0 at an epoch's end."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_batch_end(self, batch, logs=None):
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keeps `state.epoch`: the next epoch to run (pass it to fit as
+    `initial_epoch`)."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = epoch + 1
