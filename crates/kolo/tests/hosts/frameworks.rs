@@ -86,6 +86,20 @@ fn a_horovod_script_across_hosts() {
     assert_eq!(weights.len(), 1, "{text}");
 }
 
+/// A Horovod Keras script (TensorFlow 2.21, Keras 3: model.fit with
+/// DistributedOptimizer, SyncBatchNormalization, the callbacks) across
+/// hosts over ssh: `import horovod.tensorflow.keras` is kolo's there.
+#[test]
+#[ignore = "needs the test hosts"]
+fn a_horovod_keras_script_across_hosts() {
+    let Some(text) = across_hosts("tensorflow, keras, kolo", "examples/horovod_keras.py", &[]) else { return };
+    let ranks: Vec<&str> = text.lines().filter(|l| l.contains("/4 on h")).collect();
+    assert_eq!(ranks.len(), 4, "{text}");
+    assert!(ranks.iter().any(|l| l.contains("rank 0/4 on h2")), "{text}");
+    let weights: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("weights ").nth(1)).collect();
+    assert_eq!(weights.len(), 1, "{text}");
+}
+
 /// The same Horovod script through the Slurm engine.
 #[test]
 #[ignore = "needs the test hosts"]
