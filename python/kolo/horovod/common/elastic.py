@@ -103,20 +103,21 @@ class ObjectState(State):
 PEER_LOST = (HorovodInternalError, _kolo.CollectiveError)
 
 
-def run(func, peer_lost=PEER_LOST):
+def run(func, peer_lost=PEER_LOST, state_types=None, state_names="KerasState, TensorFlowState, ObjectState"):
     """Runs `func(state, *args, **kwargs)` until it returns (Horovod's
     `hvd.elastic.run`): `state.sync()`, then `func`; when a peer is lost
     (`peer_lost`: `HorovodInternalError`, and a framework's own) the state
     goes back to its last commit, on `HostsUpdatedInterrupt` it is kept;
     then Horovod is initialized again in the next round, the reset
     callbacks run, and it goes round again. A process the next round
-    leaves out returns None."""
+    leaves out returns None. `state_types`: the states a framework takes
+    (default this module's `State`), named in the error as `state_names`."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        if not isinstance(state, State):
-            raise TypeError("the first argument must be an hvd.elastic state (KerasState, TensorFlowState, "
-                            f"ObjectState), got {type(state).__name__}")
+        if not isinstance(state, state_types or State):
+            raise TypeError(f"the first argument must be an hvd.elastic state ({state_names}), "
+                            f"got {type(state).__name__}")
         _rounds._require_in_place("hvd.elastic.run")
         try:
             basics.init()

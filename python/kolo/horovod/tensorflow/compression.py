@@ -2,26 +2,7 @@
 
 import tensorflow as tf
 
-
-class Compressor:
-    @staticmethod
-    def compress(tensor):
-        """`(compressed, context)`."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+from ..common.compression import Compressor, NoneCompressor  # noqa: F401
 
 
 class FP16Compressor(Compressor):
