@@ -53,6 +53,10 @@ def test_a_mismatch_raises_failed_precondition_on_every_rank_and_the_job_goes_on
     kolo_run(n, "goes_on")
 
 
+def test_tensorflow_1_graphs_take_the_optimizer_and_the_broadcast_op():
+    kolo_run(2, "tf1")
+
+
 def test_process_sets_run_tensorflow_ops_among_their_members():
     kolo_run(4, "sets")
 

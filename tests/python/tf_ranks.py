@@ -442,6 +442,38 @@ def keras_api():
     hvd.shutdown()
 
 
+def tf1():
+    """TensorFlow 1's graph mode: a tf.compat.v1 optimizer wrapped, the
+    broadcast op of broadcast_variables, an unregistered set refused."""
+    import tensorflow as tf
+
+    import horovod.tensorflow as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        v = tf.compat.v1.get_variable("v", initializer=[float(r)], use_resource=True)
+        w = tf.compat.v1.get_variable("w", initializer=[0.0], use_resource=True)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+        loss = (r + 1) * tf.reduce_sum(w)
+        step = opt.apply_gradients(opt.compute_gradients(loss, var_list=[w]))
+        bcast = hvd.broadcast_variables([v], root_rank=n - 1)
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(step)
+        check(session.run(w), np.array([-sum(p + 1 for p in range(n)) / n], np.float32), "TF1 optimizer")
+        session.run(bcast)
+        check(session.run(v), np.array([float(n - 1)], np.float32), "TF1 broadcast_variables")
+    fake = hvd.ProcessSet([0])
+    fake.process_set_id = 10
+    try:
+        hvd.allreduce(tf.constant([1.0]), process_set=fake)
+    except ValueError as e:
+        assert "has not been registered" in str(e), e
+    else:
+        raise AssertionError("an unregistered set was taken")
+    hvd.shutdown()
+
+
 def syncbn():
     """SyncBatchNormalization on each rank's rows equals BatchNormalization
     on every rank's rows together."""

@@ -350,8 +350,13 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     if num_groups != 0 and groups is None:
         groups = num_groups
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        raise NotImplementedError("kolo's horovod.tensorflow wraps Keras optimizers; a TF1 "
-                                  "tf.compat.v1.train.Optimizer is not supported: use DistributedGradientTape")
+        if op == Adasum:
+            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
+        if backward_passes_per_step != 1:
+            raise NotImplementedError("backward_passes_per_step > 1 is not available in kolo for TF1 optimizers: "
+                                      "use a Keras optimizer")
+        return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
+                                     gradient_predivide_factor, groups, process_set, scale_local_gradients)
     if op == Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
     from .. import _keras
@@ -362,3 +367,46 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
         scale_local_gradients=scale_local_gradients)
+
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 optimizer whose `compute_gradients` returns gradients reduced
+    over the set's ranks (upstream's graph-mode wrapper)."""
+
+    def __init__(self, optimizer, name, use_locking, compression, sparse_as_dense, op, gradient_predivide_factor,
+                 groups, process_set, scale_local_gradients):
+        super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
+        self._optimizer = optimizer
+        self._reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
+                            gradient_predivide_factor=gradient_predivide_factor, groups=groups,
+                            process_set=process_set)
+        self.process_set = process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._local_vars = _Locals()
+
+    def register_local_var(self, var):
+        """The gradient of `var` stays this worker's (not reduced)."""
+        self._local_vars.add(var)
+
+    def compute_gradients(self, *args, **kwargs):
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+
+        def reduce(gs, vs):
+            return reduce_gradients(gs, vs, **self._reduce)
+
+        grads = _reduce_with_locals(grads, variables, self._local_vars, reduce)
+        grads = _scale_locals(grads, variables, self._local_vars, self.scale_local_gradients, self.process_set)
+        return list(zip(grads, variables))
+
+    def apply_gradients(self, *args, **kwargs):
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)

@@ -73,11 +73,15 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
         return None
 
     def assign_all():
-        for i, v in enumerate(variables):
-            v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"broadcast_variables_{i}",
-                               process_set=process_set))
+        return tf.group(*[v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"broadcast_variables_{i}",
+                                             process_set=process_set))
+                          for i, v in enumerate(variables)])
 
     if tf.executing_eagerly():
-        tf.function(assign_all)()
+        def run():  # a tf.function returns tensors, not the group op
+            assign_all()
+
+        tf.function(run)()
         return None
+    # a graph: the op that broadcasts them when run
     return assign_all()

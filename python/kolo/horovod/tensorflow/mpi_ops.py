@@ -123,8 +123,11 @@ def _executing_eagerly():
 
 
 def _set_id(process_set, op):
-    _basics._core()  # upstream's ValueError before hvd.init()
-    return _basics._set_id(process_set if process_set is not None else global_process_set, op)
+    core = _basics._core()  # upstream's ValueError before hvd.init()
+    set_id = _basics._set_id(process_set if process_set is not None else global_process_set, op)
+    if core.process_set_ranks(set_id) is None:
+        raise ValueError(f"{op}: Process set provided does not exist, or has not been registered.")
+    return set_id
 
 
 def _check_op(op, sparse=False):
