@@ -122,7 +122,8 @@ macro_rules! one {
     })*};
 }
 one!(f32: 1.0, |n| n as f32, f64: 1.0, |n| n as f64, f16: f16::ONE, |n| f16::from_f32(n as f32),
-     bf16: bf16::ONE, |n| bf16::from_f32(n as f32), i32: 1, |n| n as i32, i64: 1, |n| n as i64, u8: 1, |n| n as u8);
+     bf16: bf16::ONE, |n| bf16::from_f32(n as f32), i32: 1, |n| n as i32, i64: 1, |n| n as i64, u8: 1, |n| n as u8,
+     i8: 1, |n| n as i8);
 
 /// Warm-up, barrier, timed loop (like the Open MPI reference), then a check
 /// of the last result.
