@@ -102,7 +102,8 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
     backend = _backend()
-    if compression is None:
+    if compression is None and backend == "tensorflow":
+        # TensorFlow only where it is the backend: beside torch's triton it aborts the process
         from ..tensorflow.compression import Compression
 
         compression = Compression.none

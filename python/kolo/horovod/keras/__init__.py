@@ -33,14 +33,26 @@ from . import callbacks, elastic  # noqa: F401
 
 
 class Compression:
-    """Gradient compression by backend (horovod.keras's): the TensorFlow
-    backend's compressors where TensorFlow is installed."""
+    """Gradient compression (horovod.keras's): none on every backend; fp16
+    on the TensorFlow backend (TensorFlow's compressor, imported only
+    there: TensorFlow beside torch's triton aborts the process)."""
 
     none = None
-    fp16 = None
 
 
-try:
-    from ..tensorflow.compression import Compression  # noqa: F401,F811
-except ImportError:
-    pass
+def _fp16():
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise NotImplementedError("Compression.fp16 in horovod.keras is the TensorFlow backend's")
+    from ..tensorflow.compression import FP16Compressor
+
+    return FP16Compressor
+
+
+class _LazyFp16:
+    def __get__(self, obj, owner):
+        return _fp16()
+
+
+Compression.fp16 = _LazyFp16()
