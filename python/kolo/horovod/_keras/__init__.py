@@ -40,9 +40,7 @@ def _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_prediv
             present = [i for i, g in enumerate(grads) if g is not None]
             if not present or process_set.size() == 1:
                 return grads
-            pre, post = 1.0, 1.0
-            if op == basics.Average and gradient_predivide_factor != 1.0:
-                pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+            pre, post = basics.predivide_scales(op, gradient_predivide_factor)
             out = list(grads)
             reduced = hvd_torch.grouped_allreduce([grads[i].contiguous() for i in present], op=op,
                                                   prescale_factor=pre, postscale_factor=post, process_set=process_set)
@@ -65,9 +63,7 @@ def _jax_reducer(op, gradient_predivide_factor, process_set):
         # no shortcut at size 1: the jitted step must still reduce when an elastic job grows
         if not present:
             return grads
-        pre, post = 1.0, 1.0
-        if op == basics.Average and gradient_predivide_factor != 1.0:
-            pre, post = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+        pre, post = basics.predivide_scales(op, gradient_predivide_factor)
         shapes = [jax.ShapeDtypeStruct(grads[i].shape, grads[i].dtype) for i in present]
 
         def on_host(*arrays):

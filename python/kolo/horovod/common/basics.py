@@ -354,3 +354,9 @@ def _op_of(average, op, default=Average):
     return op
 
 
+def predivide_scales(op, gradient_predivide_factor):
+    """`(prescale, postscale)` of upstream's gradient_predivide_factor: an
+    average divides by the factor before the sum and multiplies after."""
+    if op == Average and gradient_predivide_factor != 1.0:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    return 1.0, 1.0

@@ -13,6 +13,7 @@ kernels (GPU tensors are copied to the CPU ops by TensorFlow) and XLA
 
 import tensorflow as tf
 
+from ..common import basics as _basics
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from . import elastic  # noqa: F401
 from .compression import Compression
@@ -213,9 +214,7 @@ def reduce_gradients(grads, variables=None, compression=Compression.none, sparse
     # elastic job grows
     if not process_set.included():
         return grads
-    prescale, postscale = 1.0, 1.0
-    if op == Average and gradient_predivide_factor != 1.0:
-        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+    prescale, postscale = _basics.predivide_scales(op, gradient_predivide_factor)
     out = list(grads)
     for i, g in enumerate(grads):
         if isinstance(g, tf.IndexedSlices):

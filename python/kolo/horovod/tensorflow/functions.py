@@ -60,11 +60,6 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     return objs
 
 
-def _value(v):
-    """The TensorFlow variable behind a Keras 3 variable (or `v` itself)."""
-    return getattr(v, "value", v) if not isinstance(v, tf.Variable) else v
-
-
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Overwrites `variables` (TensorFlow or Keras variables) with rank
     `root_rank`'s values, in one traced function per variable list."""

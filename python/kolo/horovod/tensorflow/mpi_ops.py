@@ -18,6 +18,7 @@ from tensorflow.python.framework import op_def_registry
 from kolo import _kolo
 
 from ..common import basics as _basics
+from .util import _executing_eagerly
 from ..common.basics import (  # noqa: F401  (horovod.tensorflow's API)
     Adasum,
     Average,
@@ -116,10 +117,6 @@ def handle_average_backwards_compatibility(op, average):
 def _normalize_name(name):
     """A name TensorFlow takes for a node."""
     return re.sub("[^a-zA-Z0-9_]", "_", name)
-
-
-def _executing_eagerly():
-    return tf.executing_eagerly()
 
 
 def _set_id(process_set, op):

@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from ..common.basics import predivide_scales
 from .compression import Compression
 from .ops import (Adasum, Average, _op_of, allreduce_async_, global_process_set, grouped_allreduce_async_, size,
                   sparse_allreduce_async, synchronize)
@@ -96,11 +97,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _scale(self):
-        if self.op == Average:
-            # upstream splits the average over pre- and postscale; the
-            # division by size is the op's
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
+        # the division by size is the op's
+        return predivide_scales(self.op, self.gradient_predivide_factor)
 
     def _compressed_grad(self, p):
         """`p.grad` to reduce (zeros where backward gave none, dense), compressed: (tensor, ctx)."""
