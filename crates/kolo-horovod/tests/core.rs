@@ -502,6 +502,9 @@ fn a_set_removed_and_another_made_under_its_id_in_one_cycle_starts_alike_on_ever
         if rank > 0 {
             allreduce(core, reused, "allreduce.new", &mut v, ReduceOp::Sum).unwrap();
         }
+        // rank 0 must not shut down (which ends the job for all, as
+        // Horovod's does) before the others' last allreduce ran
+        allreduce(core, 0, "allreduce.done", &mut [0.0; 1], ReduceOp::Sum).unwrap();
         (id, reused, v[0])
     });
     // the id was reused (else this test would not test the case)
