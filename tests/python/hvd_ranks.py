@@ -172,13 +172,19 @@ def goes_on():
     expect(lambda: hvd.broadcast(torch.ones(2), root_rank=r, name="roots"), hvd.HorovodInternalError,
            "Mismatched BROADCAST root ranks")
     check(hvd.allreduce(torch.ones(4), op=hvd.Sum, name="odd"), torch.full((4,), float(n)), "after the mismatch")
-    # the same tensor again under its name in flight, as upstream's test does
+    # the same tensor again under its name in flight, as upstream's test
+    # does: rank 0 first, while the others cannot have submitted it (they
+    # do after the collective between), so it cannot be done already
     twice = torch.ones(2)
-    h = hvd.allreduce_async(twice, name="twice")
-    expect(lambda: hvd.allreduce_async(twice, name="twice"), ValueError,
-           "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
-           "currently being processed.")
-    hvd.synchronize(h)
+    if r == 0:
+        h = hvd.allreduce_async(twice, name="twice")
+        expect(lambda: hvd.allreduce_async(twice, name="twice"), ValueError,
+               "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
+               "currently being processed.")
+    hvd.allreduce(torch.ones(1), name="duplicate-tried")
+    if r != 0:
+        h = hvd.allreduce_async(twice, name="twice")
+    check(hvd.synchronize(h), torch.ones(2), "the first of the duplicates")
 
 
 def join():
