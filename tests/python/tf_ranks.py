@@ -423,6 +423,10 @@ def keras_api():
         assert type(loaded.optimizer).__name__ == "SGD" and hasattr(loaded.optimizer, "register_local_var")
         for a, b in zip(loaded.get_weights(), model.get_weights()):
             check(a, b, "loaded weights")
+        # with the optimizer's state: its step count and momentum
+        assert int(loaded.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 2
+        for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
+            check(np.asarray(a), np.asarray(b), "loaded optimizer state")
 
     # elastic state: sync takes rank 0's, restore goes back to the commit
     keras.utils.set_random_seed(r)
@@ -439,6 +443,115 @@ def keras_api():
     for a, b in zip(m.get_weights(), saved):
         check(a, b, "restored weights")
     assert state.batch == 10
+    hvd.shutdown()
+
+
+def keras2():
+    """Keras 2 (tf-keras, under TF_USE_LEGACY_KERAS=1) keeps upstream's
+    Keras 2 behaviour: fit with DistributedOptimizer (new and legacy
+    optimizers) gives one process's weights, backward passes add up
+    locally, local variables, the callbacks, load_model, elastic state."""
+    import tempfile
+
+    import tensorflow as tf
+
+    import horovod.tensorflow.keras as hvd
+
+    quiet(tf)
+    keras = tf.keras
+    assert keras.__name__.startswith("tf_keras"), f"tf.keras is {keras.__name__}: TF_USE_LEGACY_KERAS is not 1"
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    x, y = _data(4 * n)
+    mine = slice(4 * r, 4 * (r + 1))
+
+    def model(seed):
+        tf.keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+
+    def fit_whole(optimizer, epochs, batch_size):
+        reference = model(0)
+        reference.compile(optimizer=optimizer, loss="mse")
+        reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+        return reference.get_weights()
+
+    for make in (lambda: keras.optimizers.SGD(0.05, momentum=0.5),
+                 lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.5)):
+        want = fit_whole(make(), 3, 4 * n)
+        # every rank makes the same models (the ops' names come from the
+        # layers': Horovod matches by name), then starts from its own
+        # weights: the callback makes them rank 0's
+        start = model(0).get_weights()
+        m = model(r)
+        if r == 0:
+            m.set_weights(start)
+        opt = hvd.DistributedOptimizer(make())
+        assert type(opt).__name__ == "SGD" and isinstance(opt, type(make()))
+        m.compile(optimizer=opt, loss="mse")
+        history = m.fit(x[mine], y[mine], batch_size=4, epochs=3, shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                   hvd.callbacks.MetricAverageCallback()])
+        for got, w in zip(m.get_weights(), want):
+            check(got, w, f"Keras 2 fit with {type(opt).__module__}", rtol=1e-4)
+        losses = hvd.allgather(np.array([history.history["loss"][-1]]))
+        assert np.allclose(losses, losses[0]), losses
+
+    # two backward passes of 2 samples, averaged, at the same weights: one
+    # step on the whole batch; Keras 2 counts every pass as an iteration
+    want = fit_whole(keras.optimizers.SGD(0.05), 2, 4 * n)
+    m = model(0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), backward_passes_per_step=2,
+                                   average_aggregated_gradients=True)
+    m.compile(optimizer=opt, loss="mse")
+    m.fit(x[mine], y[mine], batch_size=2, epochs=2, shuffle=False, verbose=0)
+    for got, w in zip(m.get_weights(), want):
+        check(got, w, "backward passes", rtol=1e-4)
+    assert int(opt.iterations.numpy()) == 4 and int(opt._agg_helper.counter.numpy()) == 0
+
+    # a local variable keeps its own gradient, divided by the size
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    shared, local = tf.Variable([0.0]), tf.Variable([0.0])
+    opt.register_local_var(local)
+    grads_and_vars = opt._compute_gradients(lambda: (r + 1) * shared + r * local, var_list=[shared, local])
+    opt.apply_gradients(grads_and_vars)
+    check(shared.numpy(), np.array([-sum(p + 1 for p in range(n)) / n], np.float32), "shared variable")
+    check(local.numpy(), np.array([-r / n], np.float32), "local variable")
+
+    # the warmup callback's rate at each batch
+    seen = []
+
+    class Watch(keras.callbacks.Callback):
+        def on_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    m = model(0)
+    m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    m.fit(x[mine], y[mine], batch_size=2, epochs=3, verbose=0, shuffle=False,
+          callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=2), Watch()])
+    want = [0.1 / n * ((e + (b + 1) / 2) * (n - 1) / 2 + 1) for e in range(2) for b in range(2)]
+    assert np.allclose(seen[:4], want, rtol=1e-5), (seen, want)
+
+    # load_model wraps the saved optimizer again, with its state
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.keras")
+        m.save(path)
+        loaded = hvd.load_model(path)
+        assert type(loaded.optimizer).__name__ == "SGD" and hasattr(loaded.optimizer, "register_local_var")
+        assert int(loaded.optimizer.iterations.numpy()) == int(m.optimizer.iterations.numpy()) == 6
+        for a, b in zip(loaded.optimizer.variables, m.optimizer.variables):
+            check(a.numpy(), b.numpy(), "loaded optimizer state")
+
+    # elastic state: sync takes rank 0's, restore goes back to the commit
+    m = model(r)
+    state = hvd.elastic.KerasState(m, batch=10 + r)
+    state.sync()
+    kernels = hvd.allgather(m.layers[0].kernel.numpy()[None])
+    assert all(np.array_equal(k, kernels[0]) for k in kernels) and state.batch == 10
+    saved = m.get_weights()
+    m.set_weights([w + 1 for w in saved])
+    state.restore()
+    for a, b in zip(m.get_weights(), saved):
+        check(a, b, "restored weights")
     hvd.shutdown()
 
 

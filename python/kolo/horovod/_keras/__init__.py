@@ -8,6 +8,7 @@ averaged: the methods upstream overrides for Keras 2 are never called."""
 import keras
 
 from ..common import basics, numpy_ops
+from .variables import is_keras2
 
 _BACKENDS = ("tensorflow", "torch", "jax")
 
@@ -88,13 +89,24 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
     averages the gradients over the set's ranks first.
     `backward_passes_per_step` > 1 uses Keras's gradient accumulation: the
     update every N steps uses the sum of N steps' averaged gradients
-    (their mean with `average_aggregated_gradients`), as upstream."""
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer, not {type(optimizer).__name__}")
+    (their mean with `average_aggregated_gradients`), as upstream. A tf-keras (Keras 2)
+    optimizer gets upstream's Keras 2 wrapper (`keras2.py`)."""
     if op not in (basics.Average, basics.Sum):
         raise ValueError("op currently only supports Average and Sum")
     if gradient_predivide_factor != 1.0 and op != basics.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        if is_keras2(optimizer):
+            from . import keras2
+
+            return keras2.create_distributed_optimizer(
+                optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+                gradient_predivide_factor=gradient_predivide_factor, op=op,
+                backward_passes_per_step=backward_passes_per_step,
+                average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
+                scale_local_gradients=scale_local_gradients)
+        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
+                         f"{type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
     backend = _backend()

@@ -1,6 +1,8 @@
-"""Horovod's Keras callbacks for Keras 3, on every backend: values move
-as numpy arrays through the process's Horovod core (upstream's
-`horovod/_keras/callbacks.py`)."""
+"""Horovod's Keras callbacks for Keras 3 (every backend) and Keras 2
+(tf-keras): values move as numpy arrays through the process's Horovod
+core (upstream's `horovod/_keras/callbacks.py`). Each is written once, as
+a mixin; `callbacks_for(keras_module)` gives the classes deriving from
+that Keras's own `Callback`, which its `fit` requires."""
 
 import warnings
 
@@ -8,25 +10,21 @@ import keras
 import numpy as np
 
 from ..common import basics, numpy_ops
+from .variables import learning_rate as _learning_rate
+from .variables import model_variables, momentum_variable, value_of
 
 
 def _variables(model, local_variables=()):
-    skip = {id(v) for v in local_variables or ()}
-    found = [v for v in model.variables if id(v) not in skip]
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and getattr(optimizer, "built", False):
-        found += [v for v in optimizer.variables if id(v) not in skip]
-    return found
+    return model_variables(model, skip=local_variables)
 
 
 def broadcast_variables(variables, root_rank, process_set=basics.global_process_set):
     """Overwrites Keras variables with rank `root_rank`'s values."""
     for i, v in enumerate(variables):
-        value = keras.ops.convert_to_numpy(v.value)
-        v.assign(numpy_ops.broadcast(value, root_rank, name=f"keras.broadcast.{i}", process_set=process_set))
+        v.assign(numpy_ops.broadcast(value_of(v), root_rank, name=f"keras.broadcast.{i}", process_set=process_set))
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback:
     """Makes every rank start from rank `root_rank`'s weights: the model's
     at the start of training, and again with the optimizer's state once the
     first batch has made it (Keras builds it on the first update)."""
@@ -48,7 +46,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback:
     """At each epoch's end, every metric in the logs averaged over the
     ranks (place it before callbacks that read them)."""
 
@@ -68,11 +66,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = v
 
 
-def _learning_rate(optimizer):
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-
-
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback:
     """Sets the optimizer's learning rate to `initial_lr * multiplier(epoch)`
     from `start_epoch` until `end_epoch` (per batch unless `staircase`);
     `momentum_correction` scales a momentum held in a variable for the
@@ -108,9 +102,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old_lr = _learning_rate(optimizer)
         new_lr = self.initial_lr * self.multiplier(epoch)
         optimizer.learning_rate = new_lr
-        momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and isinstance(momentum, keras.Variable) and old_lr:
-            self.restore_momentum = float(keras.ops.convert_to_numpy(momentum))
+        momentum = momentum_variable(optimizer)
+        if self.momentum_correction and momentum is not None and old_lr:
+            self.restore_momentum = float(value_of(momentum))
             momentum.assign(self.restore_momentum * new_lr / old_lr)
 
     def _restore_momentum_if_needed(self):
@@ -163,7 +157,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_learning_rate(self.model.optimizer):g}.")
 
 
-class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class BestModelCheckpoint:
     """Keeps the best model (by `monitor`) at `filepath`, which may be set
     later (upstream's Spark estimator sets it), on rank 0 only."""
 
@@ -181,3 +175,29 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
             return
         if basics.rank() == 0:
             return super()._save_model(*args, **kwargs)
+
+
+_BASES = {
+    "BroadcastGlobalVariablesCallback": "Callback",
+    "MetricAverageCallback": "Callback",
+    "LearningRateScheduleCallback": "Callback",
+    "LearningRateWarmupCallback": "Callback",
+    "BestModelCheckpoint": "ModelCheckpoint",
+}
+_MADE = {}
+
+
+def callbacks_for(keras_module):
+    """The callbacks as classes of `keras_module` (`keras`, or `tf.keras`
+    which is tf-keras under TF_USE_LEGACY_KERAS=1), by name."""
+    key = keras_module.callbacks.Callback
+    if key not in _MADE:
+        made = {}
+        for name, base in _BASES.items():
+            mixin = globals()[name]
+            bases = (mixin, getattr(keras_module.callbacks, base))
+            if name == "LearningRateWarmupCallback":
+                bases = (mixin, made["LearningRateScheduleCallback"])
+            made[name] = type(name, bases, {"__module__": mixin.__module__, "__doc__": mixin.__doc__})
+        _MADE[key] = made
+    return _MADE[key]

@@ -4,6 +4,7 @@ import keras
 
 from ..common import basics, numpy_ops
 from . import create_distributed_optimizer
+from .variables import optimizer_variables, value_of
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
@@ -57,11 +58,52 @@ def broadcast(value, root_rank, name=None, process_set=basics.global_process_set
     return numpy_ops.broadcast(np.asarray(keras.ops.convert_to_numpy(value)), root_rank, name, process_set)
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False):
-    """`keras.models.load_model` with the saved optimizer wrapped in
-    DistributedOptimizer (it keeps its class's name when saved)."""
-    model = keras.models.load_model(filepath, custom_objects=custom_objects, compile=True)
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and not hasattr(optimizer, "_kolo_local_vars"):
-        model.optimizer = DistributedOptimizer(optimizer, compression=compression)
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=basics.Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=basics.global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """DistributedOptimizer whose `local_layers`' gradients stay each
+    worker's own (divided by the set's size unless
+    `scale_local_gradients=False`), as upstream's."""
+    distributed = DistributedOptimizer(optimizer, name=name, compression=compression,
+                                       sparse_as_dense=sparse_as_dense,
+                                       gradient_predivide_factor=gradient_predivide_factor, op=op,
+                                       backward_passes_per_step=backward_passes_per_step,
+                                       average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+                                       process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for layer in local_layers or ():
+        for var in layer.trainable_weights:
+            distributed.register_local_var(var)
+    return distributed
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False,
+               keras_module=keras):
+    """`keras_module.models.load_model` with the saved optimizer wrapped in
+    DistributedOptimizer (it keeps its class's name when saved) and its
+    state (iterations, moments) carried over."""
+    model = keras_module.models.load_model(filepath, custom_objects=custom_objects)
+    saved = getattr(model, "optimizer", None)
+    if saved is not None and not hasattr(saved, "register_local_var"):
+        distributed = DistributedOptimizer(saved, compression=compression)
+        _carry_state(saved, distributed, model)
+        model.optimizer = distributed
     return model
+
+
+def _carry_state(saved, distributed, model):
+    state = optimizer_variables(saved)
+    if not state:
+        return
+    if hasattr(distributed, "_create_all_weights"):
+        # a tf-keras legacy optimizer
+        distributed._create_all_weights(model.trainable_variables)
+    else:
+        distributed.build(model.trainable_variables)
+    made = optimizer_variables(distributed)
+    if len(made) != len(state):
+        raise ValueError(f"load_model: the saved optimizer has {len(state)} variables, its distributed copy "
+                         f"{len(made)}")
+    for v, value in zip(made, state):
+        v.assign(value_of(value))

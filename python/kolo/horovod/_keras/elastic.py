@@ -1,14 +1,15 @@
-"""Horovod's elastic Keras API for Keras 3 on every backend
-(`hvd.elastic.KerasState` and the state callbacks, upstream's
-`horovod/_keras/elastic.py`): the model's and optimizer's variables move
-as numpy arrays through the round's Horovod core."""
+"""Horovod's elastic Keras API for Keras 3 on every backend and Keras 2
+(tf-keras): `hvd.elastic.KerasState` and the state callbacks (upstream's
+`horovod/_keras/elastic.py`); the model's and optimizer's variables move
+as numpy arrays through the round's Horovod core. The callbacks are
+mixins, made into each Keras's classes by `callbacks_for`."""
 
 import keras
-import numpy as np
 
 from ..common import elastic as _common
 from ..common import numpy_ops
 from ..common.elastic import ObjectState, State  # noqa: F401
+from .variables import model_variables, value_of
 
 
 def run(func):
@@ -34,13 +35,10 @@ class KerasState(ObjectState):
         super().__init__(**kwargs)
 
     def _variables(self):
-        found = list(self.model.variables)
-        if self.optimizer is not None and getattr(self.optimizer, "built", False):
-            found += list(self.optimizer.variables)
-        return found
+        return model_variables(self.model, self.optimizer)
 
     def _values(self):
-        return [np.array(keras.ops.convert_to_numpy(v.value)) for v in self._variables()]
+        return [value_of(v).copy() for v in self._variables()]
 
     def save(self):
         self._saved = self._values()
@@ -53,12 +51,11 @@ class KerasState(ObjectState):
 
     def _sync_from(self, root):
         for i, v in enumerate(self._variables()):
-            value = np.asarray(keras.ops.convert_to_numpy(v.value))
-            v.assign(numpy_ops.broadcast(value, root, name=f"elastic.keras.{i}"))
+            v.assign(numpy_ops.broadcast(value_of(v), root, name=f"elastic.keras.{i}"))
         super()._sync_from(root)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback:
     """Commits the state every `batches_per_commit` batches and at each
     epoch's end."""
 
@@ -81,7 +78,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback:
     """Keeps `state.batch`: the batch just done, 0 at an epoch's end."""
 
     def __init__(self, state):
@@ -95,7 +92,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback:
     """Keeps `state.epoch`: the next epoch to run (pass it to fit as
     `initial_epoch`)."""
 
@@ -105,3 +102,17 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.state.epoch = epoch + 1
+
+
+_MADE = {}
+
+
+def callbacks_for(keras_module):
+    """The state callbacks as classes of `keras_module`'s `Callback`."""
+    key = keras_module.callbacks.Callback
+    if key not in _MADE:
+        _MADE[key] = {
+            mixin.__name__: type(mixin.__name__, (mixin, key), {"__module__": mixin.__module__, "__doc__": mixin.__doc__})
+            for mixin in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)
+        }
+    return _MADE[key]

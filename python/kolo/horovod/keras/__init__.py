@@ -23,6 +23,7 @@ from ..common.basics import (  # noqa: F401
 from ..common.exceptions import HorovodInternalError  # noqa: F401
 from .._keras.common import (  # noqa: F401
     DistributedOptimizer,
+    PartialDistributedOptimizer,
     allgather,
     allreduce,
     broadcast,

@@ -1,9 +1,8 @@
-"""`horovod.keras.callbacks`."""
+"""`horovod.keras.callbacks`: the callbacks for Keras 3 (`keras`)."""
 
-from .._keras.callbacks import (  # noqa: F401
-    BestModelCheckpoint,
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-)
+import keras
+
+from .._keras.callbacks import callbacks_for
+
+globals().update(callbacks_for(keras))
+__all__ = list(callbacks_for(keras))

@@ -1,12 +1,8 @@
-"""`horovod.keras.elastic`."""
+"""`horovod.keras.elastic` for Keras 3 (`keras`)."""
 
-from .._keras.elastic import (  # noqa: F401
-    CommitStateCallback,
-    KerasState,
-    ObjectState,
-    State,
-    UpdateBatchStateCallback,
-    UpdateEpochStateCallback,
-    run,
-)
+import keras
+
+from .._keras.elastic import KerasState, ObjectState, State, callbacks_for, run  # noqa: F401
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
+
+globals().update(callbacks_for(keras))

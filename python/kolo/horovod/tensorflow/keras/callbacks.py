@@ -1,9 +1,9 @@
-"""`horovod.tensorflow.keras.callbacks`."""
+"""`horovod.tensorflow.keras.callbacks`: the callbacks for TensorFlow's
+`tf.keras` (Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1)."""
 
-from ..._keras.callbacks import (  # noqa: F401
-    BestModelCheckpoint,
-    BroadcastGlobalVariablesCallback,
-    LearningRateScheduleCallback,
-    LearningRateWarmupCallback,
-    MetricAverageCallback,
-)
+import tensorflow as tf
+
+from ..._keras.callbacks import callbacks_for
+
+globals().update(callbacks_for(tf.keras))
+__all__ = list(callbacks_for(tf.keras))

@@ -1,0 +1,51 @@
+"""What the Keras support needs of a variable or an optimizer, for Keras 3
+(`keras`, on any backend) and Keras 2 (`tf_keras`, TensorFlow's `tf.keras`
+under TF_USE_LEGACY_KERAS=1) alike."""
+
+import keras
+import numpy as np
+
+
+def is_keras2(obj):
+    """Whether `obj` (an optimizer, a model) is tf-keras's (Keras 2)."""
+    return any(c.__module__.startswith("tf_keras.") for c in type(obj).__mro__)
+
+
+def value_of(variable):
+    """A variable's value as a numpy array."""
+    if isinstance(variable, keras.Variable):
+        return np.asarray(keras.ops.convert_to_numpy(variable.value))
+    return np.asarray(variable.numpy())
+
+
+def optimizer_variables(optimizer):
+    """An optimizer's variables: none for a Keras 3 optimizer not built yet
+    (Keras builds it on the first update)."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        return list(optimizer.variables) if optimizer.built else []
+    # tf-keras: a property (new optimizers) or a method (legacy ones)
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def model_variables(model, optimizer=None, skip=()):
+    """The model's variables and its optimizer's, less those in `skip`."""
+    skipped = {id(v) for v in skip or ()}
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+    found = list(model.variables) + optimizer_variables(optimizer)
+    return [v for v in found if id(v) not in skipped]
+
+
+def learning_rate(optimizer):
+    return float(np.asarray(value_of(optimizer.learning_rate) if hasattr(optimizer.learning_rate, "assign")
+                            else optimizer.learning_rate))
+
+
+def momentum_variable(optimizer):
+    """The optimizer's momentum where a variable holds it (else None: a
+    plain number cannot be corrected mid-step)."""
+    momentum = getattr(optimizer, "momentum", None)
+    return momentum if hasattr(momentum, "assign") else None
