@@ -22,6 +22,7 @@ if importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("k
         raise ImportError("tensorflow and keras are required (KOLO_REQUIRE_FRAMEWORKS): .ci/run installs them")
     pytest.skip("tensorflow or keras is not installed", allow_module_level=True)
 
+import keras_step  # noqa: E402
 import kolo  # noqa: E402
 import watch  # noqa: E402
 
@@ -93,32 +94,11 @@ def test_sync_batch_normalization_equals_batch_normalization_on_the_whole_batch(
     kolo_run(2, "syncbn")
 
 
-def train_keras():
-    """horovod.ray's pattern: a train function the executor runs on every
-    worker; each rank's weights after fit."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import keras
-    import numpy as np
-
-    import horovod.tensorflow.keras as hvd
-
-    hvd.init()
-    keras.utils.set_random_seed(hvd.rank())
-    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    x = np.random.default_rng(hvd.rank()).normal(size=(8, 2)).astype("float32")
-    model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=2, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    result = (hvd.rank(), hvd.size(), [w.tolist() for w in model.get_weights()])
-    hvd.shutdown()
-    return result
-
-
 def test_a_keras_train_function_runs_in_executor_workers():
     executor = kolo.Executor(kolo.Settings(), num_workers=2, hosts="localhost:2")
     executor.start()
     try:
-        results = executor.run(train_keras)
+        results = executor.run(keras_step.train_keras)
         assert [r[:2] for r in results] == [(0, 2), (1, 2)], results
         # different data on each rank, the same weights: gradients were averaged
         assert results[0][2] == results[1][2], results

@@ -20,6 +20,7 @@ else:
     ray = pytest.importorskip("ray", reason="Ray is not installed (.ci/run installs it)")
 
 import ddp_step  # noqa: E402
+import keras_step  # noqa: E402
 import kolo  # noqa: E402
 import watch  # noqa: E402
 from conftest import alive, environ, live_agents, ours  # noqa: E402
@@ -288,6 +289,17 @@ def test_the_kolo_backend_and_horovods_api_through_the_ray_engine(cluster, setti
     assert len(ddp) == 4 and len(set(ddp)) == 1, ddp
     assert sorted(r[:2] for r in hvd) == [(r, 4) for r in range(4)], hvd
     assert len({r[2] for r in hvd}) == 1, hvd
+
+
+def test_a_keras_train_function_through_the_ray_engine(cluster, settings, nothing_left):
+    keras_step.tensorflow_or_skip()
+
+    with RayExecutor(settings, num_workers=2, engine="ray") as ex:
+        ex.start()
+        results = ex.run(keras_step.train_keras)
+    assert sorted(r[:2] for r in results) == [(0, 2), (1, 2)], results
+    # each rank its own data, the same weights: the gradients were averaged
+    assert results[0][2] == results[1][2], results
 
 
 def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
