@@ -402,6 +402,12 @@ def keras_api():
     # the callback sets the rate at each batch's start; the watcher reads it after
     assert np.allclose(seen[:4], want[:4], rtol=1e-5), (seen, want)
 
+    # the callbacks are Keras 3's, and pickle finds them by name
+    import pickle
+
+    callback = pickle.loads(pickle.dumps(hvd.callbacks.MetricAverageCallback()))
+    assert isinstance(callback, keras.callbacks.Callback) and type(callback) is hvd.callbacks.MetricAverageCallback
+
     # broadcasting leaves local variables alone
     keras.utils.set_random_seed(r)
     m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), keras.layers.Dense(1)])
@@ -516,6 +522,24 @@ def keras2():
     opt.apply_gradients(grads_and_vars)
     check(shared.numpy(), np.array([-sum(p + 1 for p in range(n)) / n], np.float32), "shared variable")
     check(local.numpy(), np.array([-r / n], np.float32), "local variable")
+
+    # apply_gradients returns the step count after it, applied or not
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.0), backward_passes_per_step=2)
+    v = tf.Variable(1.0)
+    counts = [int(opt.apply_gradients(opt._compute_gradients(lambda: 2.0 * v, var_list=[v]))) for _ in range(3)]
+    assert counts == [1, 2, 3], counts
+
+    # one local layer or a list of them
+    m = model(0)
+    for layers in (m.layers[0], [m.layers[0]]):
+        opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=layers)
+        assert m.layers[0].kernel in opt._kolo_locals and m.layers[1].kernel not in opt._kolo_locals
+
+    # the callbacks are tf-keras's, and pickle finds them by name
+    import pickle
+
+    callback = pickle.loads(pickle.dumps(hvd.callbacks.MetricAverageCallback()))
+    assert isinstance(callback, keras.callbacks.Callback) and type(callback) is hvd.callbacks.MetricAverageCallback
 
     # the warmup callback's rate at each batch
     seen = []

@@ -8,6 +8,7 @@ averaged: the methods upstream overrides for Keras 2 are never called."""
 import keras
 
 from ..common import basics, numpy_ops
+from ..common.gradients import LocalVariables, reduce_with_locals, scale_locals
 from .variables import is_keras2
 
 _BACKENDS = ("tensorflow", "torch", "jax")
@@ -95,21 +96,15 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         raise ValueError("op currently only supports Average and Sum")
     if gradient_predivide_factor != 1.0 and op != basics.Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        if is_keras2(optimizer):
-            from . import keras2
-
-            return keras2.create_distributed_optimizer(
-                optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-                gradient_predivide_factor=gradient_predivide_factor, op=op,
-                backward_passes_per_step=backward_passes_per_step,
-                average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
-                scale_local_gradients=scale_local_gradients)
-        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
-                         f"{type(optimizer).__name__}")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
-    backend = _backend()
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        backend = _backend()
+    elif is_keras2(optimizer):
+        backend = "tensorflow"
+    else:
+        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
+                         f"{type(optimizer).__name__}")
     if compression is None and backend == "tensorflow":
         # TensorFlow only where it is the backend: beside torch's triton it aborts the process
         from ..tensorflow.compression import Compression
@@ -117,6 +112,12 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         compression = Compression.none
     reduce = _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                                process_set)
+    if is_keras2(optimizer):
+        from . import keras2
+
+        return keras2.create_distributed_optimizer(optimizer, reduce, name, sparse_as_dense,
+                                                   backward_passes_per_step, average_aggregated_gradients,
+                                                   process_set, scale_local_gradients)
     base = optimizer.__class__
     passes = backward_passes_per_step
     # Keras averages the accumulated gradients; upstream sums them unless asked
@@ -124,30 +125,28 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
 
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
-        grads = list(grads)
-        # (an optimizer made by from_config has none registered yet)
-        locals_ = self._kolo_local_vars.held if self._kolo_local_vars is not None else {}
-        shared = [i for i, v in enumerate(variables) if id(v) not in locals_]
-        reduced = reduce([grads[i] for i in shared], [variables[i] for i in shared])
-        for i, r in zip(shared, reduced):
-            grads[i] = r
-        if scale_local_gradients and locals_:
+        locals_ = self._kolo_local_vars
+        grads = reduce_with_locals(grads, variables, locals_, reduce)
+        if scale_local_gradients:
             n = process_set.size()
-            grads = [g / n if g is not None and id(v) in locals_ else g for g, v in zip(grads, variables)]
+            grads = scale_locals(grads, variables, locals_, lambda g: g / n)
         if sum_passes:
             grads = [g * passes if g is not None else g for g in grads]
         return base.apply(self, grads, trainable_variables)
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""
-        if self._kolo_local_vars is None:
-            self._kolo_local_vars = _LocalVars()
-        self._kolo_local_vars.held[id(var)] = var
+        self._kolo_local_vars.add(var)
+
+    def init(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        # every copy its own (from_config too): registrations are per object
+        self._kolo_local_vars = LocalVariables()
 
     cls = type(base.__name__, (base,), {
+        "__init__": init,
         "apply": apply,
         "register_local_var": register_local_var,
-        "_kolo_local_vars": None,
         "__module__": base.__module__,
     })
     config = optimizer.get_config()
@@ -155,14 +154,4 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         config["name"] = name
     if passes > 1:
         config["gradient_accumulation_steps"] = passes
-    distributed = cls.from_config(config)
-    distributed._kolo_local_vars = _LocalVars()
-    return distributed
-
-
-class _LocalVars:
-    """Variables whose gradients stay local, by identity (Keras 3's
-    variables are not hashable); an object Keras does not track."""
-
-    def __init__(self):
-        self.held = {}
+    return cls.from_config(config)

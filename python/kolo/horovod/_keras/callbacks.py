@@ -6,12 +6,11 @@ that Keras's own `Callback`, which its `fit` requires."""
 
 import warnings
 
-import keras
 import numpy as np
 
 from ..common import basics, numpy_ops
 from .variables import learning_rate as _learning_rate
-from .variables import model_variables, momentum_variable, value_of
+from .variables import classes_for, model_variables, momentum_variable, value_of
 
 
 def _variables(model, local_variables=()):
@@ -161,6 +160,8 @@ class BestModelCheckpoint:
     """Keeps the best model (by `monitor`) at `filepath`, which may be set
     later (upstream's Spark estimator sets it), on rank 0 only."""
 
+    _BASE = "ModelCheckpoint"
+
     def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath=None,
                  save_weights_only=False):
         placeholder = "best.weights.h5" if save_weights_only else "best.keras"
@@ -177,27 +178,16 @@ class BestModelCheckpoint:
             return super()._save_model(*args, **kwargs)
 
 
-_BASES = {
-    "BroadcastGlobalVariablesCallback": "Callback",
-    "MetricAverageCallback": "Callback",
-    "LearningRateScheduleCallback": "Callback",
-    "LearningRateWarmupCallback": "Callback",
-    "BestModelCheckpoint": "ModelCheckpoint",
-}
+_MIXINS = (BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateScheduleCallback,
+           LearningRateWarmupCallback, BestModelCheckpoint)
 _MADE = {}
 
 
-def callbacks_for(keras_module):
+def callbacks_for(keras_module, module):
     """The callbacks as classes of `keras_module` (`keras`, or `tf.keras`
-    which is tf-keras under TF_USE_LEGACY_KERAS=1), by name."""
+    which is tf-keras under TF_USE_LEGACY_KERAS=1), by name; `module` is
+    where the caller puts them."""
     key = keras_module.callbacks.Callback
     if key not in _MADE:
-        made = {}
-        for name, base in _BASES.items():
-            mixin = globals()[name]
-            bases = (mixin, getattr(keras_module.callbacks, base))
-            if name == "LearningRateWarmupCallback":
-                bases = (mixin, made["LearningRateScheduleCallback"])
-            made[name] = type(name, bases, {"__module__": mixin.__module__, "__doc__": mixin.__doc__})
-        _MADE[key] = made
+        _MADE[key] = classes_for(keras_module, _MIXINS, module)
     return _MADE[key]

@@ -72,7 +72,9 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
                                        backward_passes_per_step=backward_passes_per_step,
                                        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
                                        process_set=process_set, scale_local_gradients=scale_local_gradients)
-    for layer in local_layers or ():
+    # one layer or several, as upstream
+    layers = [local_layers] if hasattr(local_layers, "trainable_weights") else list(local_layers or ())
+    for layer in layers:
         for var in layer.trainable_weights:
             distributed.register_local_var(var)
     return distributed
@@ -83,7 +85,10 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     """`keras_module.models.load_model` with the saved optimizer wrapped in
     DistributedOptimizer (it keeps its class's name when saved) and its
     state (iterations, moments) carried over."""
-    model = keras_module.models.load_model(filepath, custom_objects=custom_objects)
+    # the classes of custom optimizers by name, as upstream takes them
+    objects = {cls.__name__: cls for cls in custom_optimizers or ()}
+    objects.update(custom_objects or {})
+    model = keras_module.models.load_model(filepath, custom_objects=objects or None)
     saved = getattr(model, "optimizer", None)
     if saved is not None and not hasattr(saved, "register_local_var"):
         distributed = DistributedOptimizer(saved, compression=compression)

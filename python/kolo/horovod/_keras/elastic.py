@@ -9,7 +9,7 @@ import keras
 from ..common import elastic as _common
 from ..common import numpy_ops
 from ..common.elastic import ObjectState, State  # noqa: F401
-from .variables import model_variables, value_of
+from .variables import classes_for, model_variables, value_of
 
 
 def run(func):
@@ -107,12 +107,10 @@ class UpdateEpochStateCallback:
 _MADE = {}
 
 
-def callbacks_for(keras_module):
+def callbacks_for(keras_module, module):
     """The state callbacks as classes of `keras_module`'s `Callback`."""
     key = keras_module.callbacks.Callback
     if key not in _MADE:
-        _MADE[key] = {
-            mixin.__name__: type(mixin.__name__, (mixin, key), {"__module__": mixin.__module__, "__doc__": mixin.__doc__})
-            for mixin in (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback)
-        }
+        _MADE[key] = classes_for(keras_module, (CommitStateCallback, UpdateBatchStateCallback,
+                                                UpdateEpochStateCallback), module)
     return _MADE[key]

@@ -10,7 +10,7 @@ gradients add up locally and are reduced and applied every N passes
 import tensorflow as tf
 
 from .. import tensorflow as hvd_tf
-from ..common import basics
+from ..common.gradients import LocalVariables, reduce_with_locals
 
 
 class _CallableList(list):
@@ -63,43 +63,37 @@ class _Aggregation:
         return tf.cond(tf.equal(self.counter, self.passes), reduce_and_clear, lambda: summed)
 
     def apply_gradients(self, apply, optimizer):
+        # either way the step counts, and the result is the count after it,
+        # as the optimizer's own apply_gradients returns
         def apply_step():
             apply()
-            return tf.constant(True)
+            return tf.identity(optimizer.iterations)
 
         def count_only():
-            # the step still counts, as upstream's
             optimizer.iterations.assign_add(1)
-            return tf.constant(False)
+            return tf.identity(optimizer.iterations)
 
         return tf.cond(tf.equal(self.counter, 0), apply_step, count_only)
 
 
-def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_as_dense=False,
-                                 gradient_predivide_factor=1.0, op=basics.Average, backward_passes_per_step=1,
-                                 average_aggregated_gradients=False, groups=None,
-                                 process_set=basics.global_process_set, scale_local_gradients=True):
+def create_distributed_optimizer(optimizer, reduce_globals, name, sparse_as_dense, backward_passes_per_step,
+                                 average_aggregated_gradients, process_set, scale_local_gradients):
     """A new optimizer of `optimizer`'s class (keeping its name, so saved
     models load without kolo) and configuration, distributed as
-    upstream's Keras 2 DistributedOptimizer."""
-    if compression is None:
-        compression = hvd_tf.Compression.none
-    if backward_passes_per_step < 1:
-        raise ValueError("backward_passes_per_step must be > 0")
+    upstream's Keras 2 DistributedOptimizer; `reduce_globals(grads,
+    variables)` reduces the gradients of the variables not local."""
+    if not tf.executing_eagerly():
+        raise NotImplementedError("kolo's Keras 2 DistributedOptimizer runs eagerly or in tf.function (TF2), not "
+                                  "in a TF1 graph: use horovod.tensorflow.DistributedOptimizer there")
     base = optimizer.__class__
 
-    def reduce_globals(grads, variables):
-        return hvd_tf.reduce_gradients(grads, variables, compression=compression, sparse_as_dense=sparse_as_dense,
-                                       op=op, gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                                       process_set=process_set)
-
     def reduce(self, grads, variables):
-        grads = hvd_tf._reduce_with_locals(grads, variables, self._kolo_locals, reduce_globals)
+        grads = reduce_with_locals(grads, variables, self._kolo_locals, reduce_globals)
         return hvd_tf._scale_locals(grads, variables, self._kolo_locals, scale_local_gradients, process_set)
 
     def init(self, *args, **kwargs):
         base.__init__(self, *args, **kwargs)
-        self._kolo_locals = hvd_tf._Locals()
+        self._kolo_locals = LocalVariables()
         self._agg_helper = None
         if backward_passes_per_step > 1:
             self._agg_helper = _Aggregation(backward_passes_per_step, lambda g, v: reduce(self, g, v),

@@ -40,8 +40,26 @@ def model_variables(model, optimizer=None, skip=()):
 
 
 def learning_rate(optimizer):
-    return float(np.asarray(value_of(optimizer.learning_rate) if hasattr(optimizer.learning_rate, "assign")
-                            else optimizer.learning_rate))
+    rate = optimizer.learning_rate
+    if hasattr(rate, "assign"):
+        return float(value_of(rate))
+    if isinstance(optimizer, keras.optimizers.Optimizer):
+        # a backend's tensor (on a GPU, say)
+        return float(keras.ops.convert_to_numpy(rate))
+    return float(np.asarray(rate))
+
+
+def classes_for(keras_module, mixins, module):
+    """Each mixin made into a class of `keras_module`'s callbacks (the
+    mixin's `_BASE` names which, `Callback` by default; a mixin deriving
+    from another gets the other's made class), named for `module`, where
+    the caller puts them, so that pickle finds them by name."""
+    made = {}
+    for mixin in mixins:
+        parent = next((made[b.__name__] for b in mixin.__bases__ if b.__name__ in made), None)
+        base = parent or getattr(keras_module.callbacks, getattr(mixin, "_BASE", "Callback"))
+        made[mixin.__name__] = type(mixin.__name__, (mixin, base), {"__module__": module, "__doc__": mixin.__doc__})
+    return made
 
 
 def momentum_variable(optimizer):

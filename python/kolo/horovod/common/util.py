@@ -2,10 +2,38 @@
 tests import, as kolo answers them."""
 
 import contextlib
+import functools
 import os
 import re
+import warnings
 
 from .basics import ccl_built, ddl_built, gloo_built, mpi_built  # noqa: F401
+
+
+def _cache(f):
+    """`f` with its results kept by arguments."""
+    return functools.lru_cache(maxsize=None)(f)
+
+
+def num_rank_is_power_2(num_rank):
+    return num_rank != 0 and num_rank & (num_rank - 1) == 0
+
+
+def get_average_backwards_compatibility_fun(reduce_ops):
+    """`impl(op, average)`: the op from the deprecated `average` flag or
+    `op`, not both."""
+    def impl(op, average):
+        if op is not None:
+            if average is not None:
+                raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+            return op
+        if average is not None:
+            warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                          DeprecationWarning)
+            return reduce_ops.Average if average else reduce_ops.Sum
+        return reduce_ops.Average
+
+    return impl
 
 
 def _release(text):

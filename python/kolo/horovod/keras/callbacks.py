@@ -4,5 +4,5 @@ import keras
 
 from .._keras.callbacks import callbacks_for
 
-globals().update(callbacks_for(keras))
-__all__ = list(callbacks_for(keras))
+globals().update(callbacks_for(keras, __name__))
+__all__ = list(callbacks_for(keras, __name__))

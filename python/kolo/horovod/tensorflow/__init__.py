@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from ..common import basics as _basics
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
+from ..common.gradients import LocalVariables, reduce_with_locals, scale_locals
 from . import elastic  # noqa: F401
 from .compression import Compression
 from .sync_batch_norm import SyncBatchNormalization  # noqa: F401
@@ -227,47 +228,17 @@ def reduce_gradients(grads, variables=None, compression=Compression.none, sparse
     return out
 
 
-class _Locals:
-    """Variables registered as worker-local, by identity (Keras 3's
-    variables are neither hashable nor `ref()`-able)."""
-
-    def __init__(self):
-        self._held = {}
-
-    def add(self, v):
-        self._held[id(v)] = v
-
-    def __contains__(self, v):
-        return id(v) in self._held
-
-    def __len__(self):
-        return len(self._held)
-
-
-def _reduce_with_locals(grads, sources, locals_, reduce):
-    """`reduce` over the gradients of global sources; local ones kept (and
-    divided by the set's size, as upstream's scale_local_gradients)."""
-    grads = list(grads)
-    shared = [i for i, s in enumerate(sources) if s not in locals_]
-    reduced = reduce([grads[i] for i in shared], [sources[i] for i in shared])
-    for i, r in zip(shared, reduced):
-        grads[i] = r
-    return grads
-
-
 def _scale_locals(grads, sources, locals_, scale, process_set):
-    if not scale or not len(locals_):
-        return grads
+    if not scale:
+        return list(grads)
     n = float(process_set.size())
-    out = []
-    for g, s in zip(grads, sources):
-        if s in locals_ and g is not None:
-            if isinstance(g, tf.IndexedSlices):
-                g = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-            else:
-                g = g / n
-        out.append(g)
-    return out
+
+    def divide(g):
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+        return g / n
+
+    return scale_locals(grads, sources, locals_, divide)
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -281,7 +252,7 @@ class _DistributedGradientTape(tf.GradientTape):
                                  process_set=process_set)
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self._local_sources = _Locals()
+        self._local_sources = LocalVariables()
 
     def register_local_source(self, source):
         """The gradient of `source` stays this worker's (not reduced)."""
@@ -302,7 +273,7 @@ class _DistributedGradientTape(tf.GradientTape):
         def reduce(gs, vs):
             return reduce_gradients(gs, vs, **self._kolo_reduce)
 
-        grads = _reduce_with_locals(grads, listed, self._local_sources, reduce)
+        grads = reduce_with_locals(grads, listed, self._local_sources, reduce)
         grads = _scale_locals(grads, listed, self._local_sources, self.scale_local_gradients, self.process_set)
         return grads[0] if single else grads
 
@@ -381,7 +352,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
                             process_set=process_set)
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self._local_vars = _Locals()
+        self._local_vars = LocalVariables()
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""
@@ -394,7 +365,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         def reduce(gs, vs):
             return reduce_gradients(gs, vs, **self._reduce)
 
-        grads = _reduce_with_locals(grads, variables, self._local_vars, reduce)
+        grads = reduce_with_locals(grads, variables, self._local_vars, reduce)
         grads = _scale_locals(grads, variables, self._local_vars, self.scale_local_gradients, self.process_set)
         return list(zip(grads, variables))
 

@@ -18,6 +18,7 @@ from tensorflow.python.framework import op_def_registry
 from kolo import _kolo
 
 from ..common import basics as _basics
+from ..common.util import get_average_backwards_compatibility_fun
 from .util import _executing_eagerly
 from ..common.basics import (  # noqa: F401  (horovod.tensorflow's API)
     Adasum,
@@ -103,15 +104,8 @@ def is_homogeneous():
     return len(set(allgather_object(local_size()))) == 1
 
 
-def handle_average_backwards_compatibility(op, average):
-    """Upstream's rule: `op` wins; `average` True/False means Average/Sum."""
-    if op is not None:
-        if average is not None:
-            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-        return op
-    if average is not None:
-        return Average if average else Sum
-    return Average
+# upstream's rule: `op` wins; `average` True/False means Average/Sum
+handle_average_backwards_compatibility = get_average_backwards_compatibility_fun(_basics)
 
 
 def _normalize_name(name):

@@ -5,5 +5,5 @@ import tensorflow as tf
 
 from ..._keras.callbacks import callbacks_for
 
-globals().update(callbacks_for(tf.keras))
-__all__ = list(callbacks_for(tf.keras))
+globals().update(callbacks_for(tf.keras, __name__))
+__all__ = list(callbacks_for(tf.keras, __name__))

@@ -7,4 +7,4 @@ from ..._keras.elastic import KerasState, callbacks_for  # noqa: F401
 from ...common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from ..elastic import ObjectState, State, TensorFlowKerasState, run  # noqa: F401
 
-globals().update(callbacks_for(tf.keras))
+globals().update(callbacks_for(tf.keras, __name__))
