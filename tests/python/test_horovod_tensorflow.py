@@ -83,15 +83,22 @@ def test_keras_3_counterparts_of_upstreams_keras_tests():
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_keras_2_through_tf_keras_keeps_upstreams_keras_2_behaviour(n):
+    tf_keras_or_skip()
+    kolo_run(n, "keras2", env={**QUIET, "TF_USE_LEGACY_KERAS": "1"})
+
+
+def tf_keras_or_skip():
     if importlib.util.find_spec("tf_keras") is None:
         if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
             raise ImportError("tf_keras is required (KOLO_REQUIRE_FRAMEWORKS): .ci/run installs it")
         pytest.skip("tf_keras is not installed")
-    kolo_run(n, "keras2", env={**QUIET, "TF_USE_LEGACY_KERAS": "1"})
 
 
-def test_sync_batch_normalization_equals_batch_normalization_on_the_whole_batch():
-    kolo_run(2, "syncbn")
+@pytest.mark.parametrize("keras_2", [False, True])
+def test_sync_batch_normalization_equals_batch_normalization_on_the_whole_batch(keras_2):
+    if keras_2:
+        tf_keras_or_skip()
+    kolo_run(2, "syncbn", env={**QUIET, "TF_USE_LEGACY_KERAS": "1" if keras_2 else "0"})
 
 
 def test_a_keras_train_function_runs_in_executor_workers():

@@ -624,6 +624,8 @@ def syncbn():
     mine = slice(4 * r, 4 * (r + 1))
     whole = tf.keras.layers.BatchNormalization(axis=1)
     sync = hvd.SyncBatchNormalization(axis=1)
+    # tf.keras's own layer: Keras 3's, or tf-keras's under TF_USE_LEGACY_KERAS=1
+    assert isinstance(sync, type(whole)), type(whole).__module__
     want = whole(x, training=True).numpy()[mine]
     check(sync(x[mine], training=True), want, "sync batch norm", rtol=1e-4)
     check(sync.moving_mean, whole.moving_mean.numpy(), "moving mean", rtol=1e-5)
