@@ -98,9 +98,10 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be at least 1, not {backward_passes_per_step}")
+    keras_2 = not isinstance(optimizer, keras.optimizers.Optimizer) and is_keras2(optimizer)
     if isinstance(optimizer, keras.optimizers.Optimizer):
         backend = _backend()
-    elif is_keras2(optimizer):
+    elif keras_2:
         backend = "tensorflow"
     else:
         raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
@@ -112,7 +113,7 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         compression = Compression.none
     reduce = _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                                process_set)
-    if is_keras2(optimizer):
+    if keras_2:
         from . import keras2
 
         return keras2.create_distributed_optimizer(optimizer, reduce, name, sparse_as_dense,

@@ -13,10 +13,6 @@ from .variables import learning_rate as _learning_rate
 from .variables import classes_for, model_variables, momentum_variable, value_of
 
 
-def _variables(model, local_variables=()):
-    return model_variables(model, skip=local_variables)
-
-
 def broadcast_variables(variables, root_rank, process_set=basics.global_process_set):
     """Overwrites Keras variables with rank `root_rank`'s values."""
     for i, v in enumerate(variables):
@@ -36,12 +32,12 @@ class BroadcastGlobalVariablesCallback:
 
     def on_train_begin(self, logs=None):
         if not self.broadcast_done:
-            broadcast_variables(_variables(self.model, self.local_variables), self.root_rank)
+            broadcast_variables(model_variables(self.model, skip=self.local_variables), self.root_rank)
 
     def on_batch_end(self, batch, logs=None):
         if self.broadcast_done:
             return
-        broadcast_variables(_variables(self.model, self.local_variables), self.root_rank)
+        broadcast_variables(model_variables(self.model, skip=self.local_variables), self.root_rank)
         self.broadcast_done = True
 
 
@@ -180,14 +176,10 @@ class BestModelCheckpoint:
 
 _MIXINS = (BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateScheduleCallback,
            LearningRateWarmupCallback, BestModelCheckpoint)
-_MADE = {}
 
 
 def callbacks_for(keras_module, module):
     """The callbacks as classes of `keras_module` (`keras`, or `tf.keras`
     which is tf-keras under TF_USE_LEGACY_KERAS=1), by name; `module` is
     where the caller puts them."""
-    key = keras_module.callbacks.Callback
-    if key not in _MADE:
-        _MADE[key] = classes_for(keras_module, _MIXINS, module)
-    return _MADE[key]
+    return classes_for(keras_module, _MIXINS, module)

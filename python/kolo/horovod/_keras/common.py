@@ -4,7 +4,7 @@ import keras
 
 from ..common import basics, numpy_ops
 from . import create_distributed_optimizer
-from .variables import optimizer_variables, value_of
+from .variables import model_variables, optimizer_variables, value_of
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
@@ -31,9 +31,9 @@ def broadcast_global_variables(root_rank, model=None):
     if model is None:
         raise ValueError("Keras 3 has no global variables: call hvd.broadcast_variables(model.variables, root_rank) "
                          "or use hvd.callbacks.BroadcastGlobalVariablesCallback")
-    from .callbacks import _variables, broadcast_variables
+    from .callbacks import broadcast_variables
 
-    broadcast_variables(_variables(model), root_rank)
+    broadcast_variables(model_variables(model), root_rank)
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,

@@ -104,13 +104,7 @@ class UpdateEpochStateCallback:
         self.state.epoch = epoch + 1
 
 
-_MADE = {}
-
-
 def callbacks_for(keras_module, module):
     """The state callbacks as classes of `keras_module`'s `Callback`."""
-    key = keras_module.callbacks.Callback
-    if key not in _MADE:
-        _MADE[key] = classes_for(keras_module, (CommitStateCallback, UpdateBatchStateCallback,
-                                                UpdateEpochStateCallback), module)
-    return _MADE[key]
+    return classes_for(keras_module, (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback),
+                       module)

@@ -53,13 +53,21 @@ def classes_for(keras_module, mixins, module):
     """Each mixin made into a class of `keras_module`'s callbacks (the
     mixin's `_BASE` names which, `Callback` by default; a mixin deriving
     from another gets the other's made class), named for `module`, where
-    the caller puts them, so that pickle finds them by name."""
+    the caller puts them, so that pickle finds them by name. Made once per
+    Keras and mixins: the module that asks first names them."""
+    key = (keras_module.callbacks.Callback, mixins)
+    if key in _MADE:
+        return _MADE[key]
     made = {}
     for mixin in mixins:
         parent = next((made[b.__name__] for b in mixin.__bases__ if b.__name__ in made), None)
         base = parent or getattr(keras_module.callbacks, getattr(mixin, "_BASE", "Callback"))
         made[mixin.__name__] = type(mixin.__name__, (mixin, base), {"__module__": module, "__doc__": mixin.__doc__})
+    _MADE[key] = made
     return made
+
+
+_MADE = {}
 
 
 def momentum_variable(optimizer):
