@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::proto::Progress;
+use kolo_proto::proto::Progress;
 
 /// One rank as a look at the job saw it.
 #[derive(Clone, Debug, PartialEq)]

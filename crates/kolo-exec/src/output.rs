@@ -129,7 +129,7 @@ impl OutputSink {
 
     /// One line of a rank (with its end, or none for a last partial line).
     pub fn line(&self, rank: usize, stream: Stream, line: &[u8]) {
-        if let Some(files) = crate::lock(&self.files[rank]).as_mut() {
+        if let Some(files) = kolo_sys::lock(&self.files[rank]).as_mut() {
             let file = match stream {
                 Stream::Stdout => &mut files.stdout,
                 Stream::Stderr => &mut files.stderr,
@@ -138,7 +138,7 @@ impl OutputSink {
             let _ = file.write_all(line);
         }
         if stream == Stream::Stderr {
-            let mut tail = crate::lock(&self.tails[rank]);
+            let mut tail = kolo_sys::lock(&self.tails[rank]);
             if tail.len() == TAIL_LINES {
                 tail.pop_front();
             }
@@ -161,7 +161,7 @@ impl OutputSink {
         if closed.load(std::sync::atomic::Ordering::Relaxed) {
             return;
         }
-        let _guard = crate::lock(&self.terminal);
+        let _guard = kolo_sys::lock(&self.terminal);
         let written = match stream {
             Stream::Stdout => write_flush(&mut io::stdout().lock(), &text),
             Stream::Stderr => write_flush(&mut io::stderr().lock(), &text),
@@ -174,7 +174,7 @@ impl OutputSink {
 
     /// The last stderr lines of a rank, oldest first.
     pub fn stderr_tail(&self, rank: usize) -> Vec<String> {
-        crate::lock(&self.tails[rank]).iter().cloned().collect()
+        kolo_sys::lock(&self.tails[rank]).iter().cloned().collect()
     }
 }
 

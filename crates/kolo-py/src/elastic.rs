@@ -13,25 +13,7 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::{PyBytes, PyDict};
 
-// a collective's failure too: kolo.horovod and kolo.torch catch
-// CollectiveError; elastic loops tell membership changes apart by this type
-pyo3::create_exception!(
-    _kolo,
-    MembershipError,
-    crate::torch::CollectiveError,
-    "The job's membership changed: join the next round."
-);
-pyo3::create_exception!(_kolo, HostsUpdated, MembershipError, "Hosts came or went: join the new round.");
-pyo3::create_exception!(_kolo, Removed, pyo3::exceptions::PyException, "This worker has no place in the new round.");
-
-pub(crate) fn comm_error(e: CommError) -> PyErr {
-    match e {
-        CommError::Removed { .. } => Removed::new_err(e.to_string()),
-        CommError::HostsUpdated { .. } => HostsUpdated::new_err(e.to_string()),
-        e if e.is_membership() => MembershipError::new_err(e.to_string()),
-        e => crate::torch::CollectiveError::new_err(e.to_string()),
-    }
-}
+use crate::errors::{comm_error, HostsUpdated, MembershipError, Removed};
 
 /// This process in an elastic job: joins rounds.
 #[pyclass(module = "kolo._kolo")]

@@ -105,8 +105,7 @@ impl DeviceExecutor for PythonDeviceExecutor {
 fn failure(f: Failure) -> PyErr {
     match (f.kind, f.membership) {
         (FailureKind::Invalid, _) => PyValueError::new_err(f.message),
-        (FailureKind::Internal, true) => crate::elastic::MembershipError::new_err(f.message),
-        (FailureKind::Internal, false) => crate::torch::CollectiveError::new_err(f.message),
+        (FailureKind::Internal, membership) => crate::errors::collective_failed(f.message, membership),
     }
 }
 
@@ -160,7 +159,7 @@ impl HorovodCore {
                 }
                 Communicator::connect(config)
             })
-            .map_err(crate::elastic::comm_error)?;
+            .map_err(crate::errors::comm_error)?;
         HorovodCore::start(py, comm, process_sets)
     }
 
@@ -168,7 +167,7 @@ impl HorovodCore {
     #[staticmethod]
     #[pyo3(signature = (process_sets=Vec::new()))]
     fn single(py: Python<'_>, process_sets: Vec<Vec<i64>>) -> PyResult<HorovodCore> {
-        let comm = py.allow_threads(single_communicator).map_err(crate::elastic::comm_error)?;
+        let comm = py.allow_threads(single_communicator).map_err(crate::errors::comm_error)?;
         HorovodCore::start(py, comm, process_sets)
     }
 
@@ -294,7 +293,7 @@ impl Drop for HorovodCore {
 
 fn single_communicator() -> Result<Communicator, CommError> {
     let secret = kolo_comm::Secret::new("single").map_err(CommError::Secret)?;
-    let book: Arc<dyn kolo_comm::AddressBook> = Arc::new(crate::torch::LocalBook::default());
+    let book: Arc<dyn kolo_comm::AddressBook> = Arc::new(crate::book::LocalBook::default());
     Communicator::connect(Config::new(0, 1, "this-host", "", secret, "single-hvd")?.with_book(book))
 }
 

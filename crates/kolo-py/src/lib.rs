@@ -13,8 +13,10 @@
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
+mod book;
 mod driver;
 mod elastic;
+mod errors;
 mod horovod;
 mod ordered;
 mod tensorflow;

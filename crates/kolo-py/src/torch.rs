@@ -6,7 +6,7 @@
 //! of contiguous memory it keeps alive for the call; the collectives run
 //! with the GIL released.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
@@ -15,27 +15,18 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
+use crate::book::LocalBook;
+use crate::errors::CollectiveError;
 use crate::ordered::{Done, Failure, Ordered};
-
-pyo3::create_exception!(
-    _kolo,
-    CollectiveError,
-    PyRuntimeError,
-    "A collective failed: a peer died or disagreed, or the group was closed."
-);
 
 /// A membership change (a peer lost, the round over) is a
 /// `MembershipError`, a subclass: elastic loops go on after it.
 fn failed(e: CommError) -> PyErr {
-    crate::elastic::comm_error(e)
+    crate::errors::comm_error(e)
 }
 
 fn queued_failed(f: Failure) -> PyErr {
-    if f.membership {
-        crate::elastic::MembershipError::new_err(f.message)
-    } else {
-        CollectiveError::new_err(f.message)
-    }
+    crate::errors::collective_failed(f.message, f.membership)
 }
 
 /// The process group's store, as kolo-comm's address book: a Python object
@@ -54,21 +45,6 @@ impl AddressBook for PyBook {
             let got = self.0.call_method1(py, "wait", (key, timeout.as_secs_f64())).map_err(|e| e.to_string())?;
             got.extract::<Option<PyBackedBytes>>(py).map(|b| b.map(|b| b.to_vec())).map_err(|e| e.to_string())
         })
-    }
-}
-
-/// An address book within this process (a one-rank communicator's).
-#[derive(Default)]
-pub(crate) struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
-
-impl AddressBook for LocalBook {
-    fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
-        kolo_exec::lock(&self.0).insert(key.to_string(), value.to_vec());
-        Ok(())
-    }
-
-    fn wait(&self, key: &str, _: Duration) -> Result<Option<Vec<u8>>, String> {
-        Ok(kolo_exec::lock(&self.0).get(key).cloned())
     }
 }
 

@@ -9,9 +9,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::link::{CallError, CallResult, Link};
 use super::Executor;
-use crate::proto::{self, CallKind, ToWorker};
-use crate::registry::{Executable, Function, Task};
 use crate::ExecError;
+use kolo_proto::proto::{self, CallKind, ToWorker};
+use kolo_proto::registry::{Executable, Function, Task};
 
 /// A value a worker reported while a call ran ([`crate::WorkerContext::report`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,13 +138,13 @@ impl Executor {
         let mut handles = Vec::new();
         for link in running.links.iter().filter(|l| only.is_none_or(|r| r == l.info.rank)) {
             let (tx, rx) = oneshot::channel();
-            crate::lock(&link.pending).insert(id, tx);
+            kolo_sys::lock(&link.pending).insert(id, tx);
             if let Some(reports) = reports {
-                crate::lock(&link.reports).insert(id, reports.clone());
+                kolo_sys::lock(&link.reports).insert(id, reports.clone());
             }
             if let Err(e) = link.send_frame(&frame).await {
-                crate::lock(&link.pending).remove(&id);
-                crate::lock(&link.reports).remove(&id);
+                kolo_sys::lock(&link.pending).remove(&id);
+                kolo_sys::lock(&link.reports).remove(&id);
                 return Err(e);
             }
             handles.push(CallHandle { link: link.clone(), id, rx: Some(rx), _output: PhantomData });
@@ -194,8 +194,8 @@ impl<T: DeserializeOwned> CallHandle<T> {
     /// result is dropped otherwise.
     pub async fn cancel(mut self) -> Result<(), ExecError> {
         self.rx = None;
-        crate::lock(&self.link.pending).remove(&self.id);
-        crate::lock(&self.link.reports).remove(&self.id);
+        kolo_sys::lock(&self.link.pending).remove(&self.id);
+        kolo_sys::lock(&self.link.reports).remove(&self.id);
         self.link.send(&ToWorker::Cancel { id: self.id }).await
     }
 

@@ -8,8 +8,8 @@ use nix::sys::signal::Signal;
 use super::link::RankEvent;
 use super::Executor;
 use crate::policy::{Cause, JobAction, JobEvent, Teardown};
-use crate::proto::ToWorker;
 use crate::ExecError;
+use kolo_proto::proto::ToWorker;
 
 /// The rank that failed first in a command job.
 #[derive(Clone, Debug)]
@@ -61,7 +61,7 @@ impl Executor {
                     interrupted = true;
                     JobEvent::Interrupted(signal as i32)
                 }
-                signal = crate::hurry::hurried(), if !hurried => {
+                signal = kolo_sys::hurry::hurried(), if !hurried => {
                     hurried = true;
                     JobEvent::Hurried(signal)
                 }
@@ -90,7 +90,7 @@ impl Executor {
                     host: running.links[*rank as usize].info.hostname.clone(),
                     cause: cause.clone(),
                     stderr_tail: running.output.stderr_tail(*rank as usize),
-                    error: crate::lock(&running.links[*rank as usize].command_error).clone(),
+                    error: kolo_sys::lock(&running.links[*rank as usize].command_error).clone(),
                 })
             }
             None => None,

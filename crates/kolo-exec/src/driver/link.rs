@@ -15,9 +15,9 @@ use tokio::sync::{mpsc, oneshot};
 use super::{Report, WorkerInfo};
 use crate::output::{Chunk, Stream};
 use crate::policy::{Cause, Liveness};
-use crate::proto::{self, RankSample, ToDriver, ToWorker};
-use crate::registry::MAX_REPORT;
 use crate::ExecError;
+use kolo_proto::proto::{self, RankSample, ToDriver, ToWorker};
+use kolo_proto::registry::MAX_REPORT;
 
 /// A call's bytes, or why there are none.
 pub(crate) enum CallError {
@@ -117,10 +117,10 @@ impl Link {
     ) -> Result<(), String> {
         let id = self.next_question.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        crate::lock(&self.owner_questions).insert(id, tx);
+        kolo_sys::lock(&self.owner_questions).insert(id, tx);
         let sent = self.send(&ToWorker::WhoOwns { id, client, server }).await;
         if let Err(e) = sent {
-            crate::lock(&self.owner_questions).remove(&id);
+            kolo_sys::lock(&self.owner_questions).remove(&id);
             return Err(format!("cannot ask {} about it: {e}", self.describe()));
         }
         rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
@@ -142,9 +142,9 @@ impl Link {
     pub(crate) async fn inspect(&self, stacks: bool, py_spy: Option<String>) -> Result<RankSample, String> {
         let id = self.next_question.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        crate::lock(&self.inspections).insert(id, tx);
+        kolo_sys::lock(&self.inspections).insert(id, tx);
         if let Err(e) = self.send(&ToWorker::Inspect { id, stacks, py_spy }).await {
-            crate::lock(&self.inspections).remove(&id);
+            kolo_sys::lock(&self.inspections).remove(&id);
             return Err(e.to_string());
         }
         rx.await.unwrap_or_else(|_| Err(format!("{} was lost before it answered", self.describe())))
@@ -173,7 +173,7 @@ impl Link {
     }
 
     pub(crate) fn lost_reason(&self) -> Option<String> {
-        crate::lock(&self.lost).clone()
+        kolo_sys::lock(&self.lost).clone()
     }
 
     pub(super) async fn send(&self, message: &ToWorker) -> Result<(), ExecError> {
@@ -206,22 +206,22 @@ impl Link {
     /// Marks the worker lost and fails everything waiting on it; false if
     /// it was lost already.
     pub(super) fn mark_lost(&self, reason: &str) -> bool {
-        let mut lost = crate::lock(&self.lost);
+        let mut lost = kolo_sys::lock(&self.lost);
         if lost.is_some() {
             return false;
         }
         *lost = Some(reason.to_string());
         drop(lost);
         let message = format!("worker {} was lost: {reason}", self.describe());
-        for (_, tx) in crate::lock(&self.pending).drain() {
+        for (_, tx) in kolo_sys::lock(&self.pending).drain() {
             let _ = tx.send(Err(CallError::Lost(reason.to_string())));
         }
-        if let Some(tx) = crate::lock(&self.created).take() {
+        if let Some(tx) = kolo_sys::lock(&self.created).take() {
             let _ = tx.send(Err(message));
         }
-        crate::lock(&self.reports).clear();
-        crate::lock(&self.owner_questions).clear();
-        crate::lock(&self.inspections).clear();
+        kolo_sys::lock(&self.reports).clear();
+        kolo_sys::lock(&self.owner_questions).clear();
+        kolo_sys::lock(&self.inspections).clear();
         true
     }
 }
@@ -270,24 +270,24 @@ pub(crate) async fn read_worker(
                 let _ = events.send(RankEvent { rank, cause: Cause::StartFailed { message, code } });
             }
             ToDriver::CommandError { message, traceback } => {
-                *crate::lock(&link.command_error) = Some(RankError { message, traceback });
+                *kolo_sys::lock(&link.command_error) = Some(RankError { message, traceback });
             }
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
             }
             ToDriver::Inspected { id, answer } => {
-                if let Some(tx) = crate::lock(&link.inspections).remove(&id) {
+                if let Some(tx) = kolo_sys::lock(&link.inspections).remove(&id) {
                     let _ = tx.send(answer);
                 }
             }
             ToDriver::SocketOwner { id, answer } => {
-                if let Some(tx) = crate::lock(&link.owner_questions).remove(&id) {
+                if let Some(tx) = kolo_sys::lock(&link.owner_questions).remove(&id) {
                     let _ = tx.send(answer);
                 }
             }
             ToDriver::Created { result } => {
-                if let Some(tx) = crate::lock(&link.created).take() {
+                if let Some(tx) = kolo_sys::lock(&link.created).take() {
                     let _ = tx.send(result);
                 }
             }
@@ -296,15 +296,15 @@ pub(crate) async fn read_worker(
                     break format!("it reported {} bytes at once, over the limit of {MAX_REPORT}", data.len());
                 }
                 link.last_report_ms.store(link.epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
-                let sink = crate::lock(&link.reports).get(&id).cloned();
+                let sink = kolo_sys::lock(&link.reports).get(&id).cloned();
                 if let Some(sink) = sink {
                     // a caller that stopped listening loses its reports, nothing else
                     let _ = forward(&link, &sink, Report { rank, data }).await;
                 }
             }
             ToDriver::Done { id, result } => {
-                crate::lock(&link.reports).remove(&id);
-                if let Some(tx) = crate::lock(&link.pending).remove(&id) {
+                kolo_sys::lock(&link.reports).remove(&id);
+                if let Some(tx) = kolo_sys::lock(&link.pending).remove(&id) {
                     let _ = tx.send(result.map_err(CallError::Task));
                 }
             }

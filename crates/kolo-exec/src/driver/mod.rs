@@ -11,6 +11,7 @@
 
 pub(crate) mod calls;
 mod command;
+pub mod control;
 mod link;
 mod peers;
 mod progress;
@@ -32,13 +33,14 @@ use kolo_topology::{HostSpec, Plan, RankInfo, TopologyError};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 
-use crate::engine::{Engine, EngineChoice, EngineOptions, LocalEngine};
-use crate::guard::Guard;
 use crate::output::OutputWriter;
-use crate::proto::ToWorker;
-use crate::registry::Executable;
-use crate::settings::{Settings, WorkerRequest};
+use crate::settings::Settings;
 use crate::ExecError;
+use kolo_engine::WorkerRequest;
+use kolo_engine::{Engine, EngineChoice, EngineOptions, LocalEngine};
+use kolo_proto::proto::ToWorker;
+use kolo_proto::registry::Executable;
+use kolo_sys::guard::Guard;
 pub(crate) use link::Link;
 
 /// A registered worker and its place in the job.
@@ -71,7 +73,7 @@ struct Running {
     /// The workers run an OS command each (`kolo run`), not functions.
     commands: bool,
     /// `kolo status` and `kolo stack` ask here (none where it could not open).
-    control: Option<crate::control::Endpoint>,
+    control: Option<super::control::Endpoint>,
 }
 
 /// Runs user code on a set of worker processes; see the crate docs.
@@ -85,7 +87,7 @@ pub struct Executor {
     janitor: Option<Arc<Guard>>,
     running: Option<Running>,
     next_id: AtomicU64,
-    nic_report: Vec<crate::nics::PairReport>,
+    nic_report: Vec<kolo_agent::nics::PairReport>,
     /// What `kolo ps` says the job runs.
     description: String,
 }
@@ -178,7 +180,7 @@ impl Executor {
 
     /// What interface detection found, host by host around the ring (after
     /// `start`; empty when the interfaces were given or all workers share a host).
-    pub fn nic_report(&self) -> &[crate::nics::PairReport] {
+    pub fn nic_report(&self) -> &[kolo_agent::nics::PairReport] {
         &self.nic_report
     }
 
@@ -234,7 +236,7 @@ impl Executor {
 
     /// What watches the ranks from outside the driver's calls (hang
     /// detection), once the workers run with a control endpoint.
-    pub fn inspector(&self) -> Option<crate::control::Inspector> {
+    pub fn inspector(&self) -> Option<super::control::Inspector> {
         self.running.as_ref()?.control.as_ref().map(|c| c.inspector())
     }
 
@@ -280,7 +282,7 @@ impl Executor {
         let message = ToWorker::Create { name: name.to_string(), args };
         for link in &running.links {
             let (tx, rx) = oneshot::channel();
-            *crate::lock(&link.created) = Some(tx);
+            *kolo_sys::lock(&link.created) = Some(tx);
             link.send(&message).await?;
             waits.push((link.clone(), rx));
         }
@@ -318,13 +320,13 @@ impl Executor {
         // commands get the kill grace (their agents SIGTERM them first);
         // workers that run functions end themselves at Stop
         let limit = match running.commands {
-            true => self.settings.kill_grace + crate::wait::STOP_DRAIN,
-            false => crate::wait::FUNCTIONS_DRAIN,
+            true => self.settings.kill_grace + kolo_sys::wait::STOP_DRAIN,
+            false => kolo_sys::wait::FUNCTIONS_DRAIN,
         };
         let drained = tokio::select! {
             drained = tokio::time::timeout(limit, drain) => drained.is_ok(),
             // asked twice to stop: what is left is killed now
-            _ = crate::hurry::hurried() => false,
+            _ = kolo_sys::hurry::hurried() => false,
         };
         if !drained {
             running.readers.abort_all();
@@ -348,9 +350,9 @@ impl Executor {
         if let Some(engine) = self.engine() {
             engine.kill_all();
         }
-        let deadline = std::time::Instant::now() + crate::wait::KILLED_REAP;
+        let deadline = std::time::Instant::now() + kolo_sys::wait::KILLED_REAP;
         let engine = &mut self.engine;
-        crate::wait::wait_until_async(deadline, Duration::from_millis(1), || {
+        kolo_sys::wait::wait_until_async(deadline, Duration::from_millis(1), || {
             engine.as_mut().is_none_or(|e| e.all_exited())
         })
         .await;

@@ -22,7 +22,7 @@ static JOBS: Mutex<Vec<(String, Vec<Weak<Link>>)>> = Mutex::new(Vec::new());
 
 /// Adds a job's agents; dead entries (executors gone) are dropped meanwhile.
 pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
-    let mut jobs = crate::lock(&JOBS);
+    let mut jobs = kolo_sys::lock(&JOBS);
     for (_, agents) in jobs.iter_mut() {
         agents.retain(|a| a.strong_count() > 0);
     }
@@ -36,7 +36,7 @@ pub(super) fn register(secret: &str, links: &[Arc<Link>]) {
 
 /// A live agent of the job whose control connection came from `host`.
 fn agent_on(secret: &str, host: IpAddr) -> Option<Arc<Link>> {
-    let jobs = crate::lock(&JOBS);
+    let jobs = kolo_sys::lock(&JOBS);
     let (_, agents) = jobs.iter().find(|(s, _)| s == secret)?;
     agents.iter().filter_map(Weak::upgrade).find(|l| l.host_addr == Some(host) && l.lost_reason().is_none())
 }
@@ -48,9 +48,9 @@ pub(super) fn gate(secret: &str) -> PeerGate {
         let secret = secret.clone();
         Box::pin(async move {
             let host = peer.ip().to_canonical();
-            if crate::engine::is_own_address(host) {
+            if kolo_engine::is_own_address(host) {
                 let client = SocketAddr::new(host, peer.port());
-                let check = move || crate::sockets::owned_by_this_user(client, server, "the driver's machine");
+                let check = move || kolo_sys::sockets::owned_by_this_user(client, server, "the driver's machine");
                 return tokio::task::spawn_blocking(check).await.map_err(|e| e.to_string())?;
             }
             let Some(agent) = agent_on(&secret, host) else { return Err("not a host of the job".into()) };

@@ -17,13 +17,16 @@ use tokio::time::Instant;
 use super::link::{read_worker, send_heartbeats, watch_heartbeats, Link};
 use super::progress::Progress;
 use super::{peers, Executor, Running, WorkerInfo};
-use crate::engine::WorkerLaunch;
-use crate::guard::{Guard, GuardOptions};
 use crate::output::OutputWriter;
 use crate::policy::Liveness;
-use crate::proto::{self, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION};
 use crate::settings::random_hex;
-use crate::{worker, ExecError};
+use crate::ExecError;
+use kolo_engine::WorkerLaunch;
+use kolo_proto::launch as worker;
+use kolo_proto::proto::{
+    self, Challenge, HelloBody, HelloHeader, ToDriver, ToWorker, Welcome, MAGIC, PROTOCOL_VERSION,
+};
+use kolo_sys::guard::{Guard, GuardOptions};
 
 /// A worker that connected and proved the secret.
 pub(super) struct Hello {
@@ -217,7 +220,7 @@ impl Executor {
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
         tracing::debug!("every worker has its environment");
-        let listing = crate::control::JobListing {
+        let listing = super::control::JobListing {
             job: job.job_id.clone(),
             driver_pid: std::process::id(),
             command: self.description.clone(),
@@ -231,10 +234,10 @@ impl Executor {
                 }
                 hosts
             },
-            started: crate::control::unix_now(),
+            started: super::control::unix_now(),
         };
         // the job runs without it if it cannot open: said, not fatal
-        let control = crate::control::open(listing, links.clone(), self.janitor.as_deref())
+        let control = super::control::open(listing, links.clone(), self.janitor.as_deref())
             .map_err(|e| tracing::warn!("no control endpoint for kolo status and kolo stack: {e}"))
             .ok();
         Ok(Running {
@@ -277,8 +280,8 @@ impl Executor {
             heartbeat_timeout_ms: self.settings.heartbeat_timeout.as_millis() as u64,
             kill_grace_ms: self.settings.kill_grace.as_millis() as u64,
         };
-        let handshake_limit = self.settings.start_timeout.min(crate::wait::HANDSHAKE_LIMIT);
-        let build_id = crate::registry::build_id();
+        let handshake_limit = self.settings.start_timeout.min(kolo_sys::wait::HANDSHAKE_LIMIT);
+        let build_id = kolo_proto::registry::build_id();
         let secret = Arc::new(
             kolo_auth::Secret::new(self.settings.secret()).map_err(|e| ExecError::BadSettings(e.to_string()))?,
         );
@@ -355,7 +358,7 @@ impl Executor {
                         // hosts fail together (unreachable ones time out alike):
                         // a moment more names them all
                         let first_seen = *failed_since.get_or_insert_with(Instant::now);
-                        if first_seen.elapsed() >= crate::wait::FAILED_TOGETHER || Instant::now() >= deadline {
+                        if first_seen.elapsed() >= kolo_sys::wait::FAILED_TOGETHER || Instant::now() >= deadline {
                             let mut reasons: Vec<String> = Vec::new();
                             let mut hosts: Vec<String> = Vec::new();
                             for (index, how) in &failed {
@@ -525,7 +528,7 @@ async fn detect_nics(
     hellos: &mut [Hello],
     deadline: Instant,
     single_host: Vec<String>,
-) -> Result<(Vec<String>, Vec<crate::nics::PairReport>), ExecError> {
+) -> Result<(Vec<String>, Vec<kolo_agent::nics::PairReport>), ExecError> {
     let reps = plan.node_representatives();
     if reps.len() < 2 {
         let nics = if single_host.is_empty() { vec!["lo".to_string()] } else { single_host };
@@ -570,14 +573,14 @@ async fn detect_nics(
             _ => None,
         })
         .await?;
-        pairs.push(crate::nics::PairReport { from: host(r), to: host(reps[(k + 1) % reps.len()]), results });
+        pairs.push(kolo_agent::nics::PairReport { from: host(r), to: host(reps[(k + 1) % reps.len()]), results });
     }
     // the listeners are for these probes only
     let done = frame(&ToWorker::ProbeDone)?;
     for &r in &reps {
         hellos[r].stream.write_all(&done).await.map_err(|e| nics_error(&host(r), format!("host {}: {e}", host(r))))?;
     }
-    let common = crate::nics::common(&pairs).map_err(|message| ExecError::Nics { host: None, message })?;
+    let common = kolo_agent::nics::common(&pairs).map_err(|message| ExecError::Nics { host: None, message })?;
     Ok((common, pairs))
 }
 

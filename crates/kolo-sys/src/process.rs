@@ -6,12 +6,12 @@ use nix::unistd::Pid;
 
 /// Sends `signal` to the process group led by `pgid`; false once the group
 /// is gone.
-pub(crate) fn signal_group(pgid: u32, signal: Signal) -> bool {
+pub fn signal_group(pgid: u32, signal: Signal) -> bool {
     killpg(Pid::from_raw(pgid as i32), signal).is_ok()
 }
 
 /// Whether any process of the group is still alive (zombies included).
-pub(crate) fn group_alive(pgid: u32) -> bool {
+pub fn group_alive(pgid: u32) -> bool {
     killpg(Pid::from_raw(pgid as i32), None).is_ok()
 }
 
@@ -19,14 +19,14 @@ pub(crate) fn group_alive(pgid: u32) -> bool {
 /// (blocking: call it from a thread of its own or a process on its way out).
 /// Whether process `pid` is stopped by a signal (`T` in `/proc/PID/stat`;
 /// not `t`, a tracer's stop: a debugger or a stack sampler).
-pub(crate) fn is_stopped(pid: u32) -> bool {
+pub fn is_stopped(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|stat| stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
         .unwrap_or(false)
 }
 
-pub(crate) fn stop_group(group: u32, grace: std::time::Duration) {
+pub fn stop_group(group: u32, grace: std::time::Duration) {
     if !signal_group(group, Signal::SIGTERM) {
         return;
     }
@@ -37,7 +37,7 @@ pub(crate) fn stop_group(group: u32, grace: std::time::Duration) {
 }
 
 /// How a process ended, in words.
-pub(crate) fn describe(status: std::process::ExitStatus) -> String {
+pub fn describe(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exited with code {code}"),

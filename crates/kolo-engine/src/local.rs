@@ -15,9 +15,10 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
 use super::{Engine, WorkerLaunch};
-use crate::guard::{GroupWriter, Guard};
-use crate::process;
-use crate::{worker, ExecError};
+use crate::ExecError;
+use kolo_proto::launch::{self as worker, take_records, Record};
+use kolo_sys::guard::{GroupWriter, Guard};
+use kolo_sys::process;
 
 /// Processes on this machine. Every host of its list is a node here: hosts
 /// other than this machine are simulated nodes with their own node id, so
@@ -123,7 +124,7 @@ impl Engine for LocalEngine {
         self.children
             .iter_mut()
             .filter_map(|(indices, child)| match child.try_wait() {
-                Ok(Some(status)) => Some(indices.iter().map(move |i| (*i, crate::process::describe(status)))),
+                Ok(Some(status)) => Some(indices.iter().map(move |i| (*i, kolo_sys::process::describe(status)))),
                 _ => None,
             })
             .flatten()
@@ -281,59 +282,6 @@ impl Registered {
     }
 }
 
-/// What an agent says on its registry (`worker::group_record`,
-/// `worker::dir_record`).
-#[derive(Debug, PartialEq)]
-enum Record {
-    Group(u32),
-    Gone(u32),
-    /// A rank's private directory, removed if the agent dies.
-    Dir(std::path::PathBuf),
-}
-
-/// The whole records at the front of `pending` (the rest waits for more
-/// bytes). Anything that is not a record makes the agent untrusted for
-/// good: nothing more it says counts.
-fn take_records(pending: &mut Vec<u8>, trusted: &mut bool) -> Vec<Record> {
-    use std::os::unix::ffi::OsStrExt;
-    let mut records = Vec::new();
-    let mut at = 0;
-    while *trusted && pending.len() - at >= 8 {
-        let (tag, value) =
-            (&pending[at..at + 4], u32::from_be_bytes(pending[at + 4..at + 8].try_into().unwrap_or_default()));
-        if tag == worker::GROUP_TAG {
-            records.push(if value & worker::GROUP_GONE != 0 {
-                Record::Gone(value & !worker::GROUP_GONE)
-            } else {
-                Record::Group(value)
-            });
-            at += 8;
-            continue;
-        }
-        if tag == worker::DIR_TAG && (value as usize) <= worker::MAX_DIR_RECORD {
-            let end = at + 8 + value as usize;
-            if pending.len() < end {
-                break;
-            }
-            let path = std::path::Path::new(std::ffi::OsStr::from_bytes(&pending[at + 8..end]));
-            // only what an agent makes: a rank's directory, by its absolute path
-            let named = path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("kolo-rank-"));
-            if path.is_absolute() && named {
-                records.push(Record::Dir(path.to_path_buf()));
-            }
-            at = end;
-            continue;
-        }
-        *trusted = false;
-    }
-    if *trusted {
-        pending.drain(..at);
-    } else {
-        pending.clear();
-    }
-    records
-}
-
 impl Drop for LocalEngine {
     fn drop(&mut self) {
         self.kill_all();
@@ -430,21 +378,6 @@ mod tests {
         wait_idle(&watching);
         assert!(!rank_dir.exists(), "the rank's directory outlived its agent");
         assert!(other.exists(), "a path that is no rank's directory was removed");
-    }
-
-    #[test]
-    fn records_split_anywhere_are_read_whole() {
-        let mut bytes = worker::group_record(42).to_vec();
-        bytes.extend(worker::dir_record(std::path::Path::new("/tmp/kolo-rank-x")).unwrap());
-        bytes.extend(worker::group_record(42 | worker::GROUP_GONE));
-        for split in 0..bytes.len() {
-            let (mut pending, mut trusted, mut got) = (bytes[..split].to_vec(), true, Vec::new());
-            got.extend(take_records(&mut pending, &mut trusted));
-            pending.extend_from_slice(&bytes[split..]);
-            got.extend(take_records(&mut pending, &mut trusted));
-            let want = [Record::Group(42), Record::Dir("/tmp/kolo-rank-x".into()), Record::Gone(42)];
-            assert_eq!(got, want, "split at {split}");
-        }
     }
 
     #[test]

@@ -13,32 +13,32 @@
 
 use std::io::{self, Read};
 
-pub(crate) use kolo_auth::Role;
+pub use kolo_auth::Role;
 use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
 pub const PROTOCOL_VERSION: u32 = 5;
 /// Frames larger than this are refused (a task's arguments or result).
-pub(crate) const MAX_FRAME: usize = 256 << 20;
+pub const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
 /// driver buffer more without the secret.
-pub(crate) const MAX_PREAUTH_FRAME: usize = 4096;
+pub const MAX_PREAUTH_FRAME: usize = 4096;
 /// Sent first on every connection so that a stray client is recognised.
-pub(crate) const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
+pub const MAGIC: u32 = 0x6b6f_6c6f; // "kolo"
 
-pub(crate) use kolo_auth::{Nonce, Tag};
+pub use kolo_auth::{Nonce, Tag};
 
 /// Driver → worker, first frame: fixed layout, the same in every version.
 #[derive(Debug, Clone)]
-pub(crate) struct Challenge {
+pub struct Challenge {
     pub magic: u32,
     pub version: u32,
     pub nonce: Nonce,
 }
 
 impl Challenge {
-    pub(crate) fn frame(&self) -> Vec<u8> {
+    pub fn frame(&self) -> Vec<u8> {
         let mut f = Vec::with_capacity(44);
         f.extend_from_slice(&40u32.to_be_bytes());
         f.extend_from_slice(&self.magic.to_be_bytes());
@@ -47,7 +47,7 @@ impl Challenge {
         f
     }
 
-    pub(crate) fn parse(body: &[u8]) -> Option<Challenge> {
+    pub fn parse(body: &[u8]) -> Option<Challenge> {
         let body: &[u8; 40] = body.try_into().ok()?;
         Some(Challenge {
             magic: u32::from_be_bytes(body[0..4].try_into().ok()?),
@@ -59,7 +59,7 @@ impl Challenge {
 
 /// Worker → driver, the fixed start of the first frame.
 #[derive(Debug, Clone)]
-pub(crate) struct HelloHeader {
+pub struct HelloHeader {
     pub magic: u32,
     pub version: u32,
     pub index: u32,
@@ -73,7 +73,7 @@ const HELLO_HEADER: usize = 4 + 4 + 4 + 32 + 32;
 /// Worker → driver, the rest of the first frame (postcard; trusted only
 /// once the header's tag checked out).
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub(crate) struct HelloBody {
+pub struct HelloBody {
     /// The host name the worker really runs on.
     pub hostname: String,
     pub pid: u32,
@@ -84,7 +84,7 @@ pub(crate) struct HelloBody {
 }
 
 /// The worker's first frame: header then body.
-pub(crate) fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
+pub fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
     let mut f = Vec::with_capacity(4 + HELLO_HEADER + body.len());
     f.extend_from_slice(&((HELLO_HEADER + body.len()) as u32).to_be_bytes());
     f.extend_from_slice(&header.magic.to_be_bytes());
@@ -97,7 +97,7 @@ pub(crate) fn hello_frame(header: &HelloHeader, body: &[u8]) -> Vec<u8> {
 }
 
 /// Splits a first frame into its header and (unchecked) body.
-pub(crate) fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
+pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
     if frame.len() < HELLO_HEADER {
         return None;
     }
@@ -114,7 +114,7 @@ pub(crate) fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
 
 /// Driver → worker, answers a good Hello.
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub(crate) struct Welcome {
+pub struct Welcome {
     pub tag: Tag,
     pub heartbeat_interval_ms: u64,
     pub heartbeat_timeout_ms: u64,
@@ -124,7 +124,7 @@ pub(crate) struct Welcome {
 
 /// What a call runs on the worker.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CallKind {
+pub enum CallKind {
     /// A task on the worker's executable.
     Task,
     /// A plain function.
@@ -132,7 +132,7 @@ pub(crate) enum CallKind {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub(crate) enum ToWorker {
+pub enum ToWorker {
     Heartbeat,
     /// Overlaid on the worker's environment (and the command's).
     SetEnv(Vec<(String, String)>),
@@ -198,23 +198,23 @@ pub(crate) enum ToWorker {
 
 /// A rank's process as its agent sees it.
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub(crate) struct RankSample {
-    pub(crate) pid: u32,
+pub struct RankSample {
+    pub pid: u32,
     /// `running`, `sleeping`, `stopped`, `zombie`, `disk-wait`, ...
-    pub(crate) state: String,
+    pub state: String,
     /// Over the agent's last heartbeat interval.
-    pub(crate) cpu_percent: Option<f64>,
-    pub(crate) rss_bytes: u64,
+    pub cpu_percent: Option<f64>,
+    pub rss_bytes: u64,
     /// Every thread's stack, as `kolo stack` prints it, or why there is none.
-    pub(crate) stacks: Option<String>,
+    pub stacks: Option<String>,
     /// What the rank's Python hook counted, where it runs.
-    pub(crate) progress: Option<Progress>,
+    pub progress: Option<Progress>,
     /// Its GPUs' utilisation (the busiest) and the memory it holds, where NVML is.
-    pub(crate) gpu_percent: Option<f64>,
-    pub(crate) gpu_memory_bytes: Option<u64>,
+    pub gpu_percent: Option<f64>,
+    pub gpu_memory_bytes: Option<u64>,
     /// The last stall warning of the rank's Horovod core, where it has one.
     #[serde(default)]
-    pub(crate) stall: Option<String>,
+    pub stall: Option<String>,
 }
 
 /// A rank's collectives and steps, as its Python hook counts them in its
@@ -231,7 +231,7 @@ pub struct Progress {
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
-pub(crate) enum ToDriver {
+pub enum ToDriver {
     Heartbeat,
     /// The answer to `WhoOwns`: the connection is the job user's, or why not.
     SocketOwner {
@@ -308,7 +308,7 @@ fn control_context(version: u32, index: u32, body: &[u8]) -> Vec<u8> {
 /// A control handshake proof: the worker's is kolo-auth's dialer tag over
 /// the control context, the driver's the listener tag, given only to a
 /// worker that proved itself.
-pub(crate) fn control_tag(
+pub fn control_tag(
     secret: &Secret,
     role: Role,
     nonces: (&Nonce, &Nonce),
@@ -322,7 +322,7 @@ pub(crate) fn control_tag(
 
 /// Whether `claimed` is `role`'s control proof (compared in constant time
 /// by kolo-auth).
-pub(crate) fn control_verifies(
+pub fn control_verifies(
     secret: &Secret,
     role: Role,
     nonces: (&Nonce, &Nonce),
@@ -335,7 +335,7 @@ pub(crate) fn control_verifies(
     kolo_auth::verify(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce, claimed)
 }
 
-pub(crate) fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
+pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     let body = postcard::to_stdvec(message).map_err(io::Error::other)?;
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
@@ -349,7 +349,7 @@ pub(crate) fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     Ok(frame)
 }
 
-pub(crate) fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
     postcard::from_bytes(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }
 
@@ -364,7 +364,7 @@ fn check_length(len: usize, max: usize) -> io::Result<usize> {
 }
 
 /// Blocking frame I/O, for the worker agent; frames over `max` are refused.
-pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
+pub fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let mut body = vec![0u8; check_length(u32::from_be_bytes(len) as usize, max)?];
@@ -373,7 +373,7 @@ pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> io::Result<Vec<u8>> {
 }
 
 /// Async frame reading, for the driver; frames over `max` are refused.
-pub(crate) async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin), max: usize) -> io::Result<Vec<u8>> {
+pub async fn read_frame_async(r: &mut (impl tokio::io::AsyncRead + Unpin), max: usize) -> io::Result<Vec<u8>> {
     use tokio::io::AsyncReadExt;
     let mut len = [0u8; 4];
     r.read_exact(&mut len).await?;

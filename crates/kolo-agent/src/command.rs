@@ -11,13 +11,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::guard::{Guard, GuardOptions};
-use crate::proto::ToDriver;
+use kolo_proto::proto::ToDriver;
+use kolo_sys::guard::{Guard, GuardOptions};
 
-use super::Agent;
+use crate::Agent;
 
 /// How a command registers its group: a guard's record, or the driver's
-/// (`super::group_record`).
+/// (`kolo_proto::launch::group_record`).
 #[derive(Clone, Copy)]
 enum RegistryRecord {
     Guard,
@@ -38,7 +38,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // the driver guards commands (its own host), the command registers its
     // group with the driver instead, also before it runs
     let silence = Some(agent.heartbeat_timeout * 2);
-    let early = crate::lock(&agent.guard).take();
+    let early = kolo_sys::lock(&agent.guard).take();
     let guard = match early {
         Some(guard) => guard.arm(agent.kill_grace, silence).map(|()| Some(guard)),
         None if agent.group_registry.is_some() => Ok(None),
@@ -69,8 +69,8 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     // (and first, those of jobs on this host whose every process was killed)
     // (once per process: the agents sharing one would each sweep the others')
     static SWEPT: std::sync::Once = std::sync::Once::new();
-    SWEPT.call_once(|| drop(super::rank_dir::sweep_abandoned(&super::rank_dir::base())));
-    let rank_dir = super::rank_dir::RankDir::create(guard.as_deref());
+    SWEPT.call_once(|| drop(crate::rank_dir::sweep_abandoned(&crate::rank_dir::base())));
+    let rank_dir = crate::rank_dir::RankDir::create(guard.as_deref());
     let lookup = |name: &str| {
         env.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.clone()).or_else(|| std::env::var(name).ok())
     };
@@ -78,7 +78,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     let mut progress = None;
     if let Some(dir) = &rank_dir {
         // on the driver's host the driver removes it if this agent dies
-        if let (Some(registry), Some(record)) = (&agent.group_registry, super::dir_record(dir.path())) {
+        if let (Some(registry), Some(record)) = (&agent.group_registry, kolo_proto::launch::dir_record(dir.path())) {
             let _ = nix::unistd::write(registry, &record);
         }
         if lookup(ERROR_FILE_VAR).is_none() {
@@ -123,9 +123,9 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     unsafe {
         command.pre_exec(move || {
             let pid = libc::getpid() as u32;
-            let mut guard_record = [crate::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
+            let mut guard_record = [kolo_sys::guard::GROUP_RECORD, 0, 4, 0, 0, 0, 0];
             guard_record[3..].copy_from_slice(&pid.to_be_bytes());
-            let driver_record = super::group_record(pid);
+            let driver_record = kolo_proto::launch::group_record(pid);
             let bytes = match record {
                 RegistryRecord::Guard => &guard_record[..],
                 RegistryRecord::Driver => &driver_record[..],
@@ -159,7 +159,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
             }
         });
     }
-    *crate::lock(&agent.command) = Some(super::Running {
+    *kolo_sys::lock(&agent.command) = Some(crate::Running {
         group: child.id(),
         guard,
         dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()),

@@ -16,8 +16,9 @@ use std::time::Duration;
 use kolo_topology::{expand_nodelist, expand_tasks_per_node, HostResources};
 
 use super::{Engine, WorkerLaunch};
-use crate::guard::Guard;
-use crate::{worker, ExecError};
+use crate::ExecError;
+use kolo_proto::launch as worker;
+use kolo_sys::guard::Guard;
 
 /// What to ask Slurm for when kolo makes the allocation itself.
 #[derive(Clone, Debug, Default)]
@@ -306,7 +307,7 @@ impl Engine for SlurmEngine {
     fn exited(&mut self) -> Vec<(u32, String)> {
         match self.srun.as_mut().map(|c| c.try_wait()) {
             Some(Ok(Some(status))) => {
-                let how = format!("srun {}", crate::process::describe(status));
+                let how = format!("srun {}", kolo_sys::process::describe(status));
                 self.workers.iter().map(|&i| (i, how.clone())).collect()
             }
             _ => Vec::new(),
@@ -357,7 +358,7 @@ impl Drop for SlurmEngine {
     fn drop(&mut self) {
         self.kill_all();
         let deadline = std::time::Instant::now() + SRUN_TERM_GRACE * 2;
-        crate::wait::wait_until(deadline, Duration::from_millis(10), || self.all_exited());
+        kolo_sys::wait::wait_until(deadline, Duration::from_millis(10), || self.all_exited());
         if let Some(mut srun) = self.srun.take() {
             let _ = srun.kill();
             let _ = srun.wait();

@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
-use crate::driver::Link;
+use super::link::Link;
 
 /// The longest request line taken.
 pub const MAX_REQUEST: usize = 4096;
@@ -171,7 +171,7 @@ struct Job {
 pub(crate) fn open(
     listing: JobListing,
     links: Vec<Arc<Link>>,
-    janitor: Option<&crate::guard::Guard>,
+    janitor: Option<&kolo_sys::guard::Guard>,
 ) -> io::Result<Endpoint> {
     // an elastic job's cohorts are executors of one job: one endpoint each
     static OPENED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

@@ -9,7 +9,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 /// The user that owns the socket connected from `client` to `server`, as
 /// this host's socket tables have it; `None` where no such socket is listed.
-pub(crate) fn owner_uid(client: SocketAddr, server: SocketAddr) -> std::io::Result<Option<u32>> {
+pub fn owner_uid(client: SocketAddr, server: SocketAddr) -> std::io::Result<Option<u32>> {
     for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
         let text = match std::fs::read_to_string(table) {
             Ok(text) => text,
@@ -25,13 +25,13 @@ pub(crate) fn owner_uid(client: SocketAddr, server: SocketAddr) -> std::io::Resu
 }
 
 /// This user's id, as the socket tables write owners.
-pub(crate) fn this_uid() -> u32 {
+pub fn this_uid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
 /// Admits the connection from `client` to `server` if this host's socket
 /// tables list it as this user's; otherwise says why not, naming `host`.
-pub(crate) fn owned_by_this_user(client: SocketAddr, server: SocketAddr, host: &str) -> Result<(), String> {
+pub fn owned_by_this_user(client: SocketAddr, server: SocketAddr, host: &str) -> Result<(), String> {
     match owner_uid(client, server) {
         Ok(Some(uid)) if uid == this_uid() => Ok(()),
         Ok(Some(uid)) => Err(format!("it belongs to user {uid} of {host}, not the job's")),
@@ -42,7 +42,7 @@ pub(crate) fn owned_by_this_user(client: SocketAddr, server: SocketAddr, host: &
 
 /// The uid of the row whose local address is `client` and remote address
 /// is `server` (IPv4-mapped IPv6 addresses match their IPv4 form).
-pub(crate) fn find_owner(table: &str, client: SocketAddr, server: SocketAddr) -> Option<u32> {
+pub fn find_owner(table: &str, client: SocketAddr, server: SocketAddr) -> Option<u32> {
     let canonical = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
     let (client, server) = (canonical(client), canonical(server));
     table.lines().skip(1).find_map(|row| {

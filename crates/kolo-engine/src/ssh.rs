@@ -18,9 +18,9 @@ use std::time::Duration;
 use kolo_topology::{HostResources, HostSpec};
 
 use super::{Engine, WorkerLaunch};
-use crate::guard::Guard;
-use crate::worker;
 use crate::ExecError;
+use kolo_proto::launch as worker;
+use kolo_sys::guard::Guard;
 
 /// How to reach the hosts.
 #[derive(Clone, Debug, Default)]
@@ -169,7 +169,7 @@ impl Engine for SshEngine {
                 std::thread::spawn(move || {
                     for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                         eprintln!("{line}");
-                        *crate::lock(&last) = line;
+                        *kolo_sys::lock(&last) = line;
                     }
                 });
             }
@@ -183,11 +183,11 @@ impl Engine for SshEngine {
         let mut out = Vec::new();
         for ((indices, child), last) in self.children.iter_mut().zip(&self.last_words) {
             if let Ok(Some(status)) = child.try_wait() {
-                let said = crate::lock(last).trim().to_string();
+                let said = kolo_sys::lock(last).trim().to_string();
                 let how = if said.is_empty() {
-                    format!("its ssh session {}", crate::process::describe(status))
+                    format!("its ssh session {}", kolo_sys::process::describe(status))
                 } else {
-                    format!("its ssh session {} ({said})", crate::process::describe(status))
+                    format!("its ssh session {} ({said})", kolo_sys::process::describe(status))
                 };
                 out.extend(indices.iter().map(|&i| (i, how.clone())));
             }

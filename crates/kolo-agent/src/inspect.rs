@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::proto::RankSample;
+use kolo_proto::proto::RankSample;
 
 /// How long py-spy may take to dump a process.
 const DUMP_WAIT: Duration = Duration::from_secs(10);
@@ -57,7 +57,7 @@ pub(crate) const PROGRESS_FILE_VAR: &str = "KOLO_PROGRESS_FILE";
 const PROGRESS_LEN: usize = 64;
 
 /// Makes the rank's progress file (zeros, 0600) in its private directory.
-pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&crate::guard::Guard>) -> Option<PathBuf> {
+pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&kolo_sys::guard::Guard>) -> Option<PathBuf> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
     let file = dir.join("progress");
@@ -71,7 +71,7 @@ pub(crate) fn create_progress_file(dir: &std::path::Path, guard: Option<&crate::
 
 /// What the rank's hook counted so far; none until a hook counts (the
 /// rank is not Python, or has not imported torch).
-pub(crate) fn read_progress(file: &std::path::Path) -> Option<crate::proto::Progress> {
+pub(crate) fn read_progress(file: &std::path::Path) -> Option<kolo_proto::proto::Progress> {
     parse_progress(&std::fs::read(file).ok()?)
 }
 
@@ -133,18 +133,18 @@ pub(crate) fn read_own_stall() -> Option<String> {
 }
 
 /// What this process's own hook counted, where it has one.
-pub(crate) fn read_own_progress() -> Option<crate::proto::Progress> {
+pub(crate) fn read_own_progress() -> Option<kolo_proto::proto::Progress> {
     let mut bytes = [0u8; PROGRESS_LEN];
     std::os::unix::fs::FileExt::read_exact_at(OWN_PROGRESS.get()?, &mut bytes, 0).ok()?;
     parse_progress(&bytes)
 }
 
-fn parse_progress(bytes: &[u8]) -> Option<crate::proto::Progress> {
+fn parse_progress(bytes: &[u8]) -> Option<kolo_proto::proto::Progress> {
     let word = |i: usize| Some(u64::from_le_bytes(bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?));
     if word(4)? != 1 {
         return None;
     }
-    Some(crate::proto::Progress { entered: word(0)?, done: word(1)?, wait_ns: word(2)?, steps: word(3)? })
+    Some(kolo_proto::proto::Progress { entered: word(0)?, done: word(1)?, wait_ns: word(2)?, steps: word(3)? })
 }
 
 /// CPU use of one process between two looks.

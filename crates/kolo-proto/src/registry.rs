@@ -53,7 +53,7 @@ impl std::fmt::Debug for Reporter {
 }
 
 impl Reporter {
-    pub(crate) fn new(send: impl Fn(Vec<u8>) -> Result<(), ReportError> + Send + Sync + 'static) -> Self {
+    pub fn new(send: impl Fn(Vec<u8>) -> Result<(), ReportError> + Send + Sync + 'static) -> Self {
         Reporter { send: std::sync::Arc::new(send) }
     }
 
@@ -73,7 +73,7 @@ impl Reporter {
 }
 
 impl WorkerContext {
-    pub(crate) fn new(env: BTreeMap<String, String>, reporter: Option<Reporter>) -> Self {
+    pub fn new(env: BTreeMap<String, String>, reporter: Option<Reporter>) -> Self {
         WorkerContext { env, reporter }
     }
 
@@ -152,7 +152,7 @@ type TaskRunner = Box<dyn Fn(&[u8], &mut (dyn Any + Send), &WorkerContext) -> Re
 type FunctionRunner = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync>;
 
 /// The executables, tasks and functions a worker can run. Build it in
-/// `main` and hand it to [`crate::serve_if_worker`] before anything else.
+/// `main` and hand it to `serve_if_worker` (kolo-agent, re-exported by kolo-exec) before anything else.
 #[derive(Default)]
 pub struct Registry {
     names: std::collections::HashSet<&'static str>,
@@ -200,7 +200,7 @@ impl Registry {
         for byte in names.join(",").bytes() {
             hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
         }
-        format!("kolo {} protocol {} registry {hash:016x}", env!("CARGO_PKG_VERSION"), crate::PROTOCOL_VERSION)
+        format!("kolo {} protocol {} registry {hash:016x}", env!("CARGO_PKG_VERSION"), crate::proto::PROTOCOL_VERSION)
     }
 
     pub fn executable<E: Executable>(mut self) -> Self {
@@ -245,14 +245,14 @@ impl Registry {
         self
     }
 
-    pub(crate) fn create(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Box<dyn Any + Send>, String> {
+    pub fn create(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Box<dyn Any + Send>, String> {
         let creator = self.executables.get(name).ok_or_else(|| {
             format!("executable {name} is not registered in this worker; add .executable::<{name}>() to its Registry")
         })?;
         creator(args, ctx)
     }
 
-    pub(crate) fn run_task(
+    pub fn run_task(
         &self,
         name: &str,
         args: &[u8],
@@ -266,7 +266,7 @@ impl Registry {
         runner(args, executable, ctx)
     }
 
-    pub(crate) fn run_function(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Vec<u8>, String> {
+    pub fn run_function(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Vec<u8>, String> {
         let runner = self.functions.get(name).ok_or_else(|| {
             format!("function {name} is not registered in this worker; add .function::<{name}>() to its Registry")
         })?;

@@ -22,7 +22,7 @@ use std::time::Duration;
 const BEAT: u8 = 1;
 const GROUP: u8 = 2;
 /// A group record's kind byte, for a child that registers itself.
-pub(crate) const GROUP_RECORD: u8 = GROUP;
+pub const GROUP_RECORD: u8 = GROUP;
 const PATH: u8 = 3;
 const COMMAND: u8 = 4;
 const RELEASE: u8 = 5;
@@ -52,10 +52,10 @@ pub struct Guard {
 }
 
 /// Registers process groups with a guard from elsewhere than its owner.
-pub(crate) struct GroupWriter(OwnedFd);
+pub struct GroupWriter(OwnedFd);
 
 impl GroupWriter {
-    pub(crate) fn watch_group(&self, pgid: u32) -> io::Result<()> {
+    pub fn watch_group(&self, pgid: u32) -> io::Result<()> {
         let mut record = [GROUP, 0, 4, 0, 0, 0, 0];
         record[3..].copy_from_slice(&pgid.to_be_bytes());
         write_all(self.0.as_raw_fd(), &record)
@@ -183,13 +183,13 @@ impl Guard {
 
     /// The pipe's descriptor, for a child to register itself between fork
     /// and exec.
-    pub(crate) fn pipe_fd(&self) -> Option<std::os::fd::RawFd> {
+    pub fn pipe_fd(&self) -> Option<std::os::fd::RawFd> {
         self.pipe.as_ref().map(|p| p.as_raw_fd())
     }
 
     /// A second writer of group records, for another thread to register
     /// groups while this guard lives (records are too small to interleave).
-    pub(crate) fn group_writer(&self) -> io::Result<GroupWriter> {
+    pub fn group_writer(&self) -> io::Result<GroupWriter> {
         use std::os::fd::AsFd;
         let pipe = self.pipe.as_ref().ok_or_else(|| io::Error::other("the guard was released"))?;
         Ok(GroupWriter(pipe.as_fd().try_clone_to_owned()?))

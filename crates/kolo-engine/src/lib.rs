@@ -2,10 +2,15 @@
 //! else (registration, ranks, rendezvous, env) is the driver's, the same on
 //! every engine.
 
+mod error;
 mod local;
 mod ray;
+mod request;
 mod slurm;
 mod ssh;
+
+pub use error::ExecError;
+pub use request::WorkerRequest;
 
 pub use local::LocalEngine;
 pub use ray::{BridgeHost, RayEngine, RayNodes, RayOptions, RunsBridge};
@@ -19,8 +24,7 @@ use std::time::Duration;
 
 use kolo_topology::{HostResources, HostSpec};
 
-use crate::guard::Guard;
-use crate::{ExecError, WorkerRequest};
+use kolo_sys::guard::Guard;
 
 /// One worker process to start, as the plan placed it.
 #[derive(Clone, Debug)]
@@ -216,7 +220,7 @@ pub fn is_this_machine(host: &str) -> bool {
 }
 
 /// Whether `ip` is one of this machine's own addresses (loopback included).
-pub(crate) fn is_own_address(ip: IpAddr) -> bool {
+pub fn is_own_address(ip: IpAddr) -> bool {
     ip.is_loopback() || local_addresses().contains(&ip)
 }
 

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
 
-use crate::guard::Guard;
+use kolo_sys::guard::Guard;
 
 const PREFIX: &str = "kolo-rank-";
 /// The lock's name; it appears only once locked (see `RankDir::create`).

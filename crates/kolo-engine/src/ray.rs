@@ -30,8 +30,9 @@ use kolo_topology::{HostResources, Placement, WorkerResources};
 use serde_json::{json, Value};
 
 use super::{Engine, WorkerLaunch};
-use crate::guard::Guard;
-use crate::{worker, ExecError, WorkerRequest};
+use crate::{ExecError, WorkerRequest};
+use kolo_proto::launch as worker;
+use kolo_sys::guard::Guard;
 
 const BRIDGE: &str = include_str!("ray_bridge.py");
 
@@ -185,7 +186,7 @@ impl Bridge {
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                     tracing::debug!(target: "kolo_exec::ray_bridge", "{line}");
-                    let mut tail = crate::lock(&tail);
+                    let mut tail = kolo_sys::lock(&tail);
                     tail.push(line);
                     let excess = tail.len().saturating_sub(20);
                     tail.drain(..excess);
@@ -211,7 +212,7 @@ impl Bridge {
 
     /// The answer to the request just sent, within `limit`.
     fn answer(&mut self, what: &str, limit: Duration) -> Result<Value, ExecError> {
-        let answer = match crate::lock(&self.answers).recv_timeout(limit) {
+        let answer = match kolo_sys::lock(&self.answers).recv_timeout(limit) {
             Ok(answer) => answer,
             Err(RecvTimeoutError::Timeout) => {
                 return Err(ray_err(format!(
@@ -234,7 +235,7 @@ impl Bridge {
     }
 
     fn last_words(&self) -> String {
-        let tail = crate::lock(&self.stderr_tail);
+        let tail = kolo_sys::lock(&self.stderr_tail);
         // the end of a Python traceback says what went wrong
         let said: Vec<&str> = tail.iter().rev().filter(|l| !l.trim().is_empty()).take(3).map(String::as_str).collect();
         if said.is_empty() {
@@ -434,7 +435,7 @@ impl Engine for RayEngine {
     fn exited(&mut self) -> Vec<(u32, String)> {
         let Some(bridge) = self.bridge.as_mut() else { return Vec::new() };
         let mut out: Vec<(u32, String)> =
-            crate::lock(&bridge.events).try_iter().filter(|(i, _)| self.reported.insert(*i)).collect();
+            kolo_sys::lock(&bridge.events).try_iter().filter(|(i, _)| self.reported.insert(*i)).collect();
         if self.kill_sent.is_none() && bridge.exited() {
             let why = format!("kolo's Ray bridge exited{}", bridge.last_words());
             for &index in &self.spawned {
@@ -472,7 +473,7 @@ impl Engine for RayEngine {
 impl Drop for RayEngine {
     fn drop(&mut self) {
         self.kill_all();
-        crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || self.all_exited());
+        kolo_sys::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || self.all_exited());
         if let Some(bridge) = self.bridge.as_mut() {
             bridge.kill();
         }
@@ -516,7 +517,7 @@ impl RayNodes {
 
 impl super::HostSource for RayNodes {
     fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, ExecError> {
-        let mut held = crate::lock(&self.bridge);
+        let mut held = kolo_sys::lock(&self.bridge);
         if held.as_mut().is_none_or(Bridge::exited) {
             *held = Some(Bridge::start(&self.options)?);
         }
@@ -552,7 +553,7 @@ impl Drop for RayNodes {
         if let Some(mut bridge) = held.take() {
             let _ = bridge.send(&json!({"op": "kill"}));
             bridge.stdin = None;
-            crate::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || bridge.exited());
+            kolo_sys::wait::wait_until(Instant::now() + BRIDGE_CLOSE, BRIDGE_POLL, || bridge.exited());
             bridge.kill();
         }
     }

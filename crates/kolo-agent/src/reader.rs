@@ -4,7 +4,7 @@
 use std::io;
 use std::net::TcpStream;
 
-use crate::proto::{self, ToWorker};
+use kolo_proto::proto::{self, ToWorker};
 
 /// Frames from the driver, read ahead in one buffer.
 pub(super) struct FrameReader {

@@ -24,8 +24,8 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use nix::sys::time::TimeSpec;
 use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 
-use super::reader::FrameReader;
-use crate::proto::ToWorker;
+use crate::reader::FrameReader;
+use kolo_proto::proto::ToWorker;
 
 /// How long a call runs before the helper reads in its place: short
 /// enough that a `WhoOwns`, `Inspect` or `Stop` during a call waits
@@ -71,18 +71,18 @@ impl Reading {
 
     /// The reader, for the main thread between calls.
     pub(super) fn reader(&self) -> MutexGuard<'_, FrameReader> {
-        crate::lock(&self.reader)
+        kolo_sys::lock(&self.reader)
     }
 
     /// The next message the helper read during the last call, if any.
     pub(super) fn next_queued(&self) -> Option<ToWorker> {
-        crate::lock(&self.queued).pop_front()
+        kolo_sys::lock(&self.queued).pop_front()
     }
 
     /// The main thread is about to run a call: the helper reads if it
     /// runs for `TAKEOVER`.
     pub(super) fn call_starts(&self) -> std::io::Result<()> {
-        let mut role = crate::lock(&self.role);
+        let mut role = kolo_sys::lock(&self.role);
         debug_assert_eq!(*role, Role::Main);
         self.timer.set(Expiration::OneShot(TimeSpec::from_duration(TAKEOVER)), TimerSetTimeFlags::empty())?;
         *role = Role::Calling;
@@ -92,7 +92,7 @@ impl Reading {
     /// The call ended: the main thread reads again once the helper (if it
     /// took over) has handed the reader back.
     pub(super) fn call_ended(&self) -> std::io::Result<()> {
-        let mut role = crate::lock(&self.role);
+        let mut role = kolo_sys::lock(&self.role);
         match *role {
             Role::Calling => {
                 // a timer that fired meanwhile finds the role taken back
@@ -120,7 +120,7 @@ impl Reading {
         loop {
             self.timer.wait()?;
             {
-                let mut role = crate::lock(&self.role);
+                let mut role = kolo_sys::lock(&self.role);
                 if *role != Role::Calling {
                     continue; // the call ended first
                 }
@@ -131,8 +131,8 @@ impl Reading {
             let mut readable = true;
             loop {
                 if readable {
-                    let mut reader = crate::lock(&self.reader);
-                    read(&mut reader, &mut |message| crate::lock(&self.queued).push_back(message))?;
+                    let mut reader = kolo_sys::lock(&self.reader);
+                    read(&mut reader, &mut |message| kolo_sys::lock(&self.queued).push_back(message))?;
                 }
                 let mut fds = [
                     PollFd::new(self.socket.as_fd(), PollFlags::POLLIN),
@@ -147,7 +147,7 @@ impl Reading {
                 readable = ready(&fds[0]);
                 if ready(&fds[1]) {
                     self.give_back.read()?;
-                    *crate::lock(&self.role) = Role::Main;
+                    *kolo_sys::lock(&self.role) = Role::Main;
                     self.handed_back.notify_all();
                     break;
                 }

@@ -14,10 +14,10 @@ use std::time::Duration;
 use kolo_auth::Secret;
 
 /// Interface names with their IPv4 addresses.
-pub(crate) type Interfaces = Vec<(String, Vec<String>)>;
+pub type Interfaces = Vec<(String, Vec<String>)>;
 
 /// This host's interfaces with IPv4 addresses (loopback left out).
-pub(crate) fn interfaces() -> Interfaces {
+pub fn interfaces() -> Interfaces {
     let mut out: Interfaces = Vec::new();
     let Ok(all) = nix::ifaddrs::getifaddrs() else { return out };
     for a in all {
@@ -34,7 +34,7 @@ pub(crate) fn interfaces() -> Interfaces {
 }
 
 /// Every interface name of this host (loopback included), sorted.
-pub(crate) fn interface_names() -> Vec<String> {
+pub fn interface_names() -> Vec<String> {
     let mut names: Vec<String> = match nix::ifaddrs::getifaddrs() {
         Ok(all) => all.map(|a| a.interface_name).collect(),
         Err(_) => Vec::new(),
@@ -75,7 +75,7 @@ const LISTEN_AT_MOST: Duration = Duration::from_secs(60);
 /// Listens for probes on this host's listed addresses only, one port for
 /// all of them, one handshake at a time, until [`stop_listening`] (or a
 /// minute at most).
-pub(crate) fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfaces)> {
+pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfaces)> {
     let listed = interfaces();
     let addrs: Vec<IpAddr> = listed.iter().flat_map(|(_, a)| a.iter()).filter_map(|a| a.parse().ok()).collect();
     let listeners = bind_all(&addrs)?;
@@ -85,7 +85,7 @@ pub(crate) fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, I
         None => 0,
     };
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if let Some(earlier) = crate::lock(&STOP_LISTENING).replace(stop.clone()) {
+    if let Some(earlier) = kolo_sys::lock(&STOP_LISTENING).replace(stop.clone()) {
         earlier.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     std::thread::spawn(move || {
@@ -112,8 +112,8 @@ pub(crate) fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, I
 }
 
 /// Closes the probe listener of this process, if one runs.
-pub(crate) fn stop_listening() {
-    if let Some(stop) = crate::lock(&STOP_LISTENING).take() {
+pub fn stop_listening() {
+    if let Some(stop) = kolo_sys::lock(&STOP_LISTENING).take() {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
@@ -161,7 +161,7 @@ fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &Secret, ti
 }
 
 /// Probes every target in parallel.
-pub(crate) fn probe(
+pub fn probe(
     index: u32,
     targets: &[(String, String, u16)],
     secret: &Secret,
@@ -196,7 +196,7 @@ impl PairReport {
 
 /// The interfaces that work for every pair, or an error naming each pair
 /// with what failed there.
-pub(crate) fn common(pairs: &[PairReport]) -> Result<Vec<String>, String> {
+pub fn common(pairs: &[PairReport]) -> Result<Vec<String>, String> {
     let mut common: Option<BTreeSet<String>> = None;
     for p in pairs {
         let working = p.working();
