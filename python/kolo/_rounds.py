@@ -78,3 +78,136 @@ def current():
 def in_place_job():
     """Whether this process belongs to an in-place elastic job."""
     return bool(os.environ.get(_ENV_ROUND))
+
+
+# ---- what survives rounds, and the loop through them -----------------------
+#
+# Written once for every front end (kolo.elastic, kolo.torch.elastic and
+# hvd.elastic for torch, TensorFlow and Keras); each gives its collectives
+# over the round it joined (a `State` subclass) and how it joins and ends a
+# round (`run_rounds`).
+#
+# The sync rule, chosen here for all of them: at each round's start every
+# process takes the state of the process that committed most, the lowest
+# rank among equals. Survivors of a lost peer hold their last commit; a
+# process new to the job has committed nothing, so it never overwrites a
+# survivor; in the first round, where none has committed, that is rank 0
+# (Horovod's rule).
+
+
+def _hosts_updated_types():
+    from .horovod.common.exceptions import HostsUpdatedInterrupt
+
+    return (HostsUpdatedInterrupt, _kolo.HostsUpdated)
+
+
+class State:
+    """What survives rounds (Horovod's `State`). Subclasses give `save`,
+    `restore` and `_sync_from(root)`, and their front end's collectives
+    over the round joined: `_round_rank()`, `_allgather_int(value)` and
+    `_broadcast_int(value, root)`. `commit` saves, then leaves for a new
+    round if hosts came or went (`_hosts_updated(round)` is the exception
+    to raise)."""
+
+    def __init__(self):
+        self._reset_callbacks = []
+        self._commits = 0
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called after each new round is joined, before the sync."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self):
+        """Saves the state to go back to, then raises if the driver started
+        a new round (hosts added or removed): `run` joins it keeping what
+        was just saved. A collective: every rank commits alike."""
+        self.save()
+        self._commits += 1
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raises if a newer round started, as the round's rank 0 sees it,
+        on every rank alike (ranks must not disagree on whether to leave)."""
+        if not in_place_job():
+            return
+        mine = 0
+        if self._round_rank() == 0:
+            mine = _the_worker("commit").newer_round() or 0
+        newer = self._broadcast_int(mine, 0)
+        if newer:
+            raise self._hosts_updated(newer)
+
+    def sync(self):
+        """Every process takes the state of the one that committed most
+        (the rule above), and commits it."""
+        counts = self._allgather_int(self._commits)
+        root = counts.index(max(counts))
+        self._sync_from(root)
+        self._commits = max(counts)
+        self.save()
+
+    def _hosts_updated(self, newer_round):
+        from .horovod.common.exceptions import HostsUpdatedInterrupt
+
+        return HostsUpdatedInterrupt(False)
+
+    def save(self):
+        raise NotImplementedError
+
+    def restore(self):
+        raise NotImplementedError
+
+    def _sync_from(self, root):
+        raise NotImplementedError
+
+    def _round_rank(self):
+        raise NotImplementedError
+
+    def _allgather_int(self, value):
+        raise NotImplementedError
+
+    def _broadcast_int(self, value, root):
+        raise NotImplementedError
+
+
+def run_rounds(state, call, *, join_round, finish, abandon, peer_lost):
+    """Calls `call()` through rounds until it returns; the loop of every
+    front end. Each round: `join_round(first)` (raises `Removed` when the
+    round has no place for this process: then `abandon()` and None), the
+    reset callbacks (from the second round on), `state.sync()` and
+    `call()`. A hosts-updated exception keeps the state (and skips the
+    sync where it says so); an exception `peer_lost(e)` accepts restores
+    the last commit; either way the next round is joined. Any other
+    exception: `abandon()`, and it is raised. `finish()` once `call`
+    returned."""
+    hosts_updated = _hosts_updated_types()
+    first, skip_sync = True, False
+    while True:
+        try:
+            join_round(first)
+        except _kolo.Removed:
+            abandon()
+            return None
+        if not first:
+            state.on_reset()
+        first = False
+        try:
+            if not skip_sync:
+                state.sync()
+            result = call()
+        except hosts_updated as e:
+            skip_sync = getattr(e, "skip_sync", False)
+            continue
+        except Exception as e:  # the front end decides what a lost peer looks like
+            if not peer_lost(e):
+                abandon()
+                raise
+            state.restore()
+            skip_sync = False
+            continue
+        finish()
+        return result

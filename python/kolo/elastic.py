@@ -29,7 +29,7 @@ its last commit.
 import functools
 import pickle
 
-from . import _kolo
+from . import _kolo, _rounds
 
 MembershipError = _kolo.MembershipError
 HostsUpdated = _kolo.HostsUpdated
@@ -82,14 +82,16 @@ class Communicator:
         self._comm.barrier()
 
 
-class ObjectState:
+class ObjectState(_rounds.State):
     """Training state that survives rounds (Horovod's `ObjectState`): its
     attributes, a copy taken at each `commit`, `restore` to go back to it,
-    `sync` to take rank 0's."""
+    `sync` to take the state of the process that committed most (rank 0's
+    in the first round; the rule and the loop are `kolo._rounds`'s)."""
 
     def __init__(self, **kwargs):
+        super().__init__()
         self.__dict__.update(kwargs)
-        self._worker = None
+        self._comm = None
         self._saved = self._snapshot()
 
     def _snapshot(self) -> bytes:
@@ -97,63 +99,81 @@ class ObjectState:
 
     def commit(self):
         """Keeps a copy to go back to; raises `HostsUpdated` if hosts came
-        or went meanwhile (`run` then joins the new round)."""
+        or went meanwhile (`run` then joins the new round). A collective:
+        every rank commits alike."""
+        super().commit()
+
+    def check_host_updates(self):
+        # outside `run` there is no round to leave
+        if self._comm is not None:
+            super().check_host_updates()
+
+    def save(self):
         self._saved = self._snapshot()
-        round_ = self._worker.newer_round() if self._worker is not None else None
-        if round_ is not None:
-            raise HostsUpdated(f"the hosts changed: round {round_} is starting")
 
     def restore(self):
         """Goes back to the last commit."""
         self.__dict__.update(pickle.loads(self._saved))
 
-    def sync(self, comm: Communicator):
-        """Every rank takes rank 0's state (and commits it)."""
-        saved = comm.broadcast_object(self._snapshot() if comm.rank == 0 else None, root=0)
+    def _sync_from(self, root):
+        saved = self._comm.broadcast_object(self._snapshot() if self._comm.rank == root else None, root=root)
         self.__dict__.update(pickle.loads(saved))
-        self._saved = saved
+
+    def _hosts_updated(self, newer_round):
+        return HostsUpdated(f"the hosts changed: round {newer_round} is starting")
+
+    def _round_rank(self):
+        return self._comm.rank
+
+    def _allgather_int(self, value):
+        mine = [0.0] * self._comm.size
+        mine[self._comm.rank] = float(value)
+        return [int(v) for v in self._comm.allreduce(mine, op="sum")]
+
+    def _broadcast_int(self, value, root):
+        return int(self._comm.broadcast_object(int(value) if self._comm.rank == root else None, root=root))
 
 
-_worker = None
 # this process's rank in the round it joined last (kolo.report's chief)
 _round_rank = None
 
 
 def run(func):
     """Runs `func(state, comm, *args, **kwargs)` through rounds until it
-    returns: joins a round, syncs `state` from its rank 0, calls `func`;
-    when a peer is lost or the round ends (`MembershipError`), restores
-    the last commit and does it again; when hosts were added
+    returns (`kolo._rounds.run_rounds`, the loop `hvd.elastic` and
+    `kolo.torch.elastic` share): joins a round, syncs `state`, calls
+    `func`; when a peer is lost or the round ends (`MembershipError`),
+    restores the last commit and does it again; when hosts were added
     (`HostsUpdated`), joins the new round keeping the state. A process the
     new round leaves out returns None."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        global _worker, _round_rank
-        if _worker is None:
-            _worker = _kolo.ElasticWorker.from_env()
-        while True:
+        if not isinstance(state, _rounds.State):
+            raise TypeError(f"the first argument must be a kolo.elastic.ObjectState, got {type(state).__name__}")
+        comm = None
+
+        def join_round(first):
+            nonlocal comm
+            global _round_rank
             _round_rank = None
-            try:
-                comm = Communicator(_worker.join())
-            except Removed:
-                return None
+            comm = Communicator(_rounds._the_worker("kolo.elastic.run").join())
             _round_rank = comm.rank
-            state._worker = _worker
-            try:
-                state.sync(comm)
-                return func(state, comm, *args, **kwargs)
-            except HostsUpdated:
-                continue
-            except MembershipError:
-                state.restore()
+            state._comm = comm
+
+        def nothing():
+            pass
+
+        return _rounds.run_rounds(state, lambda: func(state, comm, *args, **kwargs), join_round=join_round,
+                                  finish=nothing, abandon=nothing,
+                                  peer_lost=lambda e: isinstance(e, MembershipError))
 
     return wrapper
 
 
 def current_round():
     """The round this process joined last (None outside an elastic job's `run`)."""
-    return _worker.round if _worker is not None else None
+    return _rounds._worker.round if _rounds._worker is not None else None
 
 
 __all__ = ["Communicator", "HostsUpdated", "MembershipError", "ObjectState", "Removed", "current_round", "run"]

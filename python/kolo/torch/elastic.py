@@ -36,7 +36,8 @@ default group for it: with backend `kolo` from the round's own kolo-comm
 communicator, with `gloo`/`nccl` from kolo's store under a prefix of the
 round's. State moves over the round's kolo-comm communicator, from the
 process that committed most (the new rank 0 when all are equal), not from
-disk.
+disk: the loop and that rule are `kolo._rounds`'s, shared with
+`kolo.elastic` and `hvd.elastic`.
 """
 
 import copy
@@ -102,57 +103,29 @@ def _allgather_int(value):
     return every.tolist()
 
 
-def newer_round_agreed():
-    """A newer round, as the current round's rank 0 sees it, on every rank
-    alike (a collective: ranks must not disagree on whether to leave)."""
-    joined = current()
-    newer = _the_worker("commit").newer_round() if joined.rank == 0 else None
-    flag = torch.tensor([newer or 0], dtype=torch.int64)
-    joined.comm.broadcast(flag.data_ptr(), 1, "i64", 0)
-    return int(flag[0]) or None
+def _broadcast_int(value, root):
+    flag = torch.tensor([int(value)], dtype=torch.int64)
+    current().comm.broadcast(flag.data_ptr(), 1, "i64", root)
+    return int(flag[0])
 
 
 # ---- state ----------------------------------------------------------------
 
 
-class State:
-    """What survives rounds (Horovod's `State`): `save`/`restore`/`sync`
-    are the subclasses'; `commit` saves, then leaves for a new round if
-    hosts came or went."""
+class State(_rounds.State):
+    """What survives rounds (Horovod's `State`; commit, sync and the loop
+    are `kolo._rounds`'s): `save`/`restore`/`_sync_from` are the
+    subclasses'; its collectives go over the round's kolo-comm
+    communicator, whatever the default group's backend."""
 
-    def __init__(self):
-        self._reset_callbacks = []
-        self._commits = 0
+    def _round_rank(self):
+        return current().rank
 
-    def register_reset_callbacks(self, callbacks):
-        """Functions called after each new round is joined, before the sync."""
-        self._reset_callbacks.extend(callbacks)
+    def _allgather_int(self, value):
+        return _allgather_int(value)
 
-    def on_reset(self):
-        for callback in self._reset_callbacks:
-            callback()
-
-    def commit(self):
-        """Saves the state to go back to, then raises `HostsUpdatedInterrupt`
-        if the driver started a new round (hosts added or removed): `run`
-        joins it keeping what was just saved."""
-        self.save()
-        self._commits += 1
-        self.check_host_updates()
-
-    def check_host_updates(self):
-        if newer_round_agreed() is not None:
-            raise HostsUpdatedInterrupt(False)
-
-    def sync(self):
-        """Every process takes the state of the one that committed most
-        (the lowest rank among them): survivors hold their last commit, new
-        processes the state they were made with."""
-        counts = _allgather_int(self._commits)
-        root = counts.index(max(counts))
-        self._sync_from(root)
-        self._commits = max(counts)
-        self.save()
+    def _broadcast_int(self, value, root):
+        return _broadcast_int(value, root)
 
     def save(self):
         raise NotImplementedError
@@ -442,42 +415,27 @@ def run(func=None, *, backend="kolo", timeout=None):
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
 
+    def join_round(first):
+        form_group(backend, timeout)
+
+    def abandon():
+        # a group left to the interpreter's exit can abort it, and the rank
+        # would end by SIGABRT instead of the training code's error
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def finish():
+        # the round's group goes with the loop (gloo's threads, as above)
+        dist.destroy_process_group()
+        leave()
+
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         if not isinstance(state, State):
             raise TypeError(f"the first argument must be a kolo.torch.elastic state (TorchState, ObjectState), got {type(state).__name__}")
         _require_in_place("kolo.torch.elastic.run")
-        first = True
-        while True:
-            try:
-                form_group(backend, timeout)
-            except Removed:
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                return None
-            if not first:
-                state.on_reset()
-            first = False
-            try:
-                state.sync()
-                result = func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt:
-                continue
-            except Exception as e:
-                if not _peer_lost(e):
-                    # as on the way out below: a group left to the
-                    # interpreter's exit can abort it, and the rank would
-                    # end by SIGABRT instead of the training code's error
-                    if dist.is_initialized():
-                        dist.destroy_process_group()
-                    raise
-                state.restore()
-                continue
-            # the round's group goes with the loop: torch's groups left to
-            # the interpreter's exit can abort it (gloo's threads)
-            dist.destroy_process_group()
-            leave()
-            return result
+        return _rounds.run_rounds(state, lambda: func(state, *args, **kwargs), join_round=join_round,
+                                  finish=finish, abandon=abandon, peer_lost=_peer_lost)
 
     return wrapper
 

@@ -1,0 +1,131 @@
+//! The map of the code and the user guide stay true: every path that
+//! ARCHITECTURE.md names exists, and every relative link of README.md and
+//! docs/ leads to a file that exists.
+
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+/// Every file of the repository but build outputs and git's own, as paths
+/// relative to its root with `/` separators.
+fn repo_files(root: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            if path.is_dir() {
+                if !matches!(name.as_str(), ".git" | "target" | "node_modules" | "__pycache__") {
+                    dirs.push(path);
+                }
+            } else {
+                files.push(path.strip_prefix(root).unwrap().to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    files
+}
+
+/// The names in backquotes that look like a file or a folder of the
+/// repository: a known extension, or a slash and no spaces, calls or
+/// options.
+fn named_paths(text: &str) -> Vec<String> {
+    const EXTENSIONS: [&str; 8] = [".rs", ".py", ".md", ".toml", ".cc", ".sh", ".txt", ".json"];
+    let mut names = Vec::new();
+    for (i, quoted) in text.split('`').enumerate() {
+        if i % 2 == 0 || quoted.is_empty() || quoted.contains(char::is_whitespace) {
+            continue;
+        }
+        let looks_like_file = EXTENSIONS.iter().any(|e| quoted.ends_with(e));
+        let looks_like_dir = quoted.ends_with('/') && !quoted.starts_with('/') && !quoted.contains(['<', '$', '*']);
+        if (looks_like_file || looks_like_dir) && !quoted.contains(['(', ':', '=', '<', '$', '*', '{']) {
+            names.push(quoted.to_string());
+        }
+    }
+    names
+}
+
+/// A name exists if it is a path from the repository's root, from
+/// `crates/` or `python/`, or, written short as ARCHITECTURE.md does
+/// inside a crate's paragraph, the end of some file's path.
+fn exists(name: &str, files: &[String]) -> bool {
+    let name = name.trim_start_matches("./");
+    let suffix = format!("/{name}");
+    files.iter().any(|f| {
+        f == name
+            || f.starts_with(&format!("{}/", name.trim_end_matches('/')))
+            || f.ends_with(&suffix)
+            || (name.ends_with('/') && f.contains(&format!("/{name}")))
+    })
+}
+
+#[test]
+fn every_path_architecture_names_exists() {
+    let root = repo();
+    let files = repo_files(&root);
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let names = named_paths(&text);
+    assert!(names.len() > 50, "ARCHITECTURE.md names only {} paths: is the parser broken?", names.len());
+    let missing: Vec<&String> = names.iter().filter(|n| !exists(n, &files)).collect();
+    assert!(missing.is_empty(), "ARCHITECTURE.md names paths that do not exist: {missing:?}");
+}
+
+#[test]
+fn a_path_that_is_not_there_is_caught() {
+    let files = repo_files(&repo());
+    assert!(exists("crates/kolo/tests/docs.rs", &files));
+    assert!(exists("kolo/tests/docs.rs", &files));
+    assert!(!exists("crates/kolo-exec/src/worker/mod.rs", &files));
+    assert_eq!(named_paths("a `x/y.rs` and `--flag` and `kolo run -np 2` and `f(a/b.rs)`"), ["x/y.rs"]);
+}
+
+/// The relative targets of Markdown links `[text](target)`, without their
+/// `#anchor`.
+fn link_targets(text: &str) -> Vec<String> {
+    let mut targets = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("](") {
+        rest = &rest[at + 2..];
+        let Some(end) = rest.find(')') else { break };
+        let target = rest[..end].split('#').next().unwrap_or("");
+        if !target.is_empty() && !target.contains("://") && !target.starts_with("mailto:") {
+            targets.push(target.to_string());
+        }
+        rest = &rest[end..];
+    }
+    targets
+}
+
+#[test]
+fn every_relative_link_of_the_readme_and_the_guide_leads_somewhere() {
+    let root = repo();
+    let mut pages = vec![root.join("README.md"), root.join("ARCHITECTURE.md")];
+    for entry in std::fs::read_dir(root.join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        for target in link_targets(&text) {
+            if !page.parent().unwrap().join(&target).exists() {
+                broken.push(format!("{}: {target}", page.strip_prefix(&root).unwrap().display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "links to nothing: {broken:?}");
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    for page in pages.iter().filter(|p| p.parent().is_some_and(|d| d.ends_with("docs"))) {
+        let name = page.file_name().unwrap().to_string_lossy();
+        let index = std::fs::read_to_string(root.join("docs/README.md")).unwrap_or_default();
+        assert!(
+            readme.contains(&format!("docs/{name}")) || index.contains(&format!("({name}")) || name == "README.md",
+            "docs/{name} is reachable neither from README.md nor from docs/README.md"
+        );
+    }
+}
