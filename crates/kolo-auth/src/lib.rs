@@ -24,6 +24,7 @@
 //! with their own event loop.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 use std::io::{self, Read, Write};
 use std::time::{Duration, Instant};
@@ -31,7 +32,9 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
+/// Bytes in a nonce.
 pub const NONCE_LEN: usize = 32;
+/// Bytes in a tag (an HMAC-SHA256 output).
 pub const TAG_LEN: usize = 32;
 /// What a listener sends first, so that a dialer that reached something
 /// else says so instead of failing on a bad tag.
@@ -44,24 +47,40 @@ pub const ANSWER_LEN: usize = NONCE_LEN + TAG_LEN;
 /// Keeps every kolo-auth tag apart from any other HMAC under the same key.
 const DOMAIN: &[u8] = b"kolo-auth v1 mutual handshake\0";
 
+/// Random bytes each side contributes, so that no two handshakes prove the same thing.
 pub type Nonce = [u8; NONCE_LEN];
+/// One side's proof that it knows the secret, for one connection and role.
 pub type Tag = [u8; TAG_LEN];
 
 /// Why a handshake (or a secret) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
+    /// The environment variable that should hold the secret is not set.
     #[error("no job secret: {var} is not set (kolo run sets it for its workers)")]
-    MissingSecret { var: String },
+    MissingSecret {
+        /// The variable's name.
+        var: String,
+    },
+    /// The secret given is the empty string.
     #[error("the job secret is empty{}: an empty key authenticates nothing", .var.as_ref().map(|v| format!(" ({v})")).unwrap_or_default())]
-    EmptySecret { var: Option<String> },
+    EmptySecret {
+        /// The variable it came from, if it came from the environment.
+        var: Option<String>,
+    },
+    /// The peer's first bytes are not kolo's magic: something else answered.
     #[error("not a kolo peer: the connection did not open with kolo's handshake")]
     NotKoloPeer,
+    /// The peer's tag is wrong: it does not know the secret, or it proved it
+    /// for another connection or purpose (another context).
     #[error("the peer does not know the job secret")]
     PeerUnauthenticated,
+    /// The connection was closed or reset before the handshake finished.
     #[error("the peer closed the connection during the handshake: it refused our proof of the job secret (a different job secret?) or is not a kolo peer")]
     ClosedByPeer,
+    /// The handshake did not finish within the time limit it carries.
     #[error("handshake timed out after {0:.1?}")]
     Timeout(Duration),
+    /// Any other I/O error on the stream.
     #[error("handshake failed: {0}")]
     Io(#[source] io::Error),
 }
@@ -71,6 +90,7 @@ pub enum AuthError {
 pub struct Secret(String);
 
 impl Secret {
+    /// Takes `secret` as the job's secret; an empty one is refused.
     pub fn new(secret: impl Into<String>) -> Result<Secret, AuthError> {
         let secret = secret.into();
         if secret.is_empty() {
@@ -160,6 +180,7 @@ pub struct Listener<'a> {
 }
 
 impl<'a> Listener<'a> {
+    /// A listener with a fresh nonce, for a connection described by `context`.
     pub fn new(secret: &'a Secret, context: &'a [u8]) -> Self {
         Listener { secret, context, nonce: nonce() }
     }
@@ -191,6 +212,7 @@ pub struct Dialer<'a> {
 }
 
 impl<'a> Dialer<'a> {
+    /// A dialer with a fresh nonce, for a connection described by `context`.
     pub fn new(secret: &'a Secret, context: &'a [u8]) -> Self {
         Dialer { secret, context, nonce: nonce(), listener_nonce: None }
     }
@@ -221,6 +243,7 @@ impl<'a> Dialer<'a> {
 
 /// A blocking stream whose reads and writes can be given a time limit.
 pub trait Timeouts {
+    /// Sets both the read and the write timeout (`None`: block forever).
     fn set_timeouts(&self, limit: Option<Duration>) -> io::Result<()>;
 }
 

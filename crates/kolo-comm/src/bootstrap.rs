@@ -35,7 +35,9 @@ pub enum Transport {
 /// [`Config::from_env`].
 #[derive(Clone, Debug)]
 pub struct Config {
+    /// This process's rank, below `size`.
     pub rank: usize,
+    /// How many ranks the communicator has.
     pub size: usize,
     /// Ranks with the same node id share a host.
     pub node_id: String,
@@ -43,12 +45,16 @@ pub struct Config {
     pub store: String,
     /// The job's secret: for the store, and to authenticate every link.
     pub secret: Secret,
+    /// Names the job in the store's keys and in every link's handshake, so
+    /// that two jobs on one store or one host never mix.
     pub job_id: String,
     /// For the bootstrap, and for a collective without progress.
     pub timeout: Duration,
+    /// Whether ranks on one host use shared memory or TCP.
     pub transport: Transport,
     /// Address this rank listens on for TCP links.
     pub listen: IpAddr,
+    /// Sizes and thresholds that pick algorithms and buffers.
     pub tuning: Tuning,
     /// Asked while the bootstrap and the collectives wait (elastic jobs).
     pub interrupt: Option<Interrupt>,
@@ -61,6 +67,7 @@ pub struct Config {
 /// swap instead of kolo's rendezvous store: torch.distributed hands its
 /// process groups one. Keys are written once; values are small.
 pub trait AddressBook: Send + Sync {
+    /// Stores `value` under `key`, for every rank to wait for.
     fn put(&self, key: &str, value: &[u8]) -> Result<(), String>;
     /// The value once a rank has put it; `None` when `timeout` passed first.
     fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String>;
@@ -87,6 +94,8 @@ impl std::fmt::Debug for Book {
 pub struct Interrupt(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
 
 impl Interrupt {
+    /// Wraps `check`, which answers the new round's number once there is
+    /// one and `None` until then.
     pub fn new(check: impl Fn() -> Option<u64> + Send + Sync + 'static) -> Interrupt {
         Interrupt(Arc::new(check))
     }
@@ -162,11 +171,14 @@ impl Config {
         self
     }
 
+    /// The time limit for the bootstrap and for a collective that makes no
+    /// progress (at least 1 ms).
     pub fn with_timeout(mut self, timeout: Duration) -> Config {
         self.timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
+    /// Uses `transport` between ranks of a host.
     pub fn with_transport(mut self, transport: Transport) -> Config {
         self.transport = transport;
         self
@@ -185,6 +197,7 @@ impl Config {
         Ok(self)
     }
 
+    /// Uses `tuning` instead of the defaults.
     pub fn with_tuning(mut self, tuning: Tuning) -> Config {
         self.tuning = tuning;
         self
@@ -386,7 +399,8 @@ fn recv_fd(stream: &UnixStream) -> std::io::Result<OwnedFd> {
     let mut got: Vec<OwnedFd> = Vec::new();
     for cmsg in msg.cmsgs()? {
         if let ControlMessageOwned::ScmRights(fds) = cmsg {
-            // SAFETY: the kernel just installed these descriptors for us.
+            // SAFETY: the kernel just installed these descriptors for us:
+            // each is open and owned by nothing else, so each gets one owner.
             got.extend(fds.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
         }
     }

@@ -7,17 +7,26 @@ use half::{bf16, f16};
 /// The element types collectives carry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
+    /// 32-bit IEEE float.
     F32,
+    /// 64-bit IEEE float.
     F64,
+    /// 16-bit IEEE half float (`half::f16`); reduced in f32.
     F16,
+    /// bfloat16 (`half::bf16`); reduced in f32.
     BF16,
+    /// 32-bit signed integer; sums and products wrap.
     I32,
+    /// 64-bit signed integer; sums and products wrap.
     I64,
+    /// Byte; sums and products wrap.
     U8,
+    /// Signed byte; sums and products wrap.
     I8,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
@@ -27,6 +36,7 @@ impl DType {
         }
     }
 
+    /// The lowercase name (`"f32"`, `"bf16"`, ...) that `parse` accepts.
     pub fn name(self) -> &'static str {
         match self {
             DType::F32 => "f32",
@@ -40,6 +50,7 @@ impl DType {
         }
     }
 
+    /// Every element type, in declaration order.
     pub const ALL: [DType; 8] =
         [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8, DType::I8];
 }
@@ -57,15 +68,20 @@ impl std::str::FromStr for DType {
 /// How values combine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
+    /// Adds the values (integers wrap).
     Sum,
+    /// Multiplies the values (integers wrap).
     Prod,
+    /// Keeps the smallest value.
     Min,
+    /// Keeps the largest value.
     Max,
     /// Sum, divided by the number of ranks at the end.
     Avg,
 }
 
 impl ReduceOp {
+    /// Every op, in declaration order.
     pub const ALL: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
 
     /// How two values combine on the way: an average sums, and divides once
@@ -78,6 +94,7 @@ impl ReduceOp {
         }
     }
 
+    /// The lowercase name (`"sum"`, `"avg"`, ...) that `parse` accepts.
     pub fn name(self) -> &'static str {
         match self {
             ReduceOp::Sum => "sum",
@@ -101,6 +118,7 @@ impl std::str::FromStr for ReduceOp {
 
 /// A type collectives can carry.
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// The [`DType`] that names this type on the wire.
     const DTYPE: DType;
 }
 
@@ -239,8 +257,11 @@ pub(crate) fn stream_copy(dst: &mut [u8], src: &[u8]) {
         let head = dst.as_ptr().align_offset(16).min(n);
         dst[..head].copy_from_slice(&src[..head]);
         let blocks = (n - head) / 16;
-        // SAFETY: SSE2 is part of x86_64; the pointers cover `blocks` 16-byte
-        // blocks inside the slices, and `d` is 16-aligned by `head`.
+        // SAFETY: SSE2 is part of x86_64; `head + 16 * blocks <= n`, and
+        // `src` is as long as `dst` (both callers slice `dst` to `src`'s
+        // length; debug-asserted above), so the pointers cover `blocks`
+        // 16-byte blocks inside both slices; `d` is 16-aligned by `head`
+        // (the store needs it, the unaligned load does not).
         unsafe {
             let d = dst.as_mut_ptr().add(head) as *mut __m128i;
             let s = src.as_ptr().add(head) as *const __m128i;

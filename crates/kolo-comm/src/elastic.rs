@@ -60,11 +60,18 @@ const CHECK_EVERY: Duration = Duration::from_millis(20);
 /// One process's place in one round (Horovod's six numbers).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Assignment {
+    /// This process's rank in the round, below `size`.
     pub rank: usize,
+    /// How many processes the round has.
     pub size: usize,
+    /// This process's rank among those on its host.
     pub local_rank: usize,
+    /// How many processes of the round are on this host.
     pub local_size: usize,
+    /// This process's rank among the processes with its `local_rank` (one
+    /// per host).
     pub cross_rank: usize,
+    /// How many processes have this `local_rank` (the hosts that have one).
     pub cross_size: usize,
 }
 
@@ -319,6 +326,7 @@ pub struct State<T> {
 }
 
 impl<T: Clone + Serialize + DeserializeOwned> State<T> {
+    /// `value`, committed as it is.
     pub fn new(value: T) -> State<T> {
         State { committed: value.clone(), value, commits: 0, watch: None }
     }
@@ -363,6 +371,7 @@ impl<T: Clone + Serialize + DeserializeOwned> State<T> {
         Ok(())
     }
 
+    /// The current value (committed or not).
     pub fn into_inner(self) -> T {
         self.value
     }

@@ -18,6 +18,9 @@
 //! # Ok::<(), kolo_comm::CommError>(())
 //! ```
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod bootstrap;
 mod comm;
 mod dtype;
@@ -79,65 +82,128 @@ macro_rules! with_element_type {
     };
 }
 
+/// Why a kolo-comm call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CommError {
+    /// The configuration is missing or wrong: an unset or malformed
+    /// variable, a rank not below the size, an interface without an address.
     #[error("kolo-comm environment: {0}")]
     Env(String),
+    /// A system call needed to read the environment failed.
     #[error("kolo-comm environment: {what}: {source}")]
     EnvSys {
+        /// What was being done.
         what: String,
+        /// The system's error.
         #[source]
         source: std::io::Error,
     },
+    /// The job secret is missing or empty.
     #[error("kolo-comm environment: {0}")]
     Secret(#[source] kolo_auth::AuthError),
+    /// Bringing a communicator up failed: a rank or the address table did
+    /// not come in time or was malformed (in an elastic job: the round too).
     #[error("kolo-comm bootstrap: {0}")]
     Bootstrap(String),
+    /// An I/O error while the links were set up.
     #[error("kolo-comm bootstrap: {what}: {source}")]
     BootstrapIo {
+        /// What was being done.
         what: String,
+        /// The I/O error.
         #[source]
         source: std::io::Error,
     },
+    /// The rendezvous store failed or refused a request.
     #[error("kolo-comm bootstrap: rendezvous store: {0}")]
     Store(#[source] kolo_rendezvous::RendezvousError),
+    /// The handshake of a link failed (wrong secret, not a kolo peer, ...).
     #[error("kolo-comm bootstrap: link to rank {rank}: {source}")]
     Auth {
+        /// The rank at the other end of the link.
         rank: usize,
+        /// Why the handshake failed.
         #[source]
         source: kolo_auth::AuthError,
     },
+    /// A collective or point-to-point call made no progress for the
+    /// configured timeout.
     #[error("timed out after {seconds:.1} s without progress, waiting on ranks {waiting:?}")]
-    Timeout { seconds: f64, waiting: Vec<usize> },
+    Timeout {
+        /// The timeout that ran out, in seconds.
+        seconds: f64,
+        /// The ranks whose messages had not gone through, sorted.
+        waiting: Vec<usize>,
+    },
+    /// The process of a rank on this host is gone.
     #[error("rank {rank} (pid {pid}) died")]
-    PeerDied { rank: usize, pid: u32 },
+    PeerDied {
+        /// The rank whose process died.
+        rank: usize,
+        /// That process's id.
+        pid: u32,
+    },
+    /// Reading or writing the link to a rank failed.
     #[error("link to rank {rank} failed: {source}")]
-    Io { rank: usize, source: std::io::Error },
+    Io {
+        /// The rank at the other end of the link.
+        rank: usize,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// There is no link to the rank a message is for.
     #[error("no link to rank {0}")]
     NoLink(usize),
     /// Ranks called the collectives of their communicators in different
     /// orders (say one thread per communicator): the message that came is
     /// not the one expected.
     #[error("rank {rank} sent a message of {theirs} while this rank is in {ours}: every rank must call the collectives of its communicators in the same order")]
-    Mismatch { rank: usize, ours: String, theirs: String },
+    Mismatch {
+        /// The rank whose message came.
+        rank: usize,
+        /// The collective or message this rank is in.
+        ours: String,
+        /// The one the other rank's message belongs to.
+        theirs: String,
+    },
     /// Ranks called the same collective with different sizes, types, ops
     /// or roots.
     #[error("rank {rank} called {theirs} while this rank called {ours}: every rank must call each collective with the same size, type, op and root")]
-    Disagree { rank: usize, ours: String, theirs: String },
+    Disagree {
+        /// The other rank, in this communicator.
+        rank: usize,
+        /// This rank's call.
+        ours: String,
+        /// The other rank's call.
+        theirs: String,
+    },
+    /// The arguments of a call are wrong (sizes, roots, peers), or data
+    /// could not be encoded or decoded.
     #[error("{0}")]
     BadArgs(String),
     /// The job's membership changed (an elastic job's driver started round
     /// `round`): this communicator's round is over.
     #[error("interrupted: the job moved on to round {round}")]
-    Interrupted { round: u64 },
+    Interrupted {
+        /// The round the job moved on to.
+        round: u64,
+    },
     /// Hosts were added or removed: [`elastic::State::commit`] says so, so
     /// that the loop joins the new round (Horovod's `HostsUpdatedInterrupt`).
     #[error("the hosts changed: round {round} is starting")]
-    HostsUpdated { round: u64 },
+    HostsUpdated {
+        /// The round that is starting.
+        round: u64,
+    },
     /// This process has no place in the elastic job's new round (its host
     /// was removed); it should exit.
     #[error("this worker ({id}) has no place in round {round} of the elastic job")]
-    Removed { id: String, round: u64 },
+    Removed {
+        /// This worker's id in the elastic job.
+        id: String,
+        /// The round it has no place in.
+        round: u64,
+    },
 }
 
 impl CommError {

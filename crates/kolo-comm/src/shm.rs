@@ -69,7 +69,8 @@ impl Ring {
         // touch every page now, not during a collective; no one else has
         // the memory yet
         for at in (0..map.len()).step_by(4096) {
-            // SAFETY: `at` is inside the mapping.
+            // SAFETY: `at` is inside the mapping, which is read-write and not
+            // yet shared with anyone.
             unsafe { base.add(at).write_volatile(0) };
         }
         Ok((Ring { base, capacity, cursor: 0, _backing: Backing::Map(map) }, file.into()))
@@ -124,9 +125,11 @@ impl Ring {
         let copy = n.min(data.len());
         let at = (self.cursor % self.capacity as u64) as usize;
         let first = copy.min(self.capacity - at);
-        // SAFETY: [at, at+first) and [0, copy-first) lie in the data area;
-        // the consumer does not read them until `head` is published below,
-        // and freed them before `tail` (Acquire above) moved past them.
+        // SAFETY: [at, at+first) and [0, copy-first) lie in the data area
+        // (`copy <= free <= capacity`, given a consumer that keeps to the
+        // protocol: it is a process of this job running this code); the
+        // consumer does not read them until `head` is published below, and
+        // freed them before `tail` (Acquire above) moved past them.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), self.data().add(at), first);
             std::ptr::copy_nonoverlapping(data.as_ptr().add(first), self.data(), copy - first);
@@ -172,8 +175,14 @@ mod heap {
         words: usize,
     }
 
-    // SAFETY: accessed only through raw pointers and atomics, as shared memory.
+    // SAFETY: a Region owns its boxed buffer, which any thread may free; the
+    // Rings over it reach the memory only through raw pointers and atomics,
+    // as they would shared memory.
     unsafe impl Send for Region {}
+    // SAFETY: a `&Region` gives at most the pointer's value (its fields are
+    // private to this module and it has no methods); only the Rings touch the
+    // memory, through raw pointers, atomics for the counters and the ring's
+    // protocol for the data.
     unsafe impl Sync for Region {}
 
     impl Drop for Region {

@@ -11,14 +11,20 @@ use crate::message::{DataType, Request, Response, ResponseType};
 /// What a rank's own tensor looked like when its response was cached.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TensorParams {
+    /// Its device (`CPU_DEVICE_ID` or a GPU's index).
     pub device: i32,
+    /// Its element type.
     pub dtype: DataType,
+    /// Its dimensions.
     pub shape: Vec<i64>,
 }
 
+/// Whether a request can use a cached response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CacheState {
+    /// The name is not cached.
     Miss,
+    /// The name is cached with the same parameters: the response can be reused.
     Hit,
     /// The name is cached with other parameters: the entry must go.
     Invalid,
@@ -56,6 +62,7 @@ impl ResponseCache {
         ResponseCache { capacity, ..Default::default() }
     }
 
+    /// Most entries kept (0: the cache is off).
     pub fn capacity(&self) -> usize {
         self.capacity
     }
@@ -65,10 +72,12 @@ impl ResponseCache {
         self.entries.len()
     }
 
+    /// Names cached now.
     pub fn len(&self) -> usize {
         self.by_name.len()
     }
 
+    /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.by_name.is_empty()
     }
@@ -209,12 +218,15 @@ impl ResponseCache {
         &self.entry(bit).response
     }
 
+    /// The bits of every cached name, in increasing order.
     pub fn all_bits(&self) -> Vec<u32> {
         let mut bits: Vec<u32> = self.by_name.values().copied().collect();
         bits.sort_unstable();
         bits
     }
 
+    /// Drops the entry of `bit` (nothing if it is gone already); bits are
+    /// renumbered at the next [`update_bits`](Self::update_bits).
     pub fn erase(&mut self, bit: u32) {
         if let Some(e) = self.entries[bit as usize].take() {
             self.by_name.remove(&e.response.names[0]);
@@ -245,9 +257,16 @@ impl ResponseCache {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CacheCoordinator {
     num_bits: usize,
+    /// Bits of this rank's requests that hit the cache (after the AND: the
+    /// bits every rank hit).
     pub hits: BTreeSet<u32>,
+    /// Bits whose entries must be erased on every rank (cached with other
+    /// parameters, stalled, or not runnable beside a join).
     pub invalid: BTreeSet<u32>,
+    /// This rank wants to shut down (after the AND: some rank does).
     pub shut_down: bool,
+    /// This rank has requests the cache cannot answer, so the cycle must
+    /// negotiate (after the AND: some rank has).
     pub uncached: bool,
     /// Work in flight on this rank (after the AND: on any rank of the set).
     pub busy: bool,
@@ -257,10 +276,12 @@ pub struct CacheCoordinator {
 const STATUS: usize = 4;
 
 impl CacheCoordinator {
+    /// Nothing set yet, for a cache with `num_bits` bits in use.
     pub fn new(num_bits: usize) -> Self {
         CacheCoordinator { num_bits, ..Default::default() }
     }
 
+    /// Whether this rank has entries to erase.
     pub fn invalid_in_queue(&self) -> bool {
         !self.invalid.is_empty()
     }
@@ -298,6 +319,7 @@ impl CacheCoordinator {
         v_and[2] == 0
     }
 
+    /// This rank's vector for the OR: 1 per bit to erase.
     pub fn or_vector(&self) -> Vec<u8> {
         let mut v = vec![0u8; self.num_bits];
         for &bit in &self.invalid {

@@ -46,6 +46,7 @@ pub struct Settings {
     pub fusion_threshold: u64,
     /// `HOROVOD_CACHE_CAPACITY` (default 1024; 0: no cache).
     pub cache_capacity: usize,
+    /// The stall inspector's switches and times (`HOROVOD_STALL_*`).
     pub stall: StallSettings,
     /// `HOROVOD_DYNAMIC_PROCESS_SETS`: sets may come and go after start.
     pub dynamic_sets: bool,
@@ -74,6 +75,8 @@ impl Settings {
         Settings::from_lookup(|name| std::env::var(name).ok())
     }
 
+    /// As [`from_env`](Self::from_env), reading each variable through `var`
+    /// (tests pass a map).
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Settings, String> {
         let mut s = Settings::default();
         let number = |name: &str| -> Result<Option<f64>, String> {
@@ -114,7 +117,9 @@ impl Settings {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{message}")]
 pub struct Refused {
+    /// Which exception the caller raises.
     pub kind: FailureKind,
+    /// The text the caller raises (upstream's where it has one).
     pub message: String,
 }
 
@@ -248,10 +253,12 @@ impl Core {
         Ok((shared, background, static_sets))
     }
 
+    /// This process's rank in the job (the global set).
     pub fn rank(&self) -> u32 {
         self.shared.rank
     }
 
+    /// How many ranks the job has.
     pub fn size(&self) -> u32 {
         self.shared.size
     }
@@ -372,6 +379,8 @@ impl Core {
         self.shared.lock().ids.find(&ranks)
     }
 
+    /// The ids of the registered process sets, ascending (0, the global set,
+    /// first).
     pub fn process_set_ids(&self) -> Vec<u32> {
         self.shared.lock().ids.ids()
     }
@@ -452,6 +461,7 @@ impl Core {
         *self.shared.device.lock().unwrap_or_else(|p| p.into_inner()) = executor;
     }
 
+    /// A copy of the loop's counters now.
     pub fn stats(&self) -> Stats {
         self.shared.stats.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }

@@ -11,6 +11,7 @@ use crate::message::{Response, ResponseType, CPU_DEVICE_ID};
 /// makes the caller's later work wait for it). An error stops the core:
 /// the ranks' device collectives are then out of step.
 pub trait DeviceExecutor: Send + Sync + std::fmt::Debug {
+    /// Runs `work`'s collective; an error's text becomes the core's failure.
     fn execute(&self, work: &DeviceWork<'_>) -> Result<(), String>;
 }
 
@@ -18,6 +19,7 @@ pub trait DeviceExecutor: Send + Sync + std::fmt::Debug {
 pub struct DeviceWork<'a> {
     /// The process set it runs in.
     pub set: u32,
+    /// The agreed response: which collective, over which names and sizes.
     pub response: &'a Response,
     /// The input address this rank submitted under each of the response's
     /// names (what tells its tensor apart from another submitted under the

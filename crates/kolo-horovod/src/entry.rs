@@ -12,11 +12,14 @@ use crate::message::{DataType, ReduceOp, RequestType};
 /// asynchronous ops).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Buffer {
+    /// The first byte's address.
     pub addr: usize,
+    /// How many bytes (0: no memory is touched, whatever the address).
     pub len: usize,
 }
 
 impl Buffer {
+    /// The `len` bytes at `addr`, under the contract above.
     pub fn new(addr: usize, len: usize) -> Buffer {
         Buffer { addr, len }
     }
@@ -36,17 +39,27 @@ impl Buffer {
 /// One tensor of a submission.
 #[derive(Clone, Debug)]
 pub struct Submit {
+    /// Which collective.
     pub kind: RequestType,
     /// The name every rank submits it under (the caller prefixes the op).
     pub name: String,
+    /// The elements' type.
     pub dtype: DataType,
+    /// The tensor's dimensions.
     pub shape: Vec<i64>,
+    /// Where the tensor lives: `CPU_DEVICE_ID`, `HOST_EXECUTOR_DEVICE_ID`
+    /// or a GPU's index.
     pub device: i32,
     /// Broadcast's root, as a global rank.
     pub root_rank: i64,
+    /// How a reduction combines the ranks' values (reducescatter: Sum or
+    /// Average only).
     pub reduce_op: ReduceOp,
+    /// A reduction's input is multiplied by this first.
     pub prescale: f64,
+    /// A reduction's result is multiplied by this at the end.
     pub postscale: f64,
+    /// The tensor's memory.
     pub input: Buffer,
     /// Where the result goes when its size is known beforehand (allreduce,
     /// reducescatter); none: in place (allreduce_, broadcast) or made by
@@ -57,6 +70,8 @@ pub struct Submit {
 }
 
 impl Submit {
+    /// A tensor in host memory with upstream's defaults (root 0, Sum, scale
+    /// factors 1, result in place or made by the core, equal splits).
     pub fn new(kind: RequestType, name: impl Into<String>, dtype: DataType, shape: Vec<i64>, input: Buffer) -> Submit {
         Submit {
             kind,
@@ -97,9 +112,12 @@ pub enum FailureKind {
     Invalid,
 }
 
+/// Why a tensor failed: what the caller raises.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Failure {
+    /// Which exception it becomes.
     pub kind: FailureKind,
+    /// The text every rank raises (upstream's where it has one).
     pub message: String,
     /// A change of the job's membership (a lost peer, an elastic round
     /// moving on): an elastic job gets past it.
@@ -107,10 +125,12 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// An internal failure (not a membership change).
     pub fn internal(message: impl Into<String>) -> Failure {
         Failure { kind: FailureKind::Internal, message: message.into(), membership: false }
     }
 
+    /// A failure of bad input.
     pub fn invalid(message: impl Into<String>) -> Failure {
         Failure { kind: FailureKind::Invalid, message: message.into(), membership: false }
     }
@@ -122,6 +142,7 @@ impl std::fmt::Display for Failure {
     }
 }
 
+/// One tensor's outcome: what it gives back, or why it failed.
 pub type Outcome = Result<Output, Failure>;
 
 /// The outcome of one submission (one tensor, or a group of them).
@@ -145,6 +166,7 @@ impl std::fmt::Debug for Slots {
 }
 
 impl Handle {
+    /// A handle for `tensors` tensors, none done yet.
     pub fn new(tensors: usize) -> Arc<Handle> {
         Arc::new(Handle {
             slots: Mutex::new(Slots { outcomes: vec![None; tensors], left: tensors, then: None }),
@@ -186,6 +208,7 @@ impl Handle {
         }
     }
 
+    /// Whether every tensor is done.
     pub fn is_done(&self) -> bool {
         self.lock().left == 0
     }

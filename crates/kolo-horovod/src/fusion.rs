@@ -11,6 +11,7 @@ use crate::message::{Response, ResponseType};
 /// What fusion needs of a tensor this rank holds: for an allgather, the
 /// bytes of one row (the tensor's size over its first dimension).
 pub trait RowBytes {
+    /// The bytes of one row of this rank's tensor `name`.
     fn row_bytes(&self, name: &str) -> i64;
 }
 

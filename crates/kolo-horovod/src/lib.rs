@@ -12,6 +12,8 @@
 //! response on a communicator; `device` hands those over device memory
 //! to the process's device executor.
 
+#![warn(missing_docs)]
+
 pub mod cache;
 pub mod core;
 pub mod device;

@@ -19,13 +19,22 @@ pub const JOIN_TENSOR_NAME: &str = "join.noname";
 /// What a request asks for (upstream's numbering).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum RequestType {
+    /// Reduce across the ranks; every rank gets the result.
     Allreduce = 0,
+    /// Concatenate every rank's tensor along the first dimension.
     Allgather = 1,
+    /// Copy the root's tensor to every rank.
     Broadcast = 2,
+    /// This rank has no more data: it stands in for the others' allreduces
+    /// with zeros until every rank has joined.
     Join = 3,
+    /// An allreduce with upstream's Adasum op.
     Adasum = 4,
+    /// Each rank sends rows of its tensor to every rank, as its splits say.
     Alltoall = 5,
+    /// Wait until every rank gets here.
     Barrier = 6,
+    /// Reduce across the ranks; each rank keeps its part of the result.
     Reducescatter = 7,
     /// kolo's: every rank registers a process set (its ranks in `shape`).
     AddProcessSet = 100,
@@ -54,16 +63,28 @@ impl RequestType {
 /// What a response tells every rank to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ResponseType {
+    /// Run an allreduce (of one or more fused tensors).
     Allreduce,
+    /// Run an allgather (of one or more fused tensors).
     Allgather,
+    /// Run a broadcast.
     Broadcast,
+    /// Every rank has joined: the join completes.
     Join,
+    /// Run an Adasum allreduce (as an allreduce).
     Adasum,
+    /// Run an alltoall.
     Alltoall,
+    /// Run a barrier.
     Barrier,
+    /// Run a reduce-scatter (of one or more fused tensors).
     Reducescatter,
+    /// Register a process set (its ranks in `sizes`).
     AddProcessSet,
+    /// Remove a process set (its id in `sizes`).
     RemoveProcessSet,
+    /// The ranks' requests do not agree: every rank fails the tensors with
+    /// `error`.
     Error,
 }
 
@@ -97,16 +118,27 @@ impl ResponseType {
 /// Element types, upstream's numbering and names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DataType {
+    /// Unsigned byte.
     Uint8 = 0,
+    /// Signed byte.
     Int8 = 1,
+    /// 16-bit unsigned integer (no reductions in kolo).
     Uint16 = 2,
+    /// 16-bit signed integer (no reductions in kolo).
     Int16 = 3,
+    /// 32-bit signed integer.
     Int32 = 4,
+    /// 64-bit signed integer.
     Int64 = 5,
+    /// IEEE half float.
     Float16 = 6,
+    /// 32-bit IEEE float.
     Float32 = 7,
+    /// 64-bit IEEE float.
     Float64 = 8,
+    /// One byte per boolean (no reductions in kolo).
     Bool = 9,
+    /// bfloat16.
     Bfloat16 = 11,
 }
 
@@ -142,11 +174,17 @@ impl DataType {
 /// Reduction operations, upstream's numbering (messages print the number).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ReduceOp {
+    /// The sum divided by the number of ranks.
     Average = 0,
+    /// The sum.
     Sum = 1,
+    /// Upstream's Adasum; kolo reduces it as a sum.
     Adasum = 2,
+    /// The smallest value.
     Min = 3,
+    /// The largest value.
     Max = 4,
+    /// The product.
     Product = 5,
 }
 
@@ -155,16 +193,24 @@ pub enum ReduceOp {
 pub struct Request {
     /// The rank inside the process set.
     pub rank: u32,
+    /// Which collective (or join, barrier, process-set change).
     pub kind: RequestType,
+    /// The tensor's element type.
     pub dtype: DataType,
+    /// The name every rank submits the tensor under.
     pub name: String,
+    /// The tensor's dimensions; for process-set requests, the set's ranks
+    /// (add) or id (remove).
     pub shape: Vec<i64>,
     /// `CPU_DEVICE_ID` or a GPU's index.
     pub device: i32,
     /// Broadcast's root, as a rank inside the process set.
     pub root_rank: u32,
+    /// Reductions: each rank's input is multiplied by this first.
     pub prescale: f64,
+    /// Reductions: the result is multiplied by this at the end.
     pub postscale: f64,
+    /// Reductions: how the ranks' values combine.
     pub reduce_op: ReduceOp,
 }
 
@@ -185,6 +231,8 @@ impl Request {
         }
     }
 
+    /// The tensor's element count: the product of its dimensions (1 for a
+    /// scalar).
     pub fn elements(&self) -> i64 {
         self.shape.iter().product()
     }
@@ -193,7 +241,9 @@ impl Request {
 /// What every rank of a set does for one or more tensors (more once fused).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Response {
+    /// What to run.
     pub kind: ResponseType,
+    /// The tensors it covers, in the order they run (several once fused).
     pub names: Vec<String>,
     /// For `Error`: the message every rank raises.
     pub error: String,
@@ -201,17 +251,23 @@ pub struct Response {
     pub devices: Vec<i32>,
     /// Allreduce, Adasum, Reducescatter: each tensor's element count.
     /// Allgather: each tensor's first dimension on every set rank, tensor
-    /// after tensor.
+    /// after tensor. Process sets: the set's ranks (add) or id (remove).
     pub sizes: Vec<i64>,
+    /// The tensors' element type.
     pub dtype: DataType,
+    /// Reductions: each rank's input is multiplied by this first.
     pub prescale: f64,
+    /// Reductions: the result is multiplied by this at the end.
     pub postscale: f64,
+    /// Allreduce: how the ranks' values combine (Sum for the others).
     pub reduce_op: ReduceOp,
     /// Join: the global rank that joined last.
     pub last_joined_rank: i32,
 }
 
 impl Response {
+    /// A response of `kind` for one name, with upstream's defaults (no
+    /// devices or sizes, Uint8, scale factors 1, Sum, no joined rank).
     pub fn new(kind: ResponseType, name: impl Into<String>) -> Response {
         Response {
             kind,
@@ -227,6 +283,7 @@ impl Response {
         }
     }
 
+    /// An `Error` response: every rank fails `name` with `message`.
     pub fn error(name: impl Into<String>, message: String) -> Response {
         let mut r = Response::new(ResponseType::Error, name);
         r.error = message;
@@ -242,7 +299,9 @@ impl Response {
 /// One rank's requests of a cycle, sent to the coordinator.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RequestList {
+    /// The requests this rank took from its queue this cycle, in order.
     pub requests: Vec<Request>,
+    /// This rank wants the core to shut down.
     pub shutdown: bool,
 }
 
@@ -250,7 +309,10 @@ pub struct RequestList {
 /// this order.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ResponseList {
+    /// What to run, in order.
     pub responses: Vec<Response>,
+    /// Some rank wants to shut down (or a stall passed its shutdown time):
+    /// every rank stops after this cycle.
     pub shutdown: bool,
 }
 

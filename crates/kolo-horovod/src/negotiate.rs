@@ -28,6 +28,8 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
+    /// The coordinator of a set whose members have these global ranks (in
+    /// set-rank order); fused responses stay under `fusion_threshold` bytes.
     pub fn new(global_ranks: Vec<u32>, fusion_threshold: u64) -> Coordinator {
         Coordinator {
             global_ranks,
@@ -43,6 +45,7 @@ impl Coordinator {
         self.global_ranks.len()
     }
 
+    /// How many ranks have joined since the last join response.
     pub fn joined_size(&self) -> usize {
         self.joined_size
     }

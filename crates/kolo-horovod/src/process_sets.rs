@@ -8,14 +8,19 @@ use std::collections::{BTreeMap, VecDeque};
 /// Why a rank list cannot be a process set (upstream's texts).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SetError {
+    /// The list names this rank twice.
     #[error("Tried to register process set with duplicate rank: {0}")]
     DuplicateRank(i64),
+    /// This rank is negative or not below the job's size.
     #[error("Tried to register process set with invalid rank: {0}")]
     InvalidRank(i64),
+    /// A set with exactly these (sorted) ranks is registered already.
     #[error("Attempted to add a duplicate process set: {0:?}")]
     Existing(Vec<u32>),
+    /// The global set (id 0) cannot be removed.
     #[error("Attempted to remove global process set with id 0")]
     RemoveGlobal,
+    /// No set has this id.
     #[error("Process set provided does not exist, or has not been registered.")]
     Unknown,
 }
@@ -35,6 +40,7 @@ pub fn checked_ranks(ranks: &[i64], size: usize) -> Result<Vec<u32>, SetError> {
     Ok(sorted.into_iter().map(|r| r as u32).collect())
 }
 
+/// The registered process sets by id, the same on every process.
 #[derive(Debug)]
 pub struct SetTable {
     size: usize,
@@ -70,6 +76,8 @@ impl SetTable {
         Ok(id)
     }
 
+    /// Unregisters set `id` and frees its id for reuse; its ranks. The
+    /// global set cannot be removed.
     pub fn remove(&mut self, id: u32) -> Result<Vec<u32>, SetError> {
         if id == 0 {
             return Err(SetError::RemoveGlobal);
@@ -79,6 +87,7 @@ impl SetTable {
         Ok(ranks)
     }
 
+    /// The sorted global ranks of set `id`, if it is registered.
     pub fn ranks(&self, id: u32) -> Option<&[u32]> {
         self.sets.get(&id).map(Vec::as_slice)
     }

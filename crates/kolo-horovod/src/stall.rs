@@ -34,6 +34,8 @@ pub struct Stall {
     pub missing: BTreeMap<u32, BTreeSet<String>>,
 }
 
+/// One process set's stall inspector: when names became pending, and
+/// when the last check ran.
 #[derive(Debug, Default)]
 pub struct StallInspector {
     settings: StallSettings,
@@ -45,28 +47,37 @@ pub struct StallInspector {
 }
 
 impl StallInspector {
+    /// An inspector that nothing has been recorded in.
     pub fn new(settings: StallSettings) -> Self {
         StallInspector { settings, ..Default::default() }
     }
 
+    /// The settings it was made with.
     pub fn settings(&self) -> StallSettings {
         self.settings
     }
 
+    /// Coordinator: set rank `set_rank` submitted `name`, which went through
+    /// negotiation; the name's clock starts at its first submission.
     pub fn record_uncached(&mut self, name: &str, set_rank: u32, now: Duration) {
         self.uncached.entry(name.to_string()).or_insert_with(|| (Vec::new(), now)).0.push(set_rank);
     }
 
+    /// Coordinator: `name` is no longer pending (it got its response).
     pub fn remove_uncached(&mut self, name: &str) {
         self.uncached.remove(name);
     }
 
+    /// This rank's `name` hit the cache and waits for every rank to hit it;
+    /// the clock starts the first time (nothing is kept when the check is
+    /// off).
     pub fn record_cached(&mut self, name: &str, now: Duration) {
         if self.settings.enabled {
             self.cached.entry(name.to_string()).or_insert(now);
         }
     }
 
+    /// `name` no longer waits on a cache hit (it ran or was invalidated).
     pub fn remove_cached(&mut self, name: &str) {
         self.cached.remove(name);
     }
@@ -76,6 +87,7 @@ impl StallInspector {
         self.settings.enabled && now.saturating_sub(self.last_check) > self.settings.warning
     }
 
+    /// Notes that a check ran at `now`, for [`check_due`](Self::check_due).
     pub fn checked(&mut self, now: Duration) {
         self.last_check = now;
     }

@@ -21,17 +21,29 @@ use kolo_exec::{
 /// the command line, `min_workers` in Python).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OptionNames {
+    /// The number of processes (`-np`, `num_workers`).
     pub np: &'static str,
+    /// The fewest processes of an elastic job.
     pub min_np: &'static str,
+    /// The most processes of an elastic job.
     pub max_np: &'static str,
+    /// The limit on re-formed worlds.
     pub reset_limit: &'static str,
+    /// The limit on restarts after failures.
     pub max_restarts: &'static str,
+    /// The longest wait for enough slots.
     pub elastic_timeout: &'static str,
+    /// The blacklist cooldown range.
     pub cooldown: &'static str,
+    /// The host discovery script.
     pub discovery: &'static str,
+    /// How often discovery runs.
     pub discovery_interval: &'static str,
+    /// Slots of a discovered host that names none.
     pub slots_per_host: &'static str,
+    /// The host list.
     pub hosts: &'static str,
+    /// The engine choice.
     pub engine: &'static str,
 }
 
@@ -101,7 +113,12 @@ pub enum Workers {
     /// hosts given (or of the Slurm allocation).
     Pack(Option<u32>),
     /// `per_host` workers on each of `hosts` distinct hosts.
-    Colocated { hosts: u32, per_host: u32 },
+    Colocated {
+        /// Distinct hosts.
+        hosts: u32,
+        /// Workers on each.
+        per_host: u32,
+    },
 }
 
 /// Horovod's elastic modes.
@@ -118,6 +135,7 @@ pub enum ElasticMode {
 /// job's size.
 #[derive(Clone, Debug)]
 pub struct ElasticOptions {
+    /// In place or restart.
     pub mode: ElasticMode,
     /// Fewest processes (default: the job's size).
     pub min_np: Option<u32>,
@@ -127,19 +145,24 @@ pub struct ElasticOptions {
     /// Restarts after failures (default: none in restart mode; in place
     /// only the reset limit bounds them, as in Horovod).
     pub max_restarts: Option<u32>,
+    /// Re-formed worlds allowed for any reason; none: no limit.
     pub reset_limit: Option<u32>,
+    /// The longest wait for `min_np` slots before the job stops.
     pub elastic_timeout: Duration,
     /// Blacklisted hosts come back after MIN..MAX; none: never.
     pub cooldown: Option<(Duration, Duration)>,
     /// A program printing the available hosts; none: the host list (or,
     /// on Ray, the cluster's alive nodes).
     pub discovery_script: Option<PathBuf>,
+    /// How often the hosts are discovered again.
     pub discovery_interval: Duration,
     /// Slots of a host the script prints without `:slots`.
     pub slots_per_host: u32,
 }
 
 impl ElasticOptions {
+    /// Options of `mode` with every limit unset, a 600 s elastic timeout,
+    /// discovery every second and one slot per discovered host.
     pub fn new(mode: ElasticMode) -> Self {
         ElasticOptions {
             mode,
@@ -159,18 +182,28 @@ impl ElasticOptions {
 /// A job as asked for. Fill it in, then [`JobSpec::check`] it once.
 #[derive(Clone, Debug)]
 pub struct JobSpec {
+    /// The engine asked for (`Auto` picks one from the hosts and the
+    /// environment).
     pub engine: EngineChoice,
     /// The hosts given (`-H`, a host file, `hosts=`); none: the Slurm
     /// allocation this runs in, the Ray cluster, or this machine.
     pub hosts: Option<Vec<HostSpec>>,
+    /// What the hosts' slots count: processes or CPUs.
     pub slots: Slots,
+    /// How many workers, and how they share hosts.
     pub workers: Workers,
+    /// CPUs and GPUs each worker needs.
     pub resources: WorkerResources,
+    /// How the job runs (timeouts, output, the secret...), handed to the
+    /// executors.
     pub settings: Settings,
+    /// How each engine reaches its machines.
     pub engine_options: EngineOptions,
     /// Variables every worker gets on top of kolo's own.
     pub env: Vec<(String, String)>,
+    /// What makes the job elastic; none: a fixed job.
     pub elastic: Option<ElasticOptions>,
+    /// How the front end spells its options, for messages.
     pub names: OptionNames,
 }
 
@@ -292,10 +325,12 @@ impl JobSpec {
 }
 
 impl Job {
+    /// The description the job was checked from.
     pub fn spec(&self) -> &JobSpec {
         &self.spec
     }
 
+    /// How the job runs.
     pub fn settings(&self) -> &Settings {
         &self.spec.settings
     }
@@ -310,10 +345,12 @@ impl Job {
         &self.spec.env
     }
 
+    /// Whether the job was asked to be elastic.
     pub fn is_elastic(&self) -> bool {
         self.spec.elastic.is_some()
     }
 
+    /// The elastic mode, if the job is elastic.
     pub fn elastic_mode(&self) -> Option<ElasticMode> {
         self.spec.elastic.as_ref().map(|e| e.mode)
     }

@@ -8,6 +8,8 @@
 //!   over kolo-exec's executors, with kolo-topology's `Membership`
 //!   deciding.
 
+#![warn(missing_docs)]
+
 pub mod elastic;
 mod job;
 

@@ -156,6 +156,19 @@ impl TorchComm {
     }
 }
 
+// The memory contract of the collectives below, on which every `view` and
+// `input` in them rests. Rust cannot check it: the addresses come from
+// Python as integers. Their one caller, kolo.torch's process group
+// (python/kolo/torch/__init__.py), passes `data_ptr()` and `numel()` of
+// contiguous CPU tensors of the dtype it names (or their uint8 byte views),
+// aligned for that type as torch allocates them, and the tensors stay alive
+// and untouched until the call ends: a blocking call holds the caller in
+// this method until `Ordered::now` returns, and a queued one (`later=` or
+// `then=`) cannot be issued without `keep=`, which kolo.torch fills with
+// those tensors and `Done` holds until the call has run. Calls run one at a
+// time (`Ordered`), so no two calls' views of the same tensor are live
+// together. Every `T` of `with_element_type!` is a plain number type for
+// which any bit pattern is a valid value.
 #[pymethods]
 impl TorchComm {
     /// Joins rank `rank` of `size` through `book` (collective: every rank
@@ -231,12 +244,13 @@ impl TorchComm {
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        // SAFETY (every view below): kolo.torch passes live contiguous tensors
         self.issue(
             py,
             later,
             then,
             keep,
+            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
+            // contract above; the view is the call's only reference to them.
             move |c| kolo_comm::with_element_type!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
         )
     }
@@ -257,18 +271,23 @@ impl TorchComm {
         keep: Option<Py<PyAny>>,
     ) -> PyResult<Option<Pending>> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        // SAFETY (every view below): kolo's Horovod passes live contiguous
-        // tensors that do not overlap, and keeps them until the call ends
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut fused: Vec<T> = Vec::with_capacity(parts.iter().map(|&(_, count)| count).sum());
                 for &(addr, count) in &parts {
+                    // SAFETY: each `(addr, count)` is a tensor per the memory
+                    // contract above (which no caller in this repository
+                    // exercises yet: nothing calls allreduce_fused); the view
+                    // lives only for this copy into `fused`, this closure's own
+                    // buffer.
                     fused.extend_from_slice(unsafe { view::<T>(addr, count) });
                 }
                 c.allreduce_in_place(&mut fused, op).inspect(|_| {
                     let mut rest = &fused[..];
                     for &(addr, count) in &parts {
                         let (mine, others) = rest.split_at(count);
+                        // SAFETY: as above; one part's view at a time, so
+                        // even overlapping parts never alias a live view.
                         unsafe { view::<T>(addr, count) }.copy_from_slice(mine);
                         rest = others;
                     }
@@ -297,6 +316,8 @@ impl TorchComm {
             later,
             then,
             keep,
+            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
+            // contract above; the view is the call's only reference to them.
             move |c| kolo_comm::with_element_type!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)),
         )
     }
@@ -320,6 +341,9 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
+                // SAFETY: `send` holds `mine` and `recv` `total` elements per
+                // the memory contract above; `input` is evaluated first and
+                // copies `send` if it overlaps `recv`, so the two never alias.
                 c.allgatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts)
             })
         })
@@ -346,6 +370,9 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
+                // SAFETY: `send` holds `total` and `recv` `mine` elements per
+                // the memory contract above; `input` is evaluated first and
+                // copies `send` if it overlaps `recv`, so the two never alias.
                 c.reduce_scatter_counts(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, op)
             })
         })
@@ -370,6 +397,9 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
+                // SAFETY: `send` holds `sn` and `recv` `rn` elements per the
+                // memory contract above; `input` is evaluated first and
+                // copies `send` if it overlaps `recv`, so the two never alias.
                 c.alltoallv(unsafe { input::<T>(send, sn, recv, rn, &mut owned) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts)
             })
         })
@@ -397,7 +427,12 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 // in place: the input is copied first, as the two may not alias
+                // SAFETY: `send` holds `count` elements per the memory contract
+                // above; the view ends with this copy, before `recv`'s is made.
                 let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
+                // SAFETY: at the root `recv` holds `count` elements per the
+                // memory contract above, and `send`'s view is gone; elsewhere
+                // `recv` is not touched.
                 let out = if is_root { unsafe { view::<T>(recv, count) } } else { &mut [] };
                 c.reduce(&input, out, op, root)
             })
@@ -425,6 +460,10 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
+                // SAFETY: `send` holds `mine` and, at the root, `recv` `total`
+                // elements per the memory contract above (elsewhere `total` is
+                // 0 and `view` does not touch `recv`, which kolo.torch passes
+                // as 0); `input` copies `send` if it overlaps `recv`.
                 c.gatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts, root)
             })
         })
@@ -451,6 +490,10 @@ impl TorchComm {
         self.issue(py, later, then, keep, move |c| {
             kolo_comm::with_element_type!(dtype, T => {
                 let mut owned = Vec::new();
+                // SAFETY: `recv` holds `mine` and, at the root, `send` `total`
+                // elements per the memory contract above (elsewhere `total` is
+                // 0 and `view` does not touch `send`, which kolo.torch passes
+                // as 0); `input` copies `send` if it overlaps `recv`.
                 c.scatterv(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, root)
             })
         })
@@ -475,6 +518,8 @@ impl TorchComm {
             later,
             then,
             keep,
+            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
+            // contract above; the view is the call's only reference to them.
             move |c| kolo_comm::with_element_type!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)),
         )
     }
@@ -498,6 +543,8 @@ impl TorchComm {
             later,
             then,
             keep,
+            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
+            // contract above; the view is the call's only reference to them.
             move |c| kolo_comm::with_element_type!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)),
         )
     }

@@ -16,6 +16,7 @@ const MAX_HEAD_BYTES: usize = 16 << 10;
 /// Largest response body by default: the server takes values of up to 8 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 16 << 20;
 
+/// A blocking client of the rendezvous store: one connection, reused.
 pub struct BlockingClient {
     config: ClientConfig,
     conn: Option<BufReader<TcpStream>>,
@@ -40,6 +41,7 @@ struct Failure {
 }
 
 impl BlockingClient {
+    /// A client for `config`; it connects on its first request.
     pub fn new(config: ClientConfig) -> Self {
         BlockingClient { config, conn: None, max_response: DEFAULT_MAX_RESPONSE_BYTES, requests: 0 }
     }
@@ -50,6 +52,7 @@ impl BlockingClient {
         self
     }
 
+    /// The settings it was made with.
     pub fn config(&self) -> &ClientConfig {
         &self.config
     }
@@ -59,6 +62,7 @@ impl BlockingClient {
         self.requests
     }
 
+    /// Stores `value` under `key` in `scope`, replacing any earlier value.
     pub fn put(&mut self, scope: &str, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         self.request("PUT", scope, key, value).map(drop)
     }

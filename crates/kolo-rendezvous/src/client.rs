@@ -15,6 +15,8 @@ use tokio::sync::Mutex;
 
 use crate::{ClientConfig, RendezvousError, SECRET_HEADER};
 
+/// An async client of the rendezvous store: one connection, reused, that
+/// concurrent requests take turns on.
 pub struct Client {
     config: ClientConfig,
     conn: Mutex<Option<SendRequest<Full<Bytes>>>>,
@@ -22,6 +24,7 @@ pub struct Client {
 }
 
 impl Client {
+    /// A client for `config`; it connects on its first request.
     pub fn new(config: ClientConfig) -> Self {
         Client { config, conn: Mutex::new(None), requests: AtomicU64::new(0) }
     }
@@ -31,6 +34,7 @@ impl Client {
         self.requests.load(Ordering::Relaxed)
     }
 
+    /// Stores `value` under `key` in `scope`, replacing any earlier value.
     pub async fn put(&self, scope: &str, key: &str, value: impl Into<Bytes>) -> Result<(), RendezvousError> {
         self.request(Method::PUT, scope, key, value.into()).await.map(drop)
     }

@@ -4,10 +4,14 @@ use std::time::Duration;
 
 use crate::RendezvousError;
 
+/// Where a client finds the server, with what secret, and how patiently
+/// it retries and polls.
 #[derive(Clone, Debug)]
 pub struct ClientConfig {
     /// `host:port` of the server.
     pub addr: String,
+    /// The job's secret, sent with every request in [`SECRET_HEADER`](crate::SECRET_HEADER);
+    /// `None` sends none.
     pub secret: Option<String>,
     /// Attempts per request (Horovod's client: 3).
     pub attempts: u32,
@@ -20,6 +24,8 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
+    /// A client of the server at `addr` (`host:port`), with no secret and
+    /// Horovod's client's retries.
     pub fn new(addr: impl Into<String>) -> Self {
         ClientConfig {
             addr: addr.into(),

@@ -25,6 +25,8 @@ pub struct PeerGate {
 }
 
 impl PeerGate {
+    /// A gate that asks `decide(peer, local)` about each connection and
+    /// waits up to 10 s for its answer.
     pub fn new(decide: impl Fn(SocketAddr, SocketAddr) -> GateAnswer + Send + Sync + 'static) -> Self {
         PeerGate { decide: Arc::new(decide), timeout: Duration::from_secs(10), refused: Arc::default() }
     }

@@ -12,8 +12,6 @@
 //! 414 for a long path, 413 for a large value, 507 when the store is full,
 //! 408 for a slow body, 503 past the connection cap.
 
-#![forbid(unsafe_code)]
-
 //!
 //! [`TorchStoreServer`] serves the same job's store to PyTorch, in the
 //! wire protocol of c10d's `TCPStore`.
@@ -22,6 +20,9 @@
 //! (the async [`Client`], likewise), both default. Without them the crate
 //! is the [`BlockingClient`] over `std::net` alone, for workers that must
 //! not pull an async runtime (kolo-comm).
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod blocking;
 #[cfg(feature = "async-client")]
@@ -53,24 +54,63 @@ pub const SECRET_HEADER: &str = "x-kolo-secret";
 /// Errors of the rendezvous server and client.
 #[derive(Debug, thiserror::Error)]
 pub enum RendezvousError {
+    /// The server could not bind its listening socket.
     #[error("cannot listen on {addr}: {source}")]
-    Bind { addr: std::net::SocketAddr, source: std::io::Error },
+    Bind {
+        /// The address it tried to listen on.
+        addr: std::net::SocketAddr,
+        /// The error from creating, binding or listening on the socket.
+        source: std::io::Error,
+    },
+    /// The server could not be reached.
     #[error("rendezvous server {addr} unreachable: {source}")]
-    Connect { addr: String, source: std::io::Error },
+    Connect {
+        /// `host:port` of the server.
+        addr: String,
+        /// The connection's error.
+        source: std::io::Error,
+    },
+    /// A request failed on every attempt (no connection, a timeout, a 5xx).
     /// `reason` says what the last attempt met; `source` is that attempt's
     /// underlying error, where there was one (not for a timeout or a 5xx).
     #[error("rendezvous request {method} {path} failed: {reason}")]
     Request {
+        /// The HTTP method (`GET`, `PUT`, `DELETE`).
         method: &'static str,
+        /// The request's path, `/<scope>/<key>`.
         path: String,
+        /// How many attempts failed, and what the last one met.
         reason: String,
+        /// The last attempt's underlying error, if any.
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// The server refused a request with a 4xx status other than 404,
+    /// which retrying would not change.
     #[error("rendezvous request {method} {path} answered {status}: {body}")]
-    Status { method: &'static str, path: String, status: u16, body: String },
+    Status {
+        /// The HTTP method.
+        method: &'static str,
+        /// The request's path, `/<scope>/<key>`.
+        path: String,
+        /// The HTTP status code.
+        status: u16,
+        /// The answer's body, trimmed: the server's explanation.
+        body: String,
+    },
+    /// Waiting for keys took longer than the caller allowed.
     #[error("timed out after {waited_s:.1} s waiting for keys {missing:?} in scope '{scope}' at {addr}")]
-    WaitTimeout { addr: String, scope: String, missing: Vec<String>, waited_s: f64 },
+    WaitTimeout {
+        /// `host:port` of the server.
+        addr: String,
+        /// The scope the keys were awaited in.
+        scope: String,
+        /// The keys still missing when the wait ended.
+        missing: Vec<String>,
+        /// How long the wait lasted, in seconds.
+        waited_s: f64,
+    },
+    /// A URL that is not `http://HOST:PORT`.
     #[error("invalid rendezvous URL '{0}': expected http://HOST:PORT")]
     BadUrl(String),
 }

@@ -29,8 +29,10 @@ use crate::RendezvousError;
 /// Header in which kolo's own clients present the job's secret.
 pub const SECRET_HEADER: &str = "x-kolo-secret";
 
+/// What the server listens on and the limits it holds its clients to.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// The address to listen on; port 0 picks a free one.
     pub bind: SocketAddr,
     /// Largest value a PUT may carry; larger ones get 413. Default 8 MiB.
     pub max_body_bytes: usize,
@@ -50,6 +52,8 @@ pub struct ServerConfig {
     /// Refuse requests that present no secret (kolo-only jobs). Off by
     /// default, since Horovod's C++ client cannot present one.
     pub require_secret: bool,
+    /// The listening socket's backlog of connections not yet accepted.
+    /// Default 8192.
     pub backlog: u32,
     /// How long a client may take to send a request's headers; also how
     /// long a connection may sit idle before its first or next request
@@ -69,6 +73,7 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// A server on `bind` with the defaults above: no secret, no gate.
     pub fn new(bind: SocketAddr) -> Self {
         ServerConfig {
             bind,
@@ -318,6 +323,7 @@ impl RendezvousServer {
         Ok(RendezvousServer { addr, shared, serving })
     }
 
+    /// The address it listens on (with the port chosen, if `bind` had 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -410,6 +416,7 @@ impl AcceptFailures {
     const FIRST_DELAY: Duration = Duration::from_millis(5);
     const MAX_DELAY: Duration = Duration::from_millis(100);
 
+    /// No failures yet; `what` names the accepting server in the log.
     pub fn new(what: &'static str) -> Self {
         AcceptFailures { what, count: 0, delay: Duration::ZERO }
     }

@@ -57,8 +57,10 @@ const NOT_READY: u8 = 1;
 const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
 
+/// What the store server listens on and the limits it holds its clients to.
 #[derive(Clone, Debug)]
 pub struct TorchStoreConfig {
+    /// The address to listen on; port 0 picks a free one.
     pub bind: SocketAddr,
     /// Longest key. Default 8 KiB (torch's own server's bound).
     pub max_key_bytes: usize,
@@ -84,6 +86,7 @@ pub struct TorchStoreConfig {
 }
 
 impl TorchStoreConfig {
+    /// A server on `bind` with the defaults above, open to every peer.
     pub fn new(bind: SocketAddr) -> Self {
         TorchStoreConfig {
             bind,
@@ -129,6 +132,7 @@ impl TorchStoreServer {
         Ok(TorchStoreServer { addr, serving, shared })
     }
 
+    /// The address it listens on (with the port chosen, if `bind` had 0).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }

@@ -35,11 +35,14 @@ use crate::{HostSpec, TopologyError};
 /// doubling with each later one, at most `max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cooldown {
+    /// The cooldown after a host's first strike.
     pub min: Duration,
+    /// The longest cooldown, however many strikes.
     pub max: Duration,
 }
 
 impl Cooldown {
+    /// The range `min..=max`; refused unless `0 < min <= max`.
     pub fn new(min: Duration, max: Duration) -> Result<Self, TopologyError> {
         if min.is_zero() || min > max {
             return Err(TopologyError::BadRequest(format!(
@@ -61,7 +64,9 @@ impl Cooldown {
 /// What an elastic job may do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ElasticConfig {
+    /// The fewest slots a world may have; below it the job waits.
     pub min_np: u32,
+    /// The most slots a world takes, however many are available.
     pub max_np: u32,
     /// Re-formed worlds allowed, for any reason (Horovod's `reset_limit`).
     pub reset_limit: Option<u32>,
@@ -81,6 +86,9 @@ pub struct ElasticConfig {
 }
 
 impl ElasticConfig {
+    /// A config for worlds of `min_np..=max_np` slots, with no limits, no
+    /// cooldown and a 600 s elastic timeout; refused unless
+    /// `1 <= min_np <= max_np <= MAX_PROCESSES`.
     pub fn new(min_np: u32, max_np: u32) -> Result<Self, TopologyError> {
         if min_np == 0 || min_np > max_np {
             return Err(TopologyError::BadRequest(format!(
@@ -155,13 +163,16 @@ pub enum Event<'a> {
 pub struct World {
     /// 0 for the first world, one more for each re-formed one.
     pub round: u32,
+    /// Host names in rank order, each with the slots the world uses on it.
     pub hosts: Vec<(String, u32)>,
     /// Re-formed worlds so far (resets), and those after failures.
     pub resets: u32,
+    /// Re-formed worlds so far that followed a failure.
     pub restarts: u32,
 }
 
 impl World {
+    /// Slots in the world, which is its number of ranks.
     pub fn size(&self) -> u32 {
         self.hosts.iter().map(|(_, n)| n).sum()
     }
@@ -175,21 +186,33 @@ impl World {
 /// Why an elastic job stops.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StopReason {
+    /// The world needs re-forming again, but it was re-formed as often as
+    /// `reset_limit` allows.
     ResetLimit {
+        /// The reset limit reached.
         limit: u32,
     },
+    /// A rank failed, or a host of the world was lost, after as many
+    /// restarts as `max_restarts` allows.
     RestartLimit {
+        /// The restart limit reached.
         limit: u32,
     },
+    /// Too few slots for longer than the elastic timeout.
     Timeout {
+        /// Slots needed (`min_np`).
         needed: u32,
+        /// Slots available on hosts not blacklisted.
         available: u32,
+        /// How long the job waited.
         waited: Duration,
     },
     /// Too few slots, and no way for more to come (`fixed_hosts`, and
     /// every blacklisted host out for good).
     NoSlotsLeft {
+        /// Slots needed (`min_np`).
         needed: u32,
+        /// Slots available on hosts not blacklisted.
         available: u32,
     },
 }
@@ -228,13 +251,17 @@ pub enum Decision {
     /// Too few slots: no world runs until there are `needed` (or until
     /// `deadline`, counted from the job's start, when the job stops).
     Wait {
+        /// Slots available now on hosts not blacklisted.
         available: u32,
+        /// Slots needed (`min_np`).
         needed: u32,
+        /// When the wait times out, counted from the job's start.
         deadline: Duration,
         /// Worth telling the user: the first wait, a change, or a while
         /// since the last notice (a wait is decided at every poll).
         announce: bool,
     },
+    /// The job stops for good; every later event gets the same decision.
     Stop(StopReason),
 }
 
@@ -268,6 +295,7 @@ pub struct Membership {
 const WAIT_NOTICE_EVERY: Duration = Duration::from_secs(30);
 
 impl Membership {
+    /// A job that has formed no world yet and knows no hosts.
     pub fn new(config: ElasticConfig) -> Self {
         Membership {
             config,
@@ -289,6 +317,7 @@ impl Membership {
         }
     }
 
+    /// The rules this membership follows.
     pub fn config(&self) -> &ElasticConfig {
         &self.config
     }

@@ -12,6 +12,8 @@ pub const ENV_SECRET: &str = "KOLO_SECRET";
 /// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`): the
 /// round a process starts for, and how long it waits for a round.
 pub const ENV_ELASTIC_ROUND: &str = "KOLO_ELASTIC_ROUND";
+/// How long an in-place elastic process waits for a round, in seconds
+/// (read with [`ENV_ELASTIC_ROUND`]).
 pub const ENV_ELASTIC_TIMEOUT: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
 
 /// Variables whose values are chosen when the job starts (addresses,
@@ -37,15 +39,27 @@ pub const IFACE_VARS: [&str; 4] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "
 pub enum ElasticEnv {
     /// In place: the round the processes start for, and how long they
     /// wait for a round.
-    InPlace { round: u64, timeout_s: u64 },
+    InPlace {
+        /// The round the processes start for (`KOLO_ELASTIC_ROUND`).
+        round: u64,
+        /// Seconds a process waits for a round.
+        timeout_s: u64,
+    },
     /// Restart mode: this world's restarts so far, and the most allowed.
-    Restart { restarts: u32, max_restarts: u32 },
+    Restart {
+        /// Restarts of this world so far (`KOLO_RESTART_COUNT`).
+        restarts: u32,
+        /// The most restarts the job allows.
+        max_restarts: u32,
+    },
 }
 
 /// What is the same for every rank of a job.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JobEnv {
+    /// Address of the job's rendezvous server, as every worker reaches it.
     pub rendezvous_addr: String,
+    /// Port of the job's rendezvous server.
     pub rendezvous_port: u16,
     /// Interfaces every host can use to reach the next; the first one is
     /// Gloo's (it takes a single interface).
@@ -55,11 +69,16 @@ pub struct JobEnv {
     /// torchrun's store: the driver serves it (as torchrun's agent does) at
     /// an address every rank reaches.
     pub master_addr: String,
+    /// Port of torchrun's store (`MASTER_PORT`).
     pub master_port: u16,
     /// JAX's coordinator runs in rank 0: its host and a port free there.
     pub jax_coordinator_addr: String,
+    /// The port JAX's coordinator listens on, on rank 0's host.
     pub jax_coordinator_port: u16,
+    /// What the processes of an elastic job are told of it; `None` for a
+    /// fixed job.
     pub elastic: Option<ElasticEnv>,
+    /// The job's id (`KOLO_JOB_ID`, and torchrun's `TORCHELASTIC_RUN_ID`).
     pub job_id: String,
 }
 

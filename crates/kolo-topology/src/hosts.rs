@@ -6,13 +6,16 @@ use crate::TopologyError;
 /// (for hosts that declare them) how many GPUs it offers.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct HostSpec {
+    /// Host name or address, as given (IPv6 without its brackets).
     pub name: String,
+    /// How many processes the host may run.
     pub slots: u32,
     /// GPUs the host declares (`gpus=N` in a host file); `None` when undeclared.
     pub gpus: Option<u32>,
 }
 
 impl HostSpec {
+    /// A host with `slots` slots and no declared GPUs.
     pub fn new(name: impl Into<String>, slots: u32) -> Self {
         HostSpec { name: name.into(), slots, gpus: None }
     }

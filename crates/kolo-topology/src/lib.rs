@@ -6,6 +6,7 @@
 //! here, so all of it is tested exhaustively.
 
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 mod elastic;
 mod env;
@@ -37,22 +38,55 @@ pub use slurm::{expand_nodelist, expand_tasks_per_node};
 /// input and the fix.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TopologyError {
+    /// A host list (`-H`, or a Slurm node list) that does not parse.
     #[error("host list '{input}': {reason}")]
-    BadHost { input: String, reason: String },
+    BadHost {
+        /// The list as given (empty for a host file without hosts).
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A line of a host file or of a discovery script's output that does
+    /// not parse.
     #[error("host file line {line} '{text}': {reason}")]
-    BadHostfileLine { line: usize, text: String, reason: String },
+    BadHostfileLine {
+        /// 1-based line number.
+        line: usize,
+        /// The line's text, trimmed.
+        text: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The same host name appears twice in a host list or file.
     #[error("host '{0}' is listed twice; list each host once with its total slots")]
     DuplicateHost(String),
+    /// `-np` (or `--min-np`) asks for more processes than the hosts have slots.
     #[error("Requested more processes ({requested}) than there are available slots ({available})")]
-    NotEnoughSlots { requested: u64, available: u64 },
+    NotEnoughSlots {
+        /// Processes asked for.
+        requested: u64,
+        /// Slots the hosts offer in total.
+        available: u64,
+    },
+    /// A job of zero processes.
     #[error("the number of processes must be at least 1, got {0}")]
     NoProcesses(u64),
+    /// More processes than [`MAX_PROCESSES`].
     #[error("{0} processes are over kolo's limit of {max} per job", max = MAX_PROCESSES)]
     TooManyProcesses(u64),
+    /// A placement or elastic request that contradicts itself (a count of
+    /// zero, options that exclude each other).
     #[error("invalid placement request: {0}")]
     BadRequest(String),
+    /// A valid request that the given hosts cannot hold.
     #[error("cannot place {asked}: {available}")]
-    Infeasible { asked: String, available: String },
+    Infeasible {
+        /// The request, described for the message.
+        asked: String,
+        /// What the hosts offer, described for the message.
+        available: String,
+    },
+    /// The Coordinator got a rank out of range or the same rank twice.
     #[error("rank registration: {0}")]
     Registration(String),
 }

@@ -7,7 +7,10 @@ use crate::TopologyError;
 /// What one host offers to the job, as its engine reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostResources {
+    /// The name workers on the host are reached by.
     pub hostname: String,
+    /// The engine's id of the node; workers with the same id share a node
+    /// (its local ranks, its `local_` scope and its GPUs).
     pub node_id: String,
     /// Worker slots (CPUs) the host offers.
     pub cpus: u32,
@@ -19,9 +22,17 @@ pub struct HostResources {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Placement {
     /// `num_workers` one-worker bundles packed onto as few hosts as fit.
-    Pack { num_workers: u32 },
+    Pack {
+        /// Workers in the job.
+        num_workers: u32,
+    },
     /// `num_hosts` distinct hosts with `workers_per_host` workers each.
-    Colocated { num_hosts: u32, workers_per_host: u32 },
+    Colocated {
+        /// Distinct hosts the job uses.
+        num_hosts: u32,
+        /// Workers on each of those hosts.
+        workers_per_host: u32,
+    },
 }
 
 impl Placement {
@@ -50,6 +61,7 @@ impl Placement {
         }
     }
 
+    /// Workers in the job (saturating, for counts past `u32`).
     pub fn num_workers(&self) -> u32 {
         match *self {
             Placement::Pack { num_workers } => num_workers,
@@ -61,7 +73,9 @@ impl Placement {
 /// What each worker needs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerResources {
+    /// CPUs (slots) per worker; at least 1.
     pub cpus: u32,
+    /// GPUs per worker; 0 for none.
     pub gpus: u32,
 }
 
@@ -90,7 +104,9 @@ pub fn resolve_gpus_per_worker(use_gpu: bool, gpus_per_worker: Option<u32>) -> R
 /// Where one worker landed: the index of its host and the GPU ids it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlacedWorker {
+    /// Index into the hosts the placement was given.
     pub host: usize,
+    /// The GPU ids of that host the worker holds.
     pub gpu_ids: Vec<u32>,
 }
 

@@ -13,9 +13,11 @@ use crate::{
 /// One worker of a plan; its index is its world rank.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedWorker {
+    /// The host the worker runs on.
     pub host: HostResources,
     /// The GPU ids this worker holds on its host.
     pub gpus: Vec<u32>,
+    /// Its world, local and cross ranks.
     pub ranks: RankInfo,
     /// The node's shared `CUDA_VISIBLE_DEVICES`, when it has GPUs.
     pub visible_devices: Option<String>,
@@ -24,6 +26,7 @@ pub struct PlannedWorker {
 /// Every worker of a job, in rank order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
+    /// The workers, indexed by world rank.
     pub workers: Vec<PlannedWorker>,
 }
 
@@ -61,10 +64,12 @@ impl Plan {
         Ok(Plan { workers })
     }
 
+    /// Number of workers (the world size).
     pub fn len(&self) -> usize {
         self.workers.len()
     }
 
+    /// Whether the plan has no workers.
     pub fn is_empty(&self) -> bool {
         self.workers.is_empty()
     }

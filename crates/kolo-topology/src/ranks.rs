@@ -7,11 +7,18 @@ use crate::{hosts::HostSpec, TopologyError};
 /// A rank's place in the job.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct RankInfo {
+    /// World rank.
     pub rank: u32,
+    /// World size: ranks in the job.
     pub size: u32,
+    /// Rank among the ranks of the same node.
     pub local_rank: u32,
+    /// Ranks on this rank's node.
     pub local_size: u32,
+    /// Rank among the ranks that share this rank's local rank (one a node),
+    /// in node order.
     pub cross_rank: u32,
+    /// Ranks that share this rank's local rank (one per node that has it).
     pub cross_size: u32,
     /// Index of the rank's node in registration order (torchrun's GROUP_RANK).
     pub node_rank: u32,
@@ -29,10 +36,13 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
+    /// A coordinator with nothing registered.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Records that world rank `world_rank` runs on `hostname`, in node
+    /// `node_id`; a node seen for the first time goes after the others.
     pub fn register(&mut self, hostname: &str, node_id: &str, world_rank: u32) {
         if !self.hostnames.iter().any(|h| h == hostname) {
             self.hostnames.push(hostname.to_string());
@@ -104,7 +114,10 @@ impl Coordinator {
 /// One process slot of a host plan.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Slot {
+    /// The host the slot is on, by the name that also names its `local_`
+    /// scope (`HOROVOD_HOSTNAME`: the node id in a plan).
     pub host: String,
+    /// The ranks of the process in this slot.
     #[serde(flatten)]
     pub info: RankInfo,
 }

@@ -2,6 +2,8 @@
 //! `kolo` command run the same code (a thin layer of argument parsing over
 //! kolo-exec and kolo-rendezvous, with `kolo run`'s launch policy).
 
+#![warn(missing_docs)]
+
 mod cli;
 mod dry_run;
 mod inspect;
@@ -21,7 +23,11 @@ use clap::Parser;
 /// by default this very program, without any.
 #[derive(Clone, Debug, Default)]
 pub struct WorkerProgram {
+    /// The agent's program; `None`: this program. `--worker-program`
+    /// overrides it.
     pub program: Option<PathBuf>,
+    /// Its arguments (the Python package's `-m kolo._worker`); unused when
+    /// `--worker-program` is given.
     pub args: Vec<String>,
 }
 

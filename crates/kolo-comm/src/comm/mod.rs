@@ -74,10 +74,13 @@ impl std::fmt::Debug for Communicator {
 }
 
 impl Communicator {
+    /// This process's rank within this communicator (not the job's rank
+    /// when the communicator was split off another).
     pub fn rank(&self) -> usize {
         self.rank
     }
 
+    /// How many ranks are members of this communicator.
     pub fn size(&self) -> usize {
         self.group.len()
     }

@@ -2,6 +2,12 @@
 
 use crate::CommError;
 
+/// Default for [`Tuning::direct_bytes`]: measured with `kolo bench
+/// allreduce` and `KOLO_COMM_DIRECT=0/1` on the 2-core machine, 4 ranks:
+/// the rings win at 256 KiB (192 vs 219 us), direct reads from 1 MiB
+/// (621 vs 702 us) and by 1.3-1.4x at 16-64 MiB; at 2 ranks they tie.
+const DIRECT_BYTES: usize = 1 << 20;
+
 /// Algorithm choices, by size and rank count; overridable with
 /// environment variables.
 ///
@@ -11,12 +17,6 @@ use crate::CommError;
 /// recursive doubling wins up to 64 KiB (48 vs 113 us) and the ring beats
 /// Rabenseifner from 256 KiB. Rabenseifner pays off from 8 ranks, where
 /// its log2(n) steps save most over the ring's 2(n-1).
-/// Default for [`Tuning::direct_bytes`]: measured with `kolo bench
-/// allreduce` and `KOLO_COMM_DIRECT=0/1` on the 2-core machine, 4 ranks:
-/// the rings win at 256 KiB (192 vs 219 us), direct reads from 1 MiB
-/// (621 vs 702 us) and by 1.3-1.4x at 16-64 MiB; at 2 ranks they tie.
-const DIRECT_BYTES: usize = 1 << 20;
-
 #[derive(Clone, Debug)]
 pub struct Tuning {
     /// Allreduce of at most this many bytes uses recursive doubling
@@ -65,6 +65,8 @@ impl Tuning {
         self.mid_bytes.unwrap_or(if n >= 8 { 1 << 20 } else { 0 })
     }
 
+    /// The defaults, overridden by the `KOLO_COMM_*` variables named on the
+    /// fields; a value that does not parse is an error.
     pub fn from_env() -> Result<Tuning, CommError> {
         let mut t = Tuning::default();
         let bytes = |name: &str| -> Result<Option<usize>, CommError> {

@@ -18,8 +18,12 @@ const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);
 pub struct Discovery {
     /// A script printing `host[:slots]` lines; none: `source`, else `fixed`.
     pub script: Option<PathBuf>,
+    /// An engine's own source of hosts (a Ray cluster's alive nodes), used
+    /// when there is no script.
     pub source: Option<Arc<dyn HostSource>>,
+    /// The hosts when there is neither a script nor a source.
     pub fixed: Vec<HostSpec>,
+    /// How long between two discoveries.
     pub interval: Duration,
     /// Slots of a host the script prints without `:slots`.
     pub slots_per_host: u32,

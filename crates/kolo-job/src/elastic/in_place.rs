@@ -31,6 +31,7 @@ use kolo_exec::{ExecError, Executor, Report, SharedJob};
 /// What a cohort's (or a restarted world's) executor is made for.
 #[derive(Clone, Debug)]
 pub struct Cohort {
+    /// The hosts its processes start on, with their slots.
     pub hosts: Vec<HostSpec>,
     /// Processes (the hosts' slots).
     pub np: u64,
@@ -40,10 +41,12 @@ pub struct Cohort {
     /// theirs (`OutputOptions::first_label`).
     pub first_process: usize,
     /// What its processes are told of the job (the round they start for,
-    /// or the restarts so far) and, for every cohort after the first, the
-    /// job's store, id and interfaces: the elastic job gives them to the
-    /// executor the factory makes (`Executor::join_elastic`).
+    /// or the restarts so far); the elastic job gives it, with `shared`, to
+    /// the executor the factory makes (`Executor::join_elastic`).
     pub elastic: ElasticEnv,
+    /// For every cohort after the first, the job's store, id and
+    /// interfaces, taken from the first cohort's executor; `None` for the
+    /// first cohort and in restart mode.
     pub shared: Option<SharedJob>,
 }
 
@@ -68,7 +71,12 @@ pub enum StopCause {
     /// Membership's limits (spelled by the front end).
     Limit(kolo_topology::StopReason),
     /// A process the job was finishing with failed.
-    FailedWhileFinishing { host: String, reason: String },
+    FailedWhileFinishing {
+        /// The host it ran on.
+        host: String,
+        /// What happened, worded to follow "a process on host H".
+        reason: String,
+    },
 }
 
 impl StopCause {
@@ -84,6 +92,8 @@ impl StopCause {
 }
 
 impl<O> ElasticOutcome<O> {
+    /// Whether the job ended on its own: neither stopped by membership nor
+    /// interrupted.
     pub fn succeeded(&self) -> bool {
         self.stopped.is_none() && self.interrupted_by.is_none()
     }

@@ -30,6 +30,7 @@ pub use work::{CommandWork, ElasticWork, Ends, FunctionWork, OnStarted, ProcessE
 
 /// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`).
 pub const ENV_ROUND: &str = kolo_topology::ENV_ELASTIC_ROUND;
+/// How long a process waits for a round, in seconds (read with [`ENV_ROUND`]).
 pub const ENV_TIMEOUT: &str = kolo_topology::ENV_ELASTIC_TIMEOUT;
 
 /// What the driver of an elastic job tells its caller as it goes.
@@ -37,23 +38,65 @@ pub const ENV_TIMEOUT: &str = kolo_topology::ENV_ELASTIC_TIMEOUT;
 pub enum ElasticEvent {
     /// Round `round` started with these hosts and processes per host, in
     /// rank order.
-    Round { round: u64, hosts: Vec<(String, u32)> },
+    Round {
+        /// The round's number, counted from 0.
+        round: u64,
+        /// Host names with the processes each runs.
+        hosts: Vec<(String, u32)>,
+    },
     /// A process failed (`rank` in the current round, if it had one).
-    Failed { rank: Option<u32>, host: String, reason: String },
+    Failed {
+        /// Its rank; `None` for a process that had not joined a round.
+        rank: Option<u32>,
+        /// The host it ran on.
+        host: String,
+        /// What happened, worded to follow "rank N on host H".
+        reason: String,
+    },
     /// A host is left out (`None`: for the rest of the job).
-    Blacklisted { host: String, duration: Option<Duration> },
+    Blacklisted {
+        /// The host left out.
+        host: String,
+        /// How long it stays out; `None`: for the rest of the job.
+        duration: Option<Duration>,
+    },
     /// New processes are starting on these hosts.
-    Starting { hosts: Vec<String> },
+    Starting {
+        /// The hosts the new processes start on.
+        hosts: Vec<String>,
+    },
     /// Not enough slots; the job waits up to `left` for them.
-    Waiting { needed: u32, available: u32, left: Duration },
+    Waiting {
+        /// Slots needed to form a world.
+        needed: u32,
+        /// Slots available on hosts not blacklisted.
+        available: u32,
+        /// How much longer the job waits before it stops.
+        left: Duration,
+    },
     /// A process reported a value (`WorkerContext::report`), as it sent it
     /// (`rank`: its rank in the current round, if it has one).
-    Reported { rank: Option<u32>, data: Vec<u8> },
+    Reported {
+        /// The sender's rank in the current round, if it has one.
+        rank: Option<u32>,
+        /// The value, serialized with postcard (see [`ElasticEvent::reported`]).
+        data: Vec<u8>,
+    },
     /// Restart mode: the hosts changed, so every process starts again in
     /// round `round`.
-    Reforming { round: u32 },
+    Reforming {
+        /// The round the processes start again in.
+        round: u32,
+    },
     /// Restart mode: a rank failed, so every process starts again.
-    Restarting { rank: u32, host: String, reason: String },
+    Restarting {
+        /// The rank that failed.
+        rank: u32,
+        /// The host it ran on.
+        host: String,
+        /// What happened, worded to follow "rank N on host H".
+        reason: String,
+    },
 }
 
 impl ElasticEvent {

@@ -21,6 +21,7 @@ use kolo_exec::{ExecError, Executable, Executor, Function, JobOutcome, Report, T
 /// The rank of a world that failed first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorldFailure {
+    /// Its rank in the world.
     pub rank: u32,
     /// Its host as the world names it (the plan's node id).
     pub host: String,
@@ -35,6 +36,7 @@ pub struct WorldFailure {
 pub struct WorldEnd<O> {
     /// Every rank's result, in rank order, when all succeeded.
     pub results: Vec<O>,
+    /// The rank that failed first, if one did.
     pub failure: Option<WorldFailure>,
     /// Stopped by this signal (also when discovery changed the hosts).
     pub interrupted_by: Option<Signal>,
@@ -45,6 +47,7 @@ pub struct WorldEnd<O> {
 
 /// What every rank of a restarted job runs.
 pub trait RestartWork: Send + Sync {
+    /// What one rank returns when it succeeds.
     type Output: Send;
     /// Starts the work in `executor`'s workers and runs the world until it
     /// ends or `stop` resolves (then the world is torn down). What ranks
@@ -157,13 +160,17 @@ async fn run_calls<W: ElasticWork>(
 /// How a restarted job ended: its last world's end, and why it stopped.
 #[derive(Debug)]
 pub struct RestartOutcome<O> {
+    /// How the last world that ran ended; none if no world ran.
     pub last: Option<WorldEnd<O>>,
     /// Membership's limits stopped it.
     pub stopped: Option<StopReason>,
+    /// Interrupted by this signal.
     pub interrupted_by: Option<Signal>,
 }
 
 impl<O> RestartOutcome<O> {
+    /// Whether the last world ran to the end with every rank succeeding,
+    /// and nothing stopped or interrupted the job.
     pub fn succeeded(&self) -> bool {
         self.stopped.is_none()
             && self.interrupted_by.is_none()

@@ -12,6 +12,7 @@ use kolo_exec::{CallHandle, ExecError, Executable, Executor, Function, Report, T
 
 /// How one process of a cohort ended.
 pub enum ProcessEnd<O> {
+    /// Succeeded, with what it returned (`()` for a command exiting 0).
     Succeeded(O),
     /// Failed: why, as "exited with code 3" or the error.
     Failed(String),
@@ -27,6 +28,7 @@ pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// What every process of an elastic job runs: started in each cohort's
 /// executor, its processes' ends reported.
 pub trait ElasticWork: Send + Sync + 'static {
+    /// What one process returns when it succeeds.
     type Output: Send + 'static;
     /// Starts the work; what its processes report (`WorkerContext::report`)
     /// goes to `reports`.
@@ -44,11 +46,14 @@ pub type OnStarted = Box<dyn Fn(&Executor) + Send + Sync>;
 
 /// An OS command in every process (`kolo run --in-place` and restart mode).
 pub struct CommandWork {
+    /// The command and its arguments.
     pub argv: Vec<std::ffi::OsString>,
+    /// Called once the command has started in a cohort's executor.
     pub on_started: Option<OnStarted>,
 }
 
 impl CommandWork {
+    /// Runs `argv` in every process, with no start callback.
     pub fn new(argv: Vec<std::ffi::OsString>) -> Self {
         CommandWork { argv, on_started: None }
     }
@@ -99,7 +104,9 @@ impl ElasticWork for CommandWork {
 /// A task on an executable `E` created in every process from `args`
 /// (RayExecutor's `start(executable_cls)` then `execute`).
 pub struct TaskWork<E: Executable, T: Task<E>> {
+    /// What each process's executable is created from.
     pub args: E::Args,
+    /// The task run on the executable.
     pub task: T,
 }
 
@@ -126,6 +133,7 @@ where
 
 /// A plain function in every process (`run`).
 pub struct FunctionWork<F: Function> {
+    /// The function each process runs.
     pub function: F,
 }
 
