@@ -8,7 +8,7 @@ import os
 
 from . import _kolo
 
-_ENV_ROUND = "KOLO_ELASTIC_ROUND"
+_ENV_ROUND = _kolo.ENV["ELASTIC_ROUND"]
 
 
 def _require_in_place(what):

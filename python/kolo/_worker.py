@@ -5,7 +5,7 @@ import os
 
 from . import _hooks, _kolo
 
-if os.environ.get("KOLO_PYTHON_HOOKS", "1") != "0":
+if os.environ.get(_kolo.ENV["PYTHON_HOOKS"], "1") != "0":
     _hooks.install()
     _hooks.count_progress()
 

@@ -88,7 +88,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
                 let _ = guard.remove_path(&dir.path().join("error.json"));
             }
         }
-        if lookup("KOLO_PYTHON_HOOKS").as_deref() != Some("0") {
+        if lookup(kolo_topology::env_names::PYTHON_HOOKS).as_deref() != Some("0") {
             // where the rank's Python hook counts its collectives and steps
             if let Some(file) = crate::inspect::create_progress_file(dir.path(), guard.as_deref()) {
                 command.env(crate::inspect::PROGRESS_FILE_VAR, &file);

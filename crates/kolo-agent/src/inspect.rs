@@ -51,7 +51,7 @@ pub(crate) fn sample(pid: u32) -> Result<(RankSample, u64), String> {
 }
 
 /// The variable that names a rank's progress file.
-pub(crate) const PROGRESS_FILE_VAR: &str = "KOLO_PROGRESS_FILE";
+pub(crate) const PROGRESS_FILE_VAR: &str = kolo_topology::env_names::PROGRESS_FILE;
 /// Its size: little-endian u64s, entered, done, wait_ns, steps, 1 once a
 /// hook counts, and room.
 const PROGRESS_LEN: usize = 64;
@@ -95,7 +95,7 @@ pub fn own_progress_file() -> std::io::Result<String> {
 
 /// The variable that names the file a rank's Horovod core writes its last
 /// stall warning to, for the hang report.
-pub(crate) const STALL_FILE_VAR: &str = "KOLO_STALL_FILE";
+pub(crate) const STALL_FILE_VAR: &str = kolo_topology::env_names::STALL_FILE;
 /// Most of a stall warning read back (a long list of names is cut).
 const STALL_MAX: u64 = 16 << 10;
 

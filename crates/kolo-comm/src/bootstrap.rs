@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use kolo_auth::{dial_handshake, listen_handshake, Secret};
 use kolo_rendezvous::{BlockingClient, ClientConfig, RendezvousError};
+use kolo_topology::env_names as names;
 
 use crate::comm::{Communicator, Links, Shared, Tuning};
 use crate::link::{Rx, TcpRx, Tx};
@@ -119,7 +120,11 @@ fn check_interrupt(interrupt: &Option<Interrupt>) -> Result<(), CommError> {
 }
 
 fn var(name: &str) -> Result<String, CommError> {
-    std::env::var(name).map_err(|_| CommError::Env(format!("{name} is not set; start the job with kolo run")))
+    std::env::var(name).map_err(|_| not_set(name))
+}
+
+fn not_set(name: &str) -> CommError {
+    CommError::Env(format!("{name} is not set; start the job with kolo run"))
 }
 
 fn number<T: std::str::FromStr>(name: &str) -> Result<T, CommError> {
@@ -209,29 +214,52 @@ impl Config {
     /// `KOLO_COMM_TRANSPORT` (`auto` or `tcp`), `KOLO_COMM_TIMEOUT_SECONDS`
     /// and the tuning variables. A missing or empty `KOLO_SECRET` is an error.
     pub fn from_env() -> Result<Config, CommError> {
-        let rank: usize = number("KOLO_RANK")?;
-        let size: usize = number("KOLO_SIZE")?;
+        let rank: usize = number(names::RANK)?;
+        let size: usize = number(names::SIZE)?;
         if rank >= size {
-            return Err(CommError::Env(format!("KOLO_RANK {rank} is not below KOLO_SIZE {size}")));
+            return Err(CommError::Env(format!("{} {rank} is not below {} {size}", names::RANK, names::SIZE)));
         }
-        let transport = match std::env::var("KOLO_COMM_TRANSPORT").as_deref() {
-            Err(_) | Ok("auto") | Ok("") => Transport::Auto,
-            Ok("tcp") => Transport::Tcp,
-            Ok(other) => return Err(CommError::Env(format!("KOLO_COMM_TRANSPORT='{other}': use auto or tcp"))),
+        let job = JobVars::read()?;
+        let timeout = match job.comm_timeout {
+            Some(timeout) => timeout,
+            None => Duration::from_secs(number::<u64>(names::TIMEOUT_SECONDS).unwrap_or(30)),
         };
-        let timeout_s: f64 = match std::env::var("KOLO_COMM_TIMEOUT_SECONDS") {
-            Ok(_) => number("KOLO_COMM_TIMEOUT_SECONDS")?,
-            Err(_) => number::<u64>("KOLO_TIMEOUT_SECONDS").unwrap_or(30) as f64,
-        };
-        let iface = std::env::var("KOLO_IFACES").ok().and_then(|l| l.split(',').next().map(String::from));
-        let secret = Secret::from_env("KOLO_SECRET").map_err(CommError::Secret)?;
-        let store = format!("{}:{}", var("KOLO_RENDEZVOUS_ADDR")?, var("KOLO_RENDEZVOUS_PORT")?);
-        let job_id = std::env::var("KOLO_JOB_ID").unwrap_or_else(|_| "job".into());
-        Ok(Config::new(rank, size, var("KOLO_NODE_ID")?, store, secret, job_id)?
-            .with_timeout(Duration::from_secs_f64(timeout_s.max(0.001)))
-            .with_transport(transport)
-            .with_listen(listen_address(iface.as_deref())?)
+        let secret = Secret::from_env(names::SECRET).map_err(CommError::Secret)?;
+        let store = format!("{}:{}", var(names::RENDEZVOUS_ADDR)?, var(names::RENDEZVOUS_PORT)?);
+        let node_id = job.node_id.ok_or_else(|| not_set(names::NODE_ID))?;
+        Ok(Config::new(rank, size, node_id, store, secret, job.job_id.unwrap_or_else(|| "job".into()))?
+            .with_timeout(timeout)
+            .with_transport(job.transport)
+            .with_listen(listen_address(job.iface.as_deref())?)
             .with_tuning(Tuning::from_env()?))
+    }
+}
+
+/// What a job's variables say about its communicators, read by one parser
+/// for both ways of making one ([`Config::from_env`], [`Config::from_book`]).
+struct JobVars {
+    transport: Transport,
+    comm_timeout: Option<Duration>,
+    /// The first of `KOLO_IFACES`.
+    iface: Option<String>,
+    job_id: Option<String>,
+    node_id: Option<String>,
+}
+
+impl JobVars {
+    fn read() -> Result<JobVars, CommError> {
+        let set = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        let transport = match set(names::COMM_TRANSPORT).as_deref() {
+            None | Some("auto") => Transport::Auto,
+            Some("tcp") => Transport::Tcp,
+            Some(other) => return Err(CommError::Env(format!("{}='{other}': use auto or tcp", names::COMM_TRANSPORT))),
+        };
+        let comm_timeout = match set(names::COMM_TIMEOUT_SECONDS) {
+            Some(_) => Some(Duration::from_secs_f64(number::<f64>(names::COMM_TIMEOUT_SECONDS)?.max(0.001))),
+            None => None,
+        };
+        let iface = set(names::IFACES).and_then(|l| l.split(',').next().map(String::from)).filter(|i| !i.is_empty());
+        Ok(JobVars { transport, comm_timeout, iface, job_id: set(names::JOB_ID), node_id: set(names::NODE_ID) })
     }
 }
 
@@ -251,34 +279,26 @@ impl Config {
         timeout: Duration,
         toward: Option<&str>,
     ) -> Result<Config, CommError> {
-        let in_job = std::env::var_os("KOLO_SECRET").is_some_and(|s| !s.is_empty());
+        let in_job = std::env::var_os(names::SECRET).is_some_and(|s| !s.is_empty());
         let secret = if in_job {
-            Secret::from_env("KOLO_SECRET").map_err(CommError::Secret)?
+            Secret::from_env(names::SECRET).map_err(CommError::Secret)?
         } else {
             book_secret(rank, book.as_ref(), timeout)?
         };
-        let node_id = match std::env::var("KOLO_NODE_ID") {
-            Ok(id) if !id.is_empty() => id,
-            _ => nix::unistd::gethostname()
+        let job = JobVars::read()?;
+        let node_id = match job.node_id {
+            Some(id) => id,
+            None => nix::unistd::gethostname()
                 .map(|h| h.to_string_lossy().into_owned())
                 .map_err(|e| CommError::EnvSys { what: "cannot read the host name".into(), source: e.into() })?,
         };
-        let listen = match std::env::var("KOLO_IFACES").ok().and_then(|l| l.split(',').next().map(String::from)) {
-            Some(iface) if !iface.is_empty() => listen_address(Some(&iface))?,
-            _ => toward.map_or(Ok(IpAddr::from([127, 0, 0, 1])), address_toward)?,
+        let listen = match job.iface {
+            Some(iface) => listen_address(Some(&iface))?,
+            None => toward.map_or(Ok(IpAddr::from([127, 0, 0, 1])), address_toward)?,
         };
-        let transport = match std::env::var("KOLO_COMM_TRANSPORT").as_deref() {
-            Ok("tcp") => Transport::Tcp,
-            _ => Transport::Auto,
-        };
-        let timeout = match std::env::var("KOLO_COMM_TIMEOUT_SECONDS") {
-            Ok(_) => Duration::from_secs_f64(number::<f64>("KOLO_COMM_TIMEOUT_SECONDS")?.max(0.001)),
-            Err(_) => timeout,
-        };
-        let job = std::env::var("KOLO_JOB_ID").unwrap_or_else(|_| "group".into());
-        Ok(Config::new(rank, size, node_id, "", secret, job)?
-            .with_timeout(timeout)
-            .with_transport(transport)
+        Ok(Config::new(rank, size, node_id, "", secret, job.job_id.unwrap_or_else(|| "group".into()))?
+            .with_timeout(job.comm_timeout.unwrap_or(timeout))
+            .with_transport(job.transport)
             .with_listen(listen)
             .with_tuning(Tuning::from_env()?)
             .with_book(book))
@@ -328,7 +348,7 @@ fn listen_address(iface: Option<&str>) -> Result<IpAddr, CommError> {
             return Ok(IpAddr::V4(v4.ip()));
         }
     }
-    Err(CommError::Env(format!("interface '{iface}' (KOLO_IFACES) has no IPv4 address on this host")))
+    Err(CommError::Env(format!("interface '{iface}' ({}) has no IPv4 address on this host", names::IFACES)))
 }
 
 struct Peer {

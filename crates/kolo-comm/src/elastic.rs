@@ -50,10 +50,10 @@ use crate::bootstrap::{store_client, Interrupt};
 use crate::{CommError, Communicator, Config};
 
 /// Set by `kolo run --in-place`: the first round this process belongs to.
-pub const ENV_ROUND: &str = "KOLO_ELASTIC_ROUND";
+pub const ENV_ROUND: &str = kolo_topology::env_names::ELASTIC_ROUND;
 /// How long a process waits for a round that includes it (default 600 s,
 /// kolo's `--elastic-timeout`).
-pub const ENV_TIMEOUT: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
+pub const ENV_TIMEOUT: &str = kolo_topology::env_names::ELASTIC_TIMEOUT_SECONDS;
 /// How often a waiting collective asks whether its round is over.
 const CHECK_EVERY: Duration = Duration::from_millis(20);
 

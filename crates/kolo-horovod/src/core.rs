@@ -108,7 +108,7 @@ impl Settings {
         if let Some(t) = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
             s.stall.shutdown = Duration::from_secs(t as u64);
         }
-        s.stall_file = var("KOLO_STALL_FILE").filter(|f| !f.is_empty()).map(Into::into);
+        s.stall_file = var(kolo_topology::env_names::STALL_FILE).filter(|f| !f.is_empty()).map(Into::into);
         Ok(s)
     }
 }

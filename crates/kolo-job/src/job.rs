@@ -45,6 +45,16 @@ pub struct OptionNames {
     pub hosts: &'static str,
     /// The engine choice.
     pub engine: &'static str,
+    /// The hang watch's timeout.
+    pub hang_timeout: &'static str,
+    /// The time workers have to start and connect.
+    pub start_timeout: &'static str,
+    /// The time an engine may wait for resources.
+    pub placement_timeout: &'static str,
+    /// What the front end calls a job (`jobs`, `executors`).
+    pub jobs: &'static str,
+    /// The elastic options, as a list for messages.
+    pub elastic_options: &'static str,
 }
 
 impl OptionNames {
@@ -62,6 +72,11 @@ impl OptionNames {
         slots_per_host: "slots_per_host",
         hosts: "hosts",
         engine: "engine",
+        hang_timeout: "hang_timeout_s",
+        start_timeout: "timeout_s",
+        placement_timeout: "placement_group_timeout_s",
+        jobs: "executors",
+        elastic_options: "the elastic arguments (min_workers, max_workers, max_restarts)",
     };
 }
 
@@ -203,6 +218,9 @@ pub struct JobSpec {
     pub env: Vec<(String, String)>,
     /// What makes the job elastic; none: a fixed job.
     pub elastic: Option<ElasticOptions>,
+    /// Watch the job for hangs: seconds without progress on every rank
+    /// before kolo reports and ends it (fixed jobs only).
+    pub hang_timeout_s: Option<f64>,
     /// How the front end spells its options, for messages.
     pub names: OptionNames,
 }
@@ -231,10 +249,37 @@ pub fn seconds(what: &str, seconds: f64) -> Result<Duration, ExecError> {
 }
 
 impl JobSpec {
+    /// The durations the front ends take: the hang watch (at least a
+    /// second, fixed jobs only), the start and placement timeouts.
+    fn check_times(&self) -> Result<(), ExecError> {
+        let names = self.names;
+        if let Some(s) = self.hang_timeout_s {
+            if !(s.is_finite() && s >= 1.0) {
+                return Err(bad(format!("{} must be a number of seconds of at least 1, not {s}", names.hang_timeout)));
+            }
+            if self.elastic.is_some() {
+                return Err(bad(format!(
+                    "{} watches fixed {}: drop it or {}",
+                    names.hang_timeout, names.jobs, names.elastic_options
+                )));
+            }
+        }
+        for (what, value) in [
+            (names.start_timeout, self.settings.start_timeout),
+            (names.placement_timeout, self.settings.placement_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(bad(format!("{what} must be more than 0 seconds")));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks the job once, for every front end: the hosts it runs on,
     /// its size, and its elastic limits.
     pub fn check(self) -> Result<Job, ExecError> {
         let names = self.names;
+        self.check_times()?;
         let in_allocation = SlurmEngine::in_allocation();
         let ray = self.engine == EngineChoice::Ray;
         if ray && self.hosts.is_some() {
@@ -325,6 +370,11 @@ impl JobSpec {
 }
 
 impl Job {
+    /// The hang watch's timeout, if the job asked for one (checked).
+    pub fn hang_timeout(&self) -> Option<Duration> {
+        self.spec.hang_timeout_s.map(Duration::from_secs_f64)
+    }
+
     /// The description the job was checked from.
     pub fn spec(&self) -> &JobSpec {
         &self.spec
@@ -493,6 +543,11 @@ mod tests {
         slots_per_host: "--slots-per-host",
         hosts: "-H",
         engine: "--engine",
+        hang_timeout: "--hang-timeout",
+        start_timeout: "--start-timeout",
+        placement_timeout: "--placement-timeout",
+        jobs: "jobs",
+        elastic_options: "the elastic options",
     };
 
     #[test]
@@ -522,6 +577,7 @@ mod tests {
             engine_options: EngineOptions::default(),
             env: Vec::new(),
             elastic: None,
+            hang_timeout_s: None,
             names: CLI,
         }
     }
@@ -571,5 +627,34 @@ mod tests {
         let job = JobSpec { elastic: Some(in_place), ..spec(Workers::Pack(Some(2)), None) };
         let config = job.check().unwrap().elastic_config().unwrap();
         assert!(config.blacklist_failed_hosts && config.fixed_hosts && config.max_restarts.is_none());
+    }
+
+    #[test]
+    fn the_hang_watch_and_the_timeouts_are_checked_once_and_named_as_given() {
+        let fixed = |seconds| JobSpec { hang_timeout_s: Some(seconds), ..spec(Workers::Pack(Some(2)), None) };
+        assert_eq!(fixed(1.0).check().unwrap().hang_timeout(), Some(Duration::from_secs(1)));
+        assert_eq!(spec(Workers::Pack(Some(2)), None).check().unwrap().hang_timeout(), None);
+        for bad in [0.5, 0.0, -3.0, f64::NAN, f64::INFINITY] {
+            let e = fixed(bad).check().unwrap_err().to_string();
+            assert!(e.contains("--hang-timeout must be a number of seconds of at least 1"), "{bad}: {e}");
+        }
+        let python = JobSpec { names: OptionNames::HOROVOD_RAY, ..fixed(0.5) };
+        assert!(python.check().unwrap_err().to_string().contains("hang_timeout_s must be"));
+        let elastic = JobSpec { elastic: Some(ElasticOptions::new(ElasticMode::InPlace)), ..fixed(5.0) };
+        let e = elastic.clone().check().unwrap_err().to_string();
+        assert!(e.contains("--hang-timeout watches fixed jobs: drop it or the elastic options"), "{e}");
+        let e = JobSpec { names: OptionNames::HOROVOD_RAY, ..elastic }.check().unwrap_err().to_string();
+        assert!(e.contains("hang_timeout_s watches fixed executors: drop it or the elastic arguments"), "{e}");
+        let mut settings = Settings::default();
+        settings.start_timeout = Duration::ZERO;
+        let e = JobSpec { settings, ..spec(Workers::Pack(Some(2)), None) }.check().unwrap_err().to_string();
+        assert!(e.contains("--start-timeout must be more than 0 seconds"), "{e}");
+        let mut settings = Settings::default();
+        settings.placement_timeout = Duration::ZERO;
+        let e = JobSpec { settings, names: OptionNames::HOROVOD_RAY, ..spec(Workers::Pack(Some(2)), None) }
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("placement_group_timeout_s must be more than 0 seconds"), "{e}");
     }
 }

@@ -9,6 +9,7 @@ use std::any::Any;
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use kolo_topology::env_names;
 use serde::{de::DeserializeOwned, Serialize};
 
 /// Errors a user's code returns; only the message travels to the driver.
@@ -103,22 +104,22 @@ impl WorkerContext {
     }
 
     pub fn rank(&self) -> u32 {
-        self.number("KOLO_RANK")
+        self.number(env_names::RANK)
     }
     pub fn size(&self) -> u32 {
-        self.number("KOLO_SIZE")
+        self.number(env_names::SIZE)
     }
     pub fn local_rank(&self) -> u32 {
-        self.number("KOLO_LOCAL_RANK")
+        self.number(env_names::LOCAL_RANK)
     }
     pub fn local_size(&self) -> u32 {
-        self.number("KOLO_LOCAL_SIZE")
+        self.number(env_names::LOCAL_SIZE)
     }
     pub fn cross_rank(&self) -> u32 {
-        self.number("KOLO_CROSS_RANK")
+        self.number(env_names::CROSS_RANK)
     }
     pub fn cross_size(&self) -> u32 {
-        self.number("KOLO_CROSS_SIZE")
+        self.number(env_names::CROSS_SIZE)
     }
 }
 

@@ -155,6 +155,7 @@ impl Job {
             engine_options: EngineOptions::default(),
             env: Vec::new(),
             elastic,
+            hang_timeout_s: None,
             names: PYTHON_NAMES,
         };
         // checked now, as horovod.ray checks its arguments
@@ -447,19 +448,8 @@ impl Driver {
         ray_bridge: Option<Py<PyAny>>,
         hang_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
-        let hang_timeout = match hang_timeout_s {
-            None => None,
-            Some(s) if s.is_finite() && s >= 1.0 => Some(Duration::from_secs_f64(s)),
-            Some(s) => {
-                return Err(value_error(format!("hang_timeout_s must be a number of seconds of at least 1, not {s}")))
-            }
-        };
-        if hang_timeout.is_some() && job.spec.elastic.is_some() {
-            return Err(value_error(
-                "hang_timeout_s watches fixed executors: drop it or the elastic arguments (min_workers, max_workers, max_restarts)",
-            ));
-        }
         let mut spec = job.spec.clone();
+        spec.hang_timeout_s = hang_timeout_s;
         spec.settings.ssh.identity_file = ssh_identity_file.map(Into::into);
         spec.settings.worker_program = Some(worker_program.clone().into());
         spec.settings.worker_args = worker_args;
@@ -475,6 +465,7 @@ impl Driver {
             ..Default::default()
         };
         let job = spec.check().map_err(exec_error)?;
+        let hang_timeout = job.hang_timeout();
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());
         let interrupts = Interrupts::new();

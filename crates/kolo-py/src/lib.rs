@@ -113,6 +113,12 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(worker::report, m)?)?;
     m.add_function(wrap_pyfunction!(own_progress_file, m)?)?;
     m.add("PYTHON_HOOKS", kolo_exec::PYTHON_HOOKS)?;
+    // the names of kolo's variables, from their one table
+    let env = pyo3::types::PyDict::new(m.py());
+    for (key, name) in kolo_topology::env_names::ALL {
+        env.set_item(key, name)?;
+    }
+    m.add("ENV", env)?;
     m.add_class::<driver::Job>()?;
     m.add_class::<driver::Driver>()?;
     m.add("PlacementError", m.py().get_type::<PlacementError>())?;

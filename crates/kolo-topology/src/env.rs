@@ -5,34 +5,108 @@ use std::collections::BTreeMap;
 
 use crate::RankInfo;
 
-/// Name of the variable that carries the job's secret to kolo's own clients
-/// in the workers. It is never forwarded from the caller's environment.
-pub const ENV_SECRET: &str = "KOLO_SECRET";
+/// The names of kolo's own variables, in one place: `rank_env` writes
+/// them, kolo-comm, kolo-horovod and the agent read them, and kolo's
+/// Python reads them from `kolo._kolo.ENV` (made from [`names::ALL`]).
+pub mod names {
+    /// The rank's place: world rank and size, on its host, across hosts.
+    pub const RANK: &str = "KOLO_RANK";
+    /// The job's size.
+    pub const SIZE: &str = "KOLO_SIZE";
+    /// The rank on its host.
+    pub const LOCAL_RANK: &str = "KOLO_LOCAL_RANK";
+    /// The ranks on its host.
+    pub const LOCAL_SIZE: &str = "KOLO_LOCAL_SIZE";
+    /// The rank among the hosts' ranks of its local rank.
+    pub const CROSS_RANK: &str = "KOLO_CROSS_RANK";
+    /// The hosts with a rank of its local rank.
+    pub const CROSS_SIZE: &str = "KOLO_CROSS_SIZE";
+    /// The host's id in the plan (ranks with the same id share memory).
+    pub const NODE_ID: &str = "KOLO_NODE_ID";
+    /// The host's index among the job's hosts.
+    pub const NODE_RANK: &str = "KOLO_NODE_RANK";
+    /// The rendezvous store's address.
+    pub const RENDEZVOUS_ADDR: &str = "KOLO_RENDEZVOUS_ADDR";
+    /// The rendezvous store's port.
+    pub const RENDEZVOUS_PORT: &str = "KOLO_RENDEZVOUS_PORT";
+    /// The job's secret, for kolo's own clients; never forwarded from the
+    /// caller's environment.
+    pub const SECRET: &str = "KOLO_SECRET";
+    /// The job's id (also the communicator's).
+    pub const JOB_ID: &str = "KOLO_JOB_ID";
+    /// The start timeout in seconds: how long ranks wait for each other.
+    pub const TIMEOUT_SECONDS: &str = "KOLO_TIMEOUT_SECONDS";
+    /// Interfaces every host reaches the next on, comma-separated.
+    pub const IFACES: &str = "KOLO_IFACES";
+    /// kolo-comm's links: `auto` (shared memory on a host) or `tcp`.
+    pub const COMM_TRANSPORT: &str = "KOLO_COMM_TRANSPORT";
+    /// kolo-comm's timeout in seconds, instead of the start timeout.
+    pub const COMM_TIMEOUT_SECONDS: &str = "KOLO_COMM_TIMEOUT_SECONDS";
+    /// In place: the round the process starts for.
+    pub const ELASTIC_ROUND: &str = "KOLO_ELASTIC_ROUND";
+    /// In place: how long a process waits for a round.
+    pub const ELASTIC_TIMEOUT_SECONDS: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
+    /// Restart mode: the world's restarts so far.
+    pub const RESTART_COUNT: &str = "KOLO_RESTART_COUNT";
+    /// Where the rank counts its progress (read by its agent).
+    pub const PROGRESS_FILE: &str = "KOLO_PROGRESS_FILE";
+    /// Where the Horovod core writes its stall report (read by the agent).
+    pub const STALL_FILE: &str = "KOLO_STALL_FILE";
+    /// `0`: no Python hooks in the rank's interpreter.
+    pub const PYTHON_HOOKS: &str = "KOLO_PYTHON_HOOKS";
 
-/// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`): the
-/// round a process starts for, and how long it waits for a round.
-pub const ENV_ELASTIC_ROUND: &str = "KOLO_ELASTIC_ROUND";
-/// How long an in-place elastic process waits for a round, in seconds
-/// (read with [`ENV_ELASTIC_ROUND`]).
-pub const ENV_ELASTIC_TIMEOUT: &str = "KOLO_ELASTIC_TIMEOUT_SECONDS";
+    /// Every name, with the key Python finds it under in `kolo._kolo.ENV`.
+    pub const ALL: [(&str, &str); 22] = [
+        ("RANK", RANK),
+        ("SIZE", SIZE),
+        ("LOCAL_RANK", LOCAL_RANK),
+        ("LOCAL_SIZE", LOCAL_SIZE),
+        ("CROSS_RANK", CROSS_RANK),
+        ("CROSS_SIZE", CROSS_SIZE),
+        ("NODE_ID", NODE_ID),
+        ("NODE_RANK", NODE_RANK),
+        ("RENDEZVOUS_ADDR", RENDEZVOUS_ADDR),
+        ("RENDEZVOUS_PORT", RENDEZVOUS_PORT),
+        ("SECRET", SECRET),
+        ("JOB_ID", JOB_ID),
+        ("TIMEOUT_SECONDS", TIMEOUT_SECONDS),
+        ("IFACES", IFACES),
+        ("COMM_TRANSPORT", COMM_TRANSPORT),
+        ("COMM_TIMEOUT_SECONDS", COMM_TIMEOUT_SECONDS),
+        ("ELASTIC_ROUND", ELASTIC_ROUND),
+        ("ELASTIC_TIMEOUT_SECONDS", ELASTIC_TIMEOUT_SECONDS),
+        ("RESTART_COUNT", RESTART_COUNT),
+        ("PROGRESS_FILE", PROGRESS_FILE),
+        ("STALL_FILE", STALL_FILE),
+        ("PYTHON_HOOKS", PYTHON_HOOKS),
+    ];
+}
+
+/// The job's secret's variable ([`names::SECRET`]).
+pub const ENV_SECRET: &str = names::SECRET;
+/// The round an in-place process starts for ([`names::ELASTIC_ROUND`]).
+pub const ENV_ELASTIC_ROUND: &str = names::ELASTIC_ROUND;
+/// How long an in-place process waits for a round
+/// ([`names::ELASTIC_TIMEOUT_SECONDS`]).
+pub const ENV_ELASTIC_TIMEOUT: &str = names::ELASTIC_TIMEOUT_SECONDS;
 
 /// Variables whose values are chosen when the job starts (addresses,
 /// ports, ids, the secret): a plan shown before (`--dry-run`) marks them.
 pub const CHOSEN_AT_START: [&str; 10] = [
     "HOROVOD_GLOO_RENDEZVOUS_ADDR",
     "HOROVOD_GLOO_RENDEZVOUS_PORT",
-    "KOLO_RENDEZVOUS_ADDR",
-    "KOLO_RENDEZVOUS_PORT",
+    names::RENDEZVOUS_ADDR,
+    names::RENDEZVOUS_PORT,
     "MASTER_ADDR",
     "MASTER_PORT",
     "JAX_COORDINATOR_ADDRESS",
-    "KOLO_JOB_ID",
+    names::JOB_ID,
     "TORCHELASTIC_RUN_ID",
     ENV_SECRET,
 ];
 
 /// Variables naming the interfaces, detected at start on several hosts.
-pub const IFACE_VARS: [&str; 4] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", "KOLO_IFACES", "GLOO_SOCKET_IFNAME"];
+pub const IFACE_VARS: [&str; 4] = ["HOROVOD_GLOO_IFACE", "NCCL_SOCKET_IFNAME", names::IFACES, "GLOO_SOCKET_IFNAME"];
 
 /// What an elastic job's processes are told of it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,16 +189,16 @@ pub fn rank_env(
         env.insert(k.to_string(), v);
     };
     let ranks = [
-        ("RANK", info.rank),
-        ("SIZE", info.size),
-        ("LOCAL_RANK", info.local_rank),
-        ("LOCAL_SIZE", info.local_size),
-        ("CROSS_RANK", info.cross_rank),
-        ("CROSS_SIZE", info.cross_size),
+        ("HOROVOD_RANK", names::RANK, info.rank),
+        ("HOROVOD_SIZE", names::SIZE, info.size),
+        ("HOROVOD_LOCAL_RANK", names::LOCAL_RANK, info.local_rank),
+        ("HOROVOD_LOCAL_SIZE", names::LOCAL_SIZE, info.local_size),
+        ("HOROVOD_CROSS_RANK", names::CROSS_RANK, info.cross_rank),
+        ("HOROVOD_CROSS_SIZE", names::CROSS_SIZE, info.cross_size),
     ];
-    for (name, value) in ranks {
-        set(&format!("HOROVOD_{name}"), value.to_string());
-        set(&format!("KOLO_{name}"), value.to_string());
+    for (horovod, kolo, value) in ranks {
+        set(horovod, value.to_string());
+        set(kolo, value.to_string());
     }
     set("HOROVOD_HOSTNAME", node_id.to_string());
     set("HOROVOD_GLOO_RENDEZVOUS_ADDR", job.rendezvous_addr.clone());
@@ -135,7 +209,7 @@ pub fn rank_env(
     if let Some(first) = job.ifaces.first() {
         set("HOROVOD_GLOO_IFACE", first.clone());
         set("NCCL_SOCKET_IFNAME", job.ifaces.join(","));
-        set("KOLO_IFACES", job.ifaces.join(","));
+        set(names::IFACES, job.ifaces.join(","));
     }
     if job.elastic.is_some() {
         set("HOROVOD_ELASTIC", "1".into());
@@ -156,7 +230,7 @@ pub fn rank_env(
     set("TORCHELASTIC_RUN_ID", job.job_id.clone());
     match &job.elastic {
         Some(ElasticEnv::Restart { restarts, max_restarts }) => {
-            set("KOLO_RESTART_COUNT", restarts.to_string());
+            set(names::RESTART_COUNT, restarts.to_string());
             set("TORCHELASTIC_RESTART_COUNT", restarts.to_string());
             set("TORCHELASTIC_MAX_RESTARTS", max_restarts.to_string());
         }
@@ -189,12 +263,12 @@ pub fn rank_env(
     set("JAX_NUM_PROCESSES", info.size.to_string());
     set("JAX_PROCESS_ID", info.rank.to_string());
 
-    set("KOLO_NODE_ID", node_id.to_string());
-    set("KOLO_NODE_RANK", info.node_rank.to_string());
-    set("KOLO_RENDEZVOUS_ADDR", job.rendezvous_addr.clone());
-    set("KOLO_RENDEZVOUS_PORT", job.rendezvous_port.to_string());
-    set("KOLO_TIMEOUT_SECONDS", job.timeout_s.to_string());
-    set("KOLO_JOB_ID", job.job_id.clone());
+    set(names::NODE_ID, node_id.to_string());
+    set(names::NODE_RANK, info.node_rank.to_string());
+    set(names::RENDEZVOUS_ADDR, job.rendezvous_addr.clone());
+    set(names::RENDEZVOUS_PORT, job.rendezvous_port.to_string());
+    set(names::TIMEOUT_SECONDS, job.timeout_s.to_string());
+    set(names::JOB_ID, job.job_id.clone());
     if let Some(devices) = cuda_visible_devices {
         set("CUDA_VISIBLE_DEVICES", devices.to_string());
     }
@@ -325,6 +399,16 @@ mod tests {
         assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
         assert_eq!(elastic.get(ENV_ELASTIC_ROUND).map(String::as_str), Some("4"));
         assert_eq!(elastic.get(ENV_ELASTIC_TIMEOUT).map(String::as_str), Some("600"));
+        // every kolo variable a rank gets is in the one table of names
+        let mut written: Vec<&String> = [env.keys(), elastic.keys()].into_iter().flatten().collect();
+        written.retain(|k| k.starts_with("KOLO_"));
+        let known: Vec<&str> = names::ALL.iter().map(|(_, name)| *name).collect();
+        for name in written {
+            assert!(known.contains(&name.as_str()), "{name} is written but not in env::names::ALL");
+        }
+        let keys: std::collections::BTreeSet<&str> = names::ALL.iter().map(|(key, _)| *key).collect();
+        assert_eq!(keys.len(), names::ALL.len(), "a key of env::names::ALL twice");
+        assert!(names::ALL.iter().all(|(key, name)| name.strip_prefix("KOLO_") == Some(key)));
     }
 
     /// The variables a plan marks as chosen at start are exactly those

@@ -226,7 +226,7 @@ pub(crate) struct RunArgs {
     /// End the job with a report (who holds it back, every rank's stacks)
     /// when no rank has made progress (a collective, a step, a line of
     /// output) for this many seconds.
-    #[arg(long, value_name = "SECONDS", value_parser = parse_hang_timeout)]
+    #[arg(long, value_name = "SECONDS")]
     pub hang_timeout: Option<f64>,
     /// Make the rendezvous server refuse requests without the job secret
     /// (only for jobs whose workers all use kolo's clients).
@@ -295,11 +295,4 @@ pub(crate) fn normalize_args(args: impl IntoIterator<Item = OsString>) -> Vec<Os
         }
     }
     out
-}
-
-fn parse_hang_timeout(text: &str) -> Result<f64, String> {
-    match text.parse::<f64>() {
-        Ok(s) if s.is_finite() && s >= 1.0 => Ok(s),
-        _ => Err(format!("'{text}' is not a number of seconds of at least 1")),
-    }
 }

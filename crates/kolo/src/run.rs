@@ -20,10 +20,7 @@ pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i
         }
         return crate::dry_run::dry_run(&job).await;
     }
-    if args.hang_timeout.is_some() && job.is_elastic() {
-        anyhow::bail!("--hang-timeout watches fixed jobs: drop it or the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
-    }
-    let hang = args.hang_timeout.map(std::time::Duration::from_secs_f64);
+    let hang = job.hang_timeout();
     match job.elastic_mode() {
         Some(ElasticMode::InPlace) => run_in_place(&job, &args.command).await,
         Some(ElasticMode::Restart) => run_restarting(&job, &args.command).await,

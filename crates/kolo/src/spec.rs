@@ -24,6 +24,11 @@ pub(crate) const CLI_NAMES: OptionNames = OptionNames {
     slots_per_host: "--slots-per-host",
     hosts: "-H/--hostfile",
     engine: "--engine",
+    hang_timeout: "--hang-timeout",
+    start_timeout: "--start-timeout",
+    placement_timeout: "--placement-timeout",
+    jobs: "jobs",
+    elastic_options: "the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)",
 };
 
 /// The job `kolo run` was asked for, checked; the worker program is this
@@ -55,12 +60,6 @@ pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> 
     };
     if !(args.kill_grace.is_finite() && args.kill_grace >= 0.0) {
         bail!("--kill-grace must be a non-negative number of seconds, got {}", args.kill_grace);
-    }
-    if args.start_timeout == 0 {
-        bail!("--start-timeout must be at least 1 second");
-    }
-    if args.placement_timeout == 0 {
-        bail!("--placement-timeout must be at least 1 second");
     }
     let ssh = SshOptions {
         port: args.ssh_port,
@@ -110,6 +109,7 @@ pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> 
         },
         env: extra_env(&args.export, &args.env)?,
         elastic,
+        hang_timeout_s: args.hang_timeout,
         names: CLI_NAMES,
     };
     Ok(spec.check()?)

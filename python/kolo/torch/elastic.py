@@ -398,7 +398,7 @@ def _peer_lost(error):
     )):
         return False
     # a dead peer reaches the driver first; its round follows
-    wait = float(os.environ.get("KOLO_ELASTIC_TIMEOUT_SECONDS") or 600)
+    wait = float(os.environ.get(_kolo.ENV["ELASTIC_TIMEOUT_SECONDS"]) or 600)
     return _the_worker("kolo.torch.elastic.run").wait_newer_round(wait) is not None
 
 

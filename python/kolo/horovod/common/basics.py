@@ -228,11 +228,11 @@ def init(comm=None, process_sets=None):
 
 
 def _join_job(sets):
-    in_job = bool(os.environ.get("KOLO_SECRET")) and "KOLO_RANK" in os.environ
+    in_job = bool(os.environ.get(_kolo.ENV["SECRET"])) and _kolo.ENV["RANK"] in os.environ
     # Horovod's collectives wait as long as their peers take (rank 0 saving
     # a checkpoint, say); a peer that dies is noticed at once all the same.
     # KOLO_COMM_TIMEOUT_SECONDS bounds the wait; else torch's 30 minutes.
-    timeout = float(os.environ.get("KOLO_COMM_TIMEOUT_SECONDS") or 1800)
+    timeout = float(os.environ.get(_kolo.ENV["COMM_TIMEOUT_SECONDS"]) or 1800)
     core = _kolo.HorovodCore.from_env(_state.generation, timeout, sets) if in_job else _kolo.HorovodCore.single(sets)
     size, rank = core.size, core.rank
     _state.ranks = (
