@@ -282,7 +282,8 @@ impl Elastic {
     }
 
     /// Runs `train` through rounds until it returns: joins a round, syncs
-    /// `state` from the round's rank 0, runs `train`; when a peer is lost
+    /// `state` (from the process that committed most: [`State::sync`]),
+    /// runs `train`; when a peer is lost
     /// or the round ends, restores the last commit and does it again; when
     /// hosts were added ([`CommError::HostsUpdated`] from `commit`), joins
     /// the new round keeping the state just committed. Other errors, and
@@ -316,8 +317,8 @@ impl Elastic {
 
 /// Training state that survives rounds (Horovod's `ObjectState`): what
 /// the loop changes, the copy taken at the last [`commit`](State::commit),
-/// and [`sync`](State::sync) from rank 0 when a round starts. Derefs to
-/// the value.
+/// and [`sync`](State::sync) from the process that committed most when a
+/// round starts. Derefs to the value.
 pub struct State<T> {
     value: T,
     committed: T,
@@ -354,20 +355,29 @@ impl<T: Clone + Serialize + DeserializeOwned> State<T> {
         self.commits
     }
 
-    /// Every rank takes rank 0's value (and commits it): new processes
-    /// start from where the others are.
+    /// Every rank takes the value of the process that committed most, the
+    /// lowest rank among equals (and commits it): survivors hold their
+    /// last commit, a process new to the job has committed nothing, and in
+    /// the first round that is rank 0. The rule of every kolo elastic loop
+    /// (Python's `kolo._rounds` too).
     pub fn sync(&mut self, comm: &mut Communicator) -> Result<(), CommError> {
-        let mut bytes = if comm.rank() == 0 {
+        let mut counts = vec![0i64; comm.size()];
+        counts[comm.rank()] = i64::try_from(self.commits).unwrap_or(i64::MAX);
+        comm.allreduce_in_place(&mut counts, crate::ReduceOp::Sum)?;
+        let most = counts.iter().copied().max().unwrap_or(0);
+        let root = counts.iter().position(|&c| c == most).unwrap_or(0);
+        let mut bytes = if comm.rank() == root {
             postcard::to_stdvec(&self.value).map_err(|e| CommError::BadArgs(format!("cannot encode the state: {e}")))?
         } else {
             Vec::new()
         };
-        comm.broadcast_bytes(&mut bytes, 0)?;
-        if comm.rank() != 0 {
+        comm.broadcast_bytes(&mut bytes, root)?;
+        if comm.rank() != root {
             self.value = postcard::from_bytes(&bytes)
-                .map_err(|e| CommError::BadArgs(format!("cannot decode rank 0's state: {e}")))?;
+                .map_err(|e| CommError::BadArgs(format!("cannot decode rank {root}'s state: {e}")))?;
         }
         self.committed = self.value.clone();
+        self.commits = u64::try_from(most).unwrap_or(0);
         Ok(())
     }
 

@@ -283,7 +283,7 @@ mod elastic {
     }
 
     #[test]
-    fn added_hosts_are_joined_at_a_commit_and_a_new_process_takes_the_state_of_rank_0() {
+    fn added_hosts_are_joined_at_a_commit_and_a_new_process_takes_the_state_of_those_that_committed() {
         let (runtime, server) = super::store();
         server.set_round(0, &plan("a,b"));
         let server = Arc::new(server);
@@ -321,7 +321,9 @@ mod elastic {
             });
             result.unwrap()
         });
-        server.set_round(1, &plan("a,b,c"));
+        // the new host first: its process is round 1's rank 0, yet the
+        // state comes from the processes that committed (the sync rule)
+        server.set_round(1, &plan("c,a,b"));
         let (progress, joined_at) = joiner.join().unwrap();
         // it started from the others' state, not from zero
         assert!(joined_at >= 10, "the new process started at step {joined_at}");

@@ -78,6 +78,27 @@ impl OptionNames {
         jobs: "executors",
         elastic_options: "the elastic arguments (min_workers, max_workers, max_restarts)",
     };
+
+    /// `kolo run`'s option names (horovodrun's).
+    pub const KOLO_RUN: OptionNames = OptionNames {
+        np: "-np",
+        min_np: "--min-np",
+        max_np: "--max-np",
+        reset_limit: "--reset-limit",
+        max_restarts: "--max-restarts",
+        elastic_timeout: "--elastic-timeout",
+        cooldown: "--cooldown-range",
+        discovery: "--host-discovery-script",
+        discovery_interval: "--discovery-interval",
+        slots_per_host: "--slots-per-host",
+        hosts: "-H/--hostfile",
+        engine: "--engine",
+        hang_timeout: "--hang-timeout",
+        start_timeout: "--start-timeout",
+        placement_timeout: "--placement-timeout",
+        jobs: "jobs",
+        elastic_options: "the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)",
+    };
 }
 
 impl OptionNames {
@@ -530,25 +551,7 @@ fn fixed_engine(spec: &JobSpec, hosts: Vec<HostSpec>, request: &WorkerRequest) -
 mod tests {
     use super::*;
 
-    const CLI: OptionNames = OptionNames {
-        np: "-np",
-        min_np: "--min-np",
-        max_np: "--max-np",
-        reset_limit: "--reset-limit",
-        max_restarts: "--max-restarts",
-        elastic_timeout: "--elastic-timeout",
-        cooldown: "--cooldown-range",
-        discovery: "--host-discovery-script",
-        discovery_interval: "--discovery-interval",
-        slots_per_host: "--slots-per-host",
-        hosts: "-H",
-        engine: "--engine",
-        hang_timeout: "--hang-timeout",
-        start_timeout: "--start-timeout",
-        placement_timeout: "--placement-timeout",
-        jobs: "jobs",
-        elastic_options: "the elastic options",
-    };
+    const CLI: OptionNames = OptionNames::KOLO_RUN;
 
     #[test]
     fn stop_reasons_name_the_limits_as_each_front_end_spells_them() {

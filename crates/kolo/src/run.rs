@@ -16,7 +16,7 @@ pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i
     let job = crate::spec::job(&args, &worker)?;
     if args.dry_run {
         if job.is_elastic() {
-            anyhow::bail!("--dry-run shows a fixed job: drop the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)");
+            anyhow::bail!("--dry-run shows a fixed job: drop {}", crate::spec::CLI_NAMES.elastic_options);
         }
         return crate::dry_run::dry_run(&job).await;
     }

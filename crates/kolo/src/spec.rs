@@ -11,25 +11,7 @@ use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources, 
 use crate::cli::RunArgs;
 
 /// How `kolo run`'s messages name its options.
-pub(crate) const CLI_NAMES: OptionNames = OptionNames {
-    np: "-np",
-    min_np: "--min-np",
-    max_np: "--max-np",
-    reset_limit: "--reset-limit",
-    max_restarts: "--max-restarts",
-    elastic_timeout: "--elastic-timeout",
-    cooldown: "--cooldown-range",
-    discovery: "--host-discovery-script",
-    discovery_interval: "--discovery-interval",
-    slots_per_host: "--slots-per-host",
-    hosts: "-H/--hostfile",
-    engine: "--engine",
-    hang_timeout: "--hang-timeout",
-    start_timeout: "--start-timeout",
-    placement_timeout: "--placement-timeout",
-    jobs: "jobs",
-    elastic_options: "the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)",
-};
+pub(crate) const CLI_NAMES: OptionNames = OptionNames::KOLO_RUN;
 
 /// The job `kolo run` was asked for, checked; the worker program is this
 /// one unless `--worker-program` says otherwise.

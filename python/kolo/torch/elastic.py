@@ -127,15 +127,6 @@ class State(_rounds.State):
     def _broadcast_int(self, value, root):
         return _broadcast_int(value, root)
 
-    def save(self):
-        raise NotImplementedError
-
-    def restore(self):
-        raise NotImplementedError
-
-    def _sync_from(self, root):
-        raise NotImplementedError
-
 
 def _check_sendable(name, value):
     import cloudpickle
