@@ -312,17 +312,19 @@ impl OutputWithin for Command {
     fn output_within(&mut self, limit: Duration) -> std::io::Result<std::process::Output> {
         let mut child = self.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
         // py-spy's output is small: the pipes do not fill before it exits
-        let deadline = Instant::now() + limit;
-        loop {
-            if child.try_wait()?.is_some() {
-                return child.wait_with_output();
-            }
-            if Instant::now() >= deadline {
+        let mut exited = Ok(false);
+        kolo_sys::wait::wait_until(Instant::now() + limit, Duration::from_millis(20), || {
+            exited = child.try_wait().map(|status| status.is_some());
+            !matches!(exited, Ok(false))
+        });
+        match exited {
+            Ok(true) => child.wait_with_output(),
+            Err(e) => Err(e),
+            Ok(false) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(std::io::Error::other(format!("no answer within {} s", limit.as_secs())));
+                Err(std::io::Error::other(format!("no answer within {} s", limit.as_secs())))
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

@@ -4,6 +4,9 @@
 //! or a Rust executable, calls, stop. If the driver goes away, the worker
 //! stops what it started and exits.
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod command;
 mod gpu;
 mod handshake;

@@ -182,13 +182,16 @@ pub fn probe(
 /// What one host found probing the next.
 #[derive(Clone, Debug)]
 pub struct PairReport {
+    /// The probing host.
     pub from: String,
+    /// The host it probed (the next in the ring).
     pub to: String,
     /// (interface, address, None if it carried traffic, else why not)
     pub results: Vec<(String, String, Option<String>)>,
 }
 
 impl PairReport {
+    /// The interfaces over which at least one probe got through.
     pub fn working(&self) -> BTreeSet<String> {
         self.results.iter().filter(|(_, _, e)| e.is_none()).map(|(i, _, _)| i.clone()).collect()
     }

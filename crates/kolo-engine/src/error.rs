@@ -8,21 +8,32 @@ use std::path::PathBuf;
 /// a worker or host that failed, or an engine that could not place workers.
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
+    /// Something wrong in the job's layout: its host list or file, slots,
+    /// sizes.
     #[error(transparent)]
     Topology(#[from] kolo_topology::TopologyError),
+    /// The rendezvous server or a client of it failed.
     #[error(transparent)]
     Rendezvous(#[from] kolo_rendezvous::RendezvousError),
+    /// A file or directory for the ranks' output could not be made or
+    /// written.
     #[error("cannot write output to {path}: {source}")]
     OutputDir {
+        /// The file or directory.
         path: PathBuf,
+        /// What the system said.
         #[source]
         source: std::io::Error,
     },
+    /// A command job with an empty command line.
     #[error("no command given; put it after '--', e.g. kolo run -np 2 -- python train.py")]
     NoCommand,
+    /// The driver's own I/O failed (listening, encoding, a thread).
     #[error("{what}: {source}")]
     Io {
+        /// What the driver was doing, for the message.
         what: String,
+        /// What failed.
         #[source]
         source: std::io::Error,
     },
@@ -36,50 +47,131 @@ pub enum ExecError {
     /// An elastic job's hosts could not be discovered.
     #[error("{0}")]
     Discovery(String),
+    /// A call or query that needs running workers, before `start`.
     #[error("the executor is not started; call start first")]
     NotStarted,
+    /// `start` on an executor whose workers already run.
     #[error("the executor is started already; shut it down before starting again")]
     AlreadyStarted,
-    /// Workers exited before they connected; `hosts`: every host where one did.
+    /// Workers exited before they connected.
     #[error("worker {index} on host {host} could not start: {reason}")]
-    WorkerStart { index: u32, host: String, reason: String, hosts: Vec<String> },
-    /// `hosts`: where the workers that did not connect run.
+    WorkerStart {
+        /// The first such worker's index.
+        index: u32,
+        /// Its host.
+        host: String,
+        /// How each host's workers ended, one line per host.
+        reason: String,
+        /// Every host where a worker exited so.
+        hosts: Vec<String>,
+    },
+    /// Not every worker connected within the start timeout.
     #[error("timed out after {seconds:.1} s waiting for workers to connect: {missing} did not (raise the start timeout if they are slow)")]
-    StartTimeout { seconds: f64, missing: String, hosts: Vec<String> },
+    StartTimeout {
+        /// The start timeout.
+        seconds: f64,
+        /// The workers that did not connect, with their hosts, for the message.
+        missing: String,
+        /// Where the workers that did not connect run.
+        hosts: Vec<String>,
+    },
+    /// A worker that proved the secret speaks another protocol version.
     #[error(
         "worker {index} speaks protocol version {worker}, the driver {}; use the same kolo version everywhere",
         kolo_proto::PROTOCOL_VERSION
     )]
-    Version { index: u32, worker: u32 },
+    Version {
+        /// The worker's index.
+        index: u32,
+        /// The version it speaks.
+        worker: u32,
+    },
+    /// A worker runs another build of the program (other registered names).
     #[error("the worker program {} on host {host} is another build ({worker}) than the driver ({driver}); run the same program build everywhere (--worker-program)", program.display())]
-    Build { program: PathBuf, host: String, worker: String, driver: String },
+    Build {
+        /// The program the workers were started from.
+        program: PathBuf,
+        /// The worker's host.
+        host: String,
+        /// The worker's build id.
+        worker: String,
+        /// The driver's build id.
+        driver: String,
+    },
+    /// The job would need more file descriptors than the driver may open,
+    /// found before starting.
     #[error("{workers} workers need about {needed} file descriptors in the driver, but it may open only {limit} (ulimit -n); raise the limit, e.g. ulimit -n {needed}")]
-    DescriptorLimit { workers: usize, needed: u64, limit: u64 },
+    DescriptorLimit {
+        /// The job's workers.
+        workers: usize,
+        /// About how many descriptors they need.
+        needed: u64,
+        /// The limit, raised as far as it would go.
+        limit: u64,
+    },
+    /// Accepting workers ran out of file descriptors, and not all of them
+    /// connected in time.
     #[error("the driver ran out of file descriptors while {workers} workers connected (raise ulimit -n)")]
     Descriptors {
+        /// The job's workers.
         workers: usize,
+        /// The accept error (EMFILE or ENFILE).
         #[source]
         source: std::io::Error,
     },
+    /// A registered worker went away (connection closed, heartbeats
+    /// stopped, its command ended unexpectedly).
     #[error("worker rank {rank} on host {host} was lost: {reason}")]
-    WorkerLost { rank: u32, host: String, reason: String },
+    WorkerLost {
+        /// The worker's rank.
+        rank: u32,
+        /// Its host.
+        host: String,
+        /// How the driver found out.
+        reason: String,
+    },
+    /// A task or function returned an error or panicked on a worker.
     #[error("task failed on rank {rank} (host {host}): {message}")]
-    Task { rank: u32, host: String, message: String },
+    Task {
+        /// The rank it failed on.
+        rank: u32,
+        /// That rank's host.
+        host: String,
+        /// The error or panic message, from the worker.
+        message: String,
+    },
+    /// The Slurm engine could not place or run workers.
     #[error("slurm: {what}: {detail}")]
-    Slurm { what: String, detail: String },
+    Slurm {
+        /// What the engine was doing.
+        what: String,
+        /// What went wrong (often Slurm's own message).
+        detail: String,
+    },
+    /// The Ray engine could not place or run workers (the message).
     #[error("ray: {0}")]
     Ray(String),
-    /// `host`: the host it is about, if one.
+    /// Finding the network interfaces every host can use failed.
     #[error("network interface detection: {message}")]
-    Nics { host: Option<String>, message: String },
+    Nics {
+        /// The host it is about, if one.
+        host: Option<String>,
+        /// What failed, and where.
+        message: String,
+    },
+    /// Arguments to send to the workers could not be encoded.
     #[error("cannot encode a value: {0}")]
     Encode(#[source] postcard::Error),
+    /// A rank's result does not decode as the call's output type.
     #[error("cannot decode the result of rank {rank}: {source}")]
     Decode {
+        /// The rank whose result it was.
         rank: u32,
+        /// postcard's error.
         #[source]
         source: postcard::Error,
     },
+    /// The call's result is gone: taken already, or the call given up.
     #[error("the call was cancelled")]
     Cancelled,
 }

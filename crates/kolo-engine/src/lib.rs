@@ -2,6 +2,9 @@
 //! else (registration, ranks, rendezvous, env) is the driver's, the same on
 //! every engine.
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod error;
 mod local;
 mod ray;
@@ -29,9 +32,13 @@ use kolo_sys::guard::Guard;
 /// One worker process to start, as the plan placed it.
 #[derive(Clone, Debug)]
 pub struct WorkerLaunch {
+    /// The worker's index in creation order (its world rank).
     pub index: u32,
+    /// The host it goes on, with what the plan takes of it.
     pub host: HostResources,
+    /// The program to start in worker mode (this one, or `--worker-program`).
     pub program: PathBuf,
+    /// Arguments for that program.
     pub args: Vec<OsString>,
     /// Variables that put the process in worker mode (`worker::env`).
     pub env: Vec<(String, String)>,
@@ -50,6 +57,7 @@ pub struct WorkerLaunch {
 /// where they may block (`hosts`, `driver_addr`, `spawn`); `exited`,
 /// `all_exited` and `kill_all` never block.
 pub trait Engine: Send + Sync {
+    /// The engine's name, as `EngineChoice` spells it (`local`, `ssh`, ...).
     fn name(&self) -> &'static str;
     /// What the engine can place workers on; an engine that waits for
     /// resources (a Slurm queue) gives up after `placement_timeout`.
@@ -87,6 +95,7 @@ pub trait Engine: Send + Sync {
 /// nodes: `RayNodes`), for an elastic job's discovery. Blocking: called
 /// off the runtime.
 pub trait HostSource: Send + Sync + std::fmt::Debug {
+    /// The hosts available now, with their slots.
     fn hosts(&self) -> Result<Vec<HostSpec>, ExecError>;
 }
 
@@ -96,8 +105,11 @@ pub enum EngineChoice {
     /// Slurm inside an allocation, ssh when the host list names other
     /// machines, local processes otherwise.
     Auto,
+    /// Processes on this machine.
     Local,
+    /// Processes started over ssh on the listed hosts.
     Ssh,
+    /// Tasks of a Slurm job step (srun), in the current allocation or a new one.
     Slurm,
     /// Workers placed on a Ray cluster (never chosen by `Auto`).
     Ray,
@@ -132,8 +144,11 @@ impl std::fmt::Display for EngineChoice {
 /// How each engine reaches its machines.
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
+    /// For the ssh engine.
     pub ssh: SshOptions,
+    /// For the Slurm engine.
     pub slurm: SlurmOptions,
+    /// For the Ray engine.
     pub ray: RayOptions,
 }
 

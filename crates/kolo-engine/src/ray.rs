@@ -91,6 +91,8 @@ impl Default for RayOptions {
     }
 }
 
+/// Places workers on a Ray cluster through the bridge: in a placement
+/// group (made, or the one named in the options), or on pinned nodes.
 pub struct RayEngine {
     options: RayOptions,
     request: WorkerRequest,
@@ -265,6 +267,8 @@ impl Bridge {
 }
 
 impl RayEngine {
+    /// An engine that places `request` with a placement group (the bridge
+    /// starts when the driver first asks for hosts).
     pub fn new(options: RayOptions, request: WorkerRequest) -> Self {
         RayEngine {
             options,
@@ -497,6 +501,7 @@ impl std::fmt::Debug for RayNodes {
 }
 
 impl RayNodes {
+    /// Nodes counted in slots of workers that each take `resources`.
     pub fn new(options: RayOptions, resources: WorkerResources) -> Self {
         RayNodes { options, resources, bridge: Mutex::new(None) }
     }

@@ -7,7 +7,9 @@ use crate::ExecError;
 /// How many workers and what each needs (RayExecutor's arguments).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WorkerRequest {
+    /// How many workers, and how they spread over hosts.
     pub placement: Placement,
+    /// What each worker takes of its host (CPUs, GPUs).
     pub resources: WorkerResources,
 }
 
@@ -42,16 +44,19 @@ impl WorkerRequest {
         Ok(WorkerRequest { placement, resources: WorkerResources { cpus: cpus_per_worker, gpus } })
     }
 
+    /// The same request with `cpus` CPUs per worker.
     pub fn cpus_per_worker(mut self, cpus: u32) -> Self {
         self.resources.cpus = cpus;
         self
     }
 
+    /// The same request with `gpus` GPUs per worker.
     pub fn gpus_per_worker(mut self, gpus: u32) -> Self {
         self.resources.gpus = gpus;
         self
     }
 
+    /// How many workers in all.
     pub fn num_workers(&self) -> u32 {
         self.placement.num_workers()
     }

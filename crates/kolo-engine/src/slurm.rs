@@ -23,7 +23,9 @@ use kolo_sys::guard::Guard;
 /// What to ask Slurm for when kolo makes the allocation itself.
 #[derive(Clone, Debug, Default)]
 pub struct SlurmOptions {
+    /// Nodes to spread the tasks over evenly (`salloc -N`); none: one.
     pub nodes: Option<u32>,
+    /// The partition (`salloc -p`); none: Slurm's default.
     pub partition: Option<String>,
     /// Slurm's time format (`10`, `1:00:00`, ...).
     pub time_limit: Option<String>,
@@ -31,6 +33,8 @@ pub struct SlurmOptions {
     pub extra: Vec<String>,
 }
 
+/// Starts workers as the tasks of one `srun` step, in the allocation this
+/// process runs in or in one it asks Slurm for.
 pub struct SlurmEngine {
     /// The allocation, once there is one.
     job_id: Option<String>,

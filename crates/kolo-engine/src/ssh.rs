@@ -25,7 +25,9 @@ use kolo_sys::guard::Guard;
 /// How to reach the hosts.
 #[derive(Clone, Debug, Default)]
 pub struct SshOptions {
+    /// The hosts' ssh port (`ssh -p`); none: ssh's default.
     pub port: Option<u16>,
+    /// The private key to log in with (`ssh -i`).
     pub identity_file: Option<PathBuf>,
     /// An ssh client config file (`ssh -F`).
     pub config_file: Option<PathBuf>,
@@ -35,6 +37,7 @@ pub struct SshOptions {
     pub connect_timeout: Option<u64>,
 }
 
+/// Starts workers over ssh: one session per host, running its workers.
 pub struct SshEngine {
     hosts: Vec<HostSpec>,
     options: SshOptions,
@@ -63,6 +66,7 @@ fn quote(word: &str) -> String {
 }
 
 impl SshEngine {
+    /// An engine for these hosts; nothing is reached until it is used.
     pub fn new(hosts: Vec<HostSpec>, options: SshOptions) -> Self {
         SshEngine { hosts, options, children: Vec::new(), driver_ip: None, last_words: Vec::new() }
     }

@@ -9,7 +9,9 @@ use kolo_proto::proto::Progress;
 /// One rank as a look at the job saw it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RankView {
+    /// The rank's world rank.
     pub rank: u32,
+    /// Its host, for naming it.
     pub host: String,
     /// What its Python hook counted; none where it has no hook (not
     /// Python, hooks off) or its agent did not answer.
@@ -42,6 +44,8 @@ fn key(p: &Progress) -> (u64, u64, u64) {
 }
 
 impl HangWatch {
+    /// A watch that calls the job hung after `timeout` without a move,
+    /// counted from `now`.
     pub fn new(timeout: Duration, now: Instant) -> HangWatch {
         HangWatch { timeout, last_move: now, last_look: now, seen: Vec::new() }
     }

@@ -45,6 +45,9 @@
 //! }
 //! ```
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod driver;
 pub mod hang;
 mod output;

@@ -19,11 +19,14 @@ use crate::ExecError;
 /// Which of a worker's streams a line came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
+    /// Standard output.
     Stdout,
+    /// Standard error.
     Stderr,
 }
 
 impl Stream {
+    /// `stdout` or `stderr`, as prefixes show it.
     pub fn name(self) -> &'static str {
         match self {
             Stream::Stdout => "stdout",
@@ -76,11 +79,15 @@ impl LineSplitter {
     }
 }
 
+/// How the ranks' output is written.
 #[derive(Clone, Debug, Default)]
 pub struct OutputOptions {
     /// Write each rank's raw output to `DIR/rank.NN/stdout|stderr` too.
     pub output_dir: Option<PathBuf>,
+    /// Start each prefix with the time, in Horovod's format.
     pub timestamp: bool,
+    /// Write lines as they are, with no `[rank]<stream>:` prefix (and so
+    /// no time either).
     pub disable_prefix: bool,
     /// Added to each rank in prefixes and file names: an elastic job's
     /// later cohorts number their processes after the earlier ones'.
@@ -108,6 +115,8 @@ pub struct OutputSink {
 }
 
 impl OutputSink {
+    /// A sink for `ranks` ranks; opens their files at once when there is
+    /// an output directory.
     pub fn new(options: OutputOptions, ranks: usize) -> Result<Self, ExecError> {
         let mut files = Vec::with_capacity(ranks);
         let width = (ranks.saturating_sub(1)).to_string().len();

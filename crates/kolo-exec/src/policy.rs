@@ -8,13 +8,19 @@ use std::time::{Duration, Instant};
 /// How a rank failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Cause {
+    /// The rank's command ended by itself or by a signal (exit code 0 is
+    /// the one cause that is no failure).
     Exited {
+        /// Its exit code, if it exited.
         code: Option<i32>,
+        /// The signal's number, if one killed it.
         signal: Option<i32>,
     },
     /// The command could not be started; `code` follows the shell (127, 126).
     StartFailed {
+        /// Why, for the user.
         message: String,
+        /// The exit code the job takes from it.
         code: i32,
     },
     /// The worker itself was lost.
@@ -52,7 +58,12 @@ impl std::fmt::Display for Cause {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum JobEvent {
     /// A rank's command ended (successfully or not).
-    Ended { rank: u32, cause: Cause },
+    Ended {
+        /// The rank whose command ended.
+        rank: u32,
+        /// How it ended.
+        cause: Cause,
+    },
     /// kolo was asked to stop (the signal's number).
     Interrupted(i32),
     /// kolo was asked to stop again while stopping (a second Ctrl-C):
@@ -85,6 +96,8 @@ pub struct Teardown {
 }
 
 impl Teardown {
+    /// A job of `ranks` running ranks, with `grace` between SIGTERM and
+    /// SIGKILL.
     pub fn new(ranks: usize, grace: Duration) -> Teardown {
         Teardown {
             running: vec![true; ranks],
@@ -96,6 +109,8 @@ impl Teardown {
         }
     }
 
+    /// Takes in what happened at `now`; returns what the driver must do
+    /// (in order).
     pub fn on_event(&mut self, event: JobEvent, now: Instant) -> Vec<JobAction> {
         let mut actions = Vec::new();
         match event {
@@ -153,10 +168,13 @@ impl Teardown {
         !self.running.iter().any(|&r| r)
     }
 
+    /// The first rank that failed, and how, unless an interruption came
+    /// first.
     pub fn failure(&self) -> Option<&(u32, Cause)> {
         self.failure.as_ref()
     }
 
+    /// The signal that first asked kolo to stop, if one did.
     pub fn interrupted_by(&self) -> Option<i32> {
         self.interrupted_by
     }
@@ -177,6 +195,7 @@ impl Teardown {
 /// worker.
 #[derive(Clone, Copy, Debug)]
 pub struct Liveness {
+    /// The longest silence allowed (the heartbeat timeout).
     pub timeout: Duration,
 }
 

@@ -17,7 +17,7 @@ pub struct Settings {
     pub placement_timeout: Duration,
     /// Interfaces to use instead of detecting them.
     pub nics: Option<Vec<String>>,
-    /// How [`Executor::on_hosts`] reaches other machines (identity file,
+    /// How [`Executor::on_hosts`](crate::Executor::on_hosts) reaches other machines (identity file,
     /// port, config file, options).
     pub ssh: crate::SshOptions,
     /// How often driver and workers send heartbeats.
@@ -27,6 +27,7 @@ pub struct Settings {
     pub heartbeat_timeout: Duration,
     /// Between SIGTERM and SIGKILL when stopping executables.
     pub kill_grace: Duration,
+    /// How the ranks' output is written (prefixes, time, files).
     pub output: OutputOptions,
     /// The program started in worker mode (default: this binary).
     pub worker_program: Option<PathBuf>,
@@ -45,11 +46,14 @@ pub struct Settings {
 /// What a job's later executors share with its first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedJob {
+    /// The first executor's rendezvous server.
     pub rendezvous: std::net::SocketAddr,
     /// torch's store (`MASTER_ADDR:MASTER_PORT`): the ranks of every
     /// executor meet on the first's, which lets the later ones' hosts in.
     pub torch_store: SharedTorchStore,
+    /// The job's id, which every cohort's ranks are given.
     pub job_id: String,
+    /// The network interfaces the job uses (not detected again).
     pub ifaces: Vec<String>,
 }
 

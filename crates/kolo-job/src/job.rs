@@ -97,7 +97,8 @@ impl OptionNames {
         start_timeout: "--start-timeout",
         placement_timeout: "--placement-timeout",
         jobs: "jobs",
-        elastic_options: "the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)",
+        elastic_options:
+            "the elastic options (--in-place, --min-np, --max-np, --max-restarts, --host-discovery-script)",
     };
 }
 

@@ -39,11 +39,15 @@ pub mod env {
 /// anything else written to the agent's stdout (by a runtime starting up
 /// before the agent) from passing for a record.
 pub const GROUP_TAG: [u8; 4] = *b"kolo";
+/// The bit of a group record's value that says the group is gone rather
+/// than new (process group ids never reach it).
 pub const GROUP_GONE: u32 = 1 << 31;
 
 /// A rank's private directory: this tag, the path's length (big-endian)
 /// and the path, in one write no longer than a pipe writes whole.
 pub const DIR_TAG: [u8; 4] = *b"kdir";
+/// The longest path a directory record carries: with its 8-byte header,
+/// 4096 bytes, the most a Linux pipe writes whole (`PIPE_BUF`).
 pub const MAX_DIR_RECORD: usize = 4096 - 8;
 
 /// A rank directory's record, or `None` for a path too long to write whole.
@@ -70,7 +74,9 @@ pub fn group_record(group: u32) -> [u8; 8] {
 /// What an agent says on its registry ([`group_record`], [`dir_record`]).
 #[derive(Debug, PartialEq)]
 pub enum Record {
+    /// A process group the agent started, to end if the agent dies.
     Group(u32),
+    /// A group the agent has ended itself: the engine forgets it.
     Gone(u32),
     /// A rank's private directory, removed if the agent dies.
     Dir(std::path::PathBuf),

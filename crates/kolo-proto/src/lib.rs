@@ -5,6 +5,9 @@
 //! starts a process in worker mode and reads what it registers
 //! ([`launch`]).
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod launch;
 pub mod proto;
 pub mod registry;

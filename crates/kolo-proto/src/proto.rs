@@ -32,12 +32,16 @@ pub use kolo_auth::{Nonce, Tag};
 /// Driver → worker, first frame: fixed layout, the same in every version.
 #[derive(Debug, Clone)]
 pub struct Challenge {
+    /// [`MAGIC`], so that a worker knows it reached a kolo driver.
     pub magic: u32,
+    /// The driver's [`PROTOCOL_VERSION`].
     pub version: u32,
+    /// The driver's fresh nonce, which the worker's proof must cover.
     pub nonce: Nonce,
 }
 
 impl Challenge {
+    /// The challenge as a whole frame, length prefix included.
     pub fn frame(&self) -> Vec<u8> {
         let mut f = Vec::with_capacity(44);
         f.extend_from_slice(&40u32.to_be_bytes());
@@ -47,6 +51,8 @@ impl Challenge {
         f
     }
 
+    /// Reads a challenge from a frame's body; `None` unless it is exactly
+    /// 40 bytes.
     pub fn parse(body: &[u8]) -> Option<Challenge> {
         let body: &[u8; 40] = body.try_into().ok()?;
         Some(Challenge {
@@ -60,11 +66,16 @@ impl Challenge {
 /// Worker → driver, the fixed start of the first frame.
 #[derive(Debug, Clone)]
 pub struct HelloHeader {
+    /// [`MAGIC`], so that a stray client is turned away at once.
     pub magic: u32,
+    /// The protocol version the worker speaks.
     pub version: u32,
+    /// The worker's index (its world rank), as its engine set it.
     pub index: u32,
+    /// The worker's fresh nonce, which the driver's proof must cover.
     pub nonce: Nonce,
-    /// [`worker_tag`] over the nonces, version, index and body.
+    /// The worker's [`control_tag`] (the dialer's) over the nonces, version,
+    /// index and body.
     pub tag: Tag,
 }
 
@@ -76,6 +87,7 @@ const HELLO_HEADER: usize = 4 + 4 + 4 + 32 + 32;
 pub struct HelloBody {
     /// The host name the worker really runs on.
     pub hostname: String,
+    /// The worker agent's process id.
     pub pid: u32,
     /// The program's build (version and what it registered).
     pub build_id: String,
@@ -115,8 +127,13 @@ pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
 /// Driver → worker, answers a good Hello.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct Welcome {
+    /// The driver's proof that it knows the secret (the listener's
+    /// [`control_tag`] over the worker's hello).
     pub tag: Tag,
+    /// How often the worker sends a heartbeat.
     pub heartbeat_interval_ms: u64,
+    /// How long the worker may go without hearing from the driver before
+    /// it takes the driver for gone.
     pub heartbeat_timeout_ms: u64,
     /// Between SIGTERM and SIGKILL when the worker stops its command.
     pub kill_grace_ms: u64,
@@ -131,32 +148,44 @@ pub enum CallKind {
     Function,
 }
 
+/// Driver → worker, every frame after the handshake.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub enum ToWorker {
+    /// "Still here": keeps the worker from taking the driver for gone.
     Heartbeat,
     /// Overlaid on the worker's environment (and the command's).
     SetEnv(Vec<(String, String)>),
     /// Run an OS command as the executable (what `kolo run` does).
     StartCommand {
+        /// The program and its arguments, as raw bytes (not always UTF-8).
         argv: Vec<Vec<u8>>,
     },
     /// Send a signal to the command's process group.
     SignalCommand {
+        /// The signal's number.
         signal: i32,
     },
     /// Create the Rust executable registered under `name`.
     Create {
+        /// The name the executable was registered under.
         name: String,
+        /// Its creation arguments, postcard-encoded.
         args: Vec<u8>,
     },
+    /// Run a task or function registered under `name`; answered with `Done`.
     Call {
+        /// The driver's number for the call, repeated in its answers.
         id: u64,
+        /// Whether `name` is a task or a function.
         kind: CallKind,
+        /// The name the task or function was registered under.
         name: String,
+        /// Its arguments, postcard-encoded.
         args: Vec<u8>,
     },
     /// Skip this call if it has not started; drop its result otherwise.
     Cancel {
+        /// The call's `id`.
         id: u64,
     },
     /// Stop the executable and exit.
@@ -169,20 +198,26 @@ pub enum ToWorker {
     /// the driver's `server`? Asked for each connection to the job's
     /// stores from that host; answered at once, even during a call.
     WhoOwns {
+        /// The question's number, repeated in the answer.
         id: u64,
+        /// The connection's end on the agent's host.
         client: std::net::SocketAddr,
+        /// The connection's end at the driver.
         server: std::net::SocketAddr,
     },
     /// Find `count` ports free on this host (rank 0's: the frameworks'
     /// coordinators listen there) and list its interfaces.
     ReservePorts {
+        /// How many ports.
         count: u8,
     },
     /// What the rank does now (`kolo status`, `kolo stack`): its process's
     /// state and use, with `stacks` its threads' stacks too. Answered off
     /// the thread that reads these, even during a call.
     Inspect {
+        /// The question's number, repeated in the answer.
         id: u64,
+        /// Whether to sample the threads' stacks as well.
         stacks: bool,
         /// Where the asking user's py-spy is, tried first (a shared
         /// virtualenv is often at the same path on every host).
@@ -190,8 +225,11 @@ pub enum ToWorker {
     },
     /// Probe these (interface, address, port) of worker `index`'s listener.
     Probe {
+        /// The probed worker's index, which its listener's proof covers.
         index: u32,
+        /// What to probe: (interface name, IPv4 address, port).
         targets: Vec<(String, String, u16)>,
+        /// How long each probe may take.
         timeout_ms: u64,
     },
 }
@@ -199,11 +237,13 @@ pub enum ToWorker {
 /// A rank's process as its agent sees it.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct RankSample {
+    /// The rank's process id.
     pub pid: u32,
     /// `running`, `sleeping`, `stopped`, `zombie`, `disk-wait`, ...
     pub state: String,
     /// Over the agent's last heartbeat interval.
     pub cpu_percent: Option<f64>,
+    /// Its resident memory.
     pub rss_bytes: u64,
     /// Every thread's stack, as `kolo stack` prints it, or why there is none.
     pub stacks: Option<String>,
@@ -211,6 +251,7 @@ pub struct RankSample {
     pub progress: Option<Progress>,
     /// Its GPUs' utilisation (the busiest) and the memory it holds, where NVML is.
     pub gpu_percent: Option<f64>,
+    /// The GPU memory its process holds, where NVML is.
     pub gpu_memory_bytes: Option<u64>,
     /// The last stall warning of the rank's Horovod core, where it has one.
     #[serde(default)]
@@ -221,8 +262,9 @@ pub struct RankSample {
 /// progress file (`KOLO_PROGRESS_FILE`).
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Progress {
-    /// Collectives called, and of those returned.
+    /// Collectives called.
     pub entered: u64,
+    /// Collectives that returned (`entered` less those still running).
     pub done: u64,
     /// Nanoseconds spent inside collective calls.
     pub wait_ns: u64,
@@ -230,66 +272,101 @@ pub struct Progress {
     pub steps: u64,
 }
 
+/// Worker → driver, every frame after the handshake.
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub enum ToDriver {
+    /// "Still here": keeps the driver from taking the worker for lost.
     Heartbeat,
     /// The answer to `WhoOwns`: the connection is the job user's, or why not.
     SocketOwner {
+        /// The question's `id`.
         id: u64,
+        /// `Ok` when the job's user owns it, else why not.
         answer: Result<(), String>,
     },
+    /// Output of the command or of the worker's own code, a chunk at a time.
     Output {
+        /// From stderr rather than stdout.
         stderr: bool,
+        /// The bytes, as written.
         data: Vec<u8>,
     },
+    /// The command of `StartCommand` runs.
     CommandStarted {
+        /// Its process id (also its process group's).
         pid: u32,
     },
+    /// The command of `StartCommand` could not start.
     CommandStartFailed {
+        /// Why, for the user.
         message: String,
+        /// The exit code a shell would give (126: not permitted, 127: not
+        /// found or other).
         code: i32,
     },
     /// The command failed and left an error report (PyTorch's error file,
     /// written by `@record`): the exception and its traceback. Sent before
     /// `CommandExited`.
     CommandError {
+        /// The exception, cut to a bound.
         message: String,
+        /// Its traceback, cut to a bound.
         traceback: String,
     },
     /// The command ended: its exit code, or the signal that killed it.
     CommandExited {
+        /// The exit code, if it exited.
         code: Option<i32>,
+        /// The signal's number, if one killed it.
         signal: Option<i32>,
     },
+    /// The answer to `Create`.
     Created {
+        /// `Ok` once the executable exists, else why not (the user's
+        /// error, or a name not registered).
         result: Result<(), String>,
     },
+    /// The answer to `Call`: the call ended.
     Done {
+        /// The call's `id`.
         id: u64,
+        /// Its postcard-encoded output, or why it failed (the user's error,
+        /// or a name not registered).
         result: Result<Vec<u8>, String>,
     },
     /// A value the running call `id` reports (callbacks), before its `Done`.
     Report {
+        /// The running call's `id`.
         id: u64,
+        /// The reported bytes, as the worker's code gave them.
         data: Vec<u8>,
     },
-    /// The probe listener's port and this host's interfaces with their IPv4 addresses.
+    /// The answer to `ReservePorts`.
     PortsReserved {
+        /// Ports that were free together (bound, then let go for the
+        /// frameworks); fewer than asked where binding failed.
         ports: Vec<u16>,
+        /// This host's interfaces with their IPv4 addresses.
         interfaces: Vec<(String, Vec<String>)>,
     },
+    /// The answer to `ProbeListen`.
     ProbeReady {
+        /// The probe listener's port (0: it could not listen).
         port: u16,
+        /// This host's interfaces with their IPv4 addresses.
         interfaces: Vec<(String, Vec<String>)>,
     },
     /// The answer to `Inspect`.
     Inspected {
+        /// The question's `id`.
         id: u64,
+        /// What the agent saw of the rank, or why it could not look.
         answer: Result<RankSample, String>,
     },
     /// Per target (interface, address): `None` when the probe got through
     /// on the interface of that name, else why not.
     ProbeResult {
+        /// (interface, address, `None` or why the probe failed).
         results: Vec<(String, String, Option<String>)>,
     },
 }
@@ -335,6 +412,8 @@ pub fn control_verifies(
     kolo_auth::verify(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce, claimed)
 }
 
+/// A message as a whole frame: its length, then its postcard encoding;
+/// refused over [`MAX_FRAME`].
 pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     let body = postcard::to_stdvec(message).map_err(io::Error::other)?;
     if body.len() > MAX_FRAME {
@@ -349,6 +428,7 @@ pub fn encode<T: Serialize>(message: &T) -> io::Result<Vec<u8>> {
     Ok(frame)
 }
 
+/// Reads a message from a frame's body (without its length).
 pub fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
     postcard::from_bytes(body).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("bad message: {e}")))
 }

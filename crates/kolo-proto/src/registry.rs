@@ -29,12 +29,16 @@ pub const MAX_REPORT: usize = 8 << 20;
 /// Why a report did not reach the driver.
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
+    /// Reported outside a task or function (no driver call to tie it to).
     #[error("no call is running: values are reported while a task or function runs")]
     NoCall,
+    /// The value's bytes are over [`MAX_REPORT`] (their count here).
     #[error("the reported value is {0} bytes, over the limit of {MAX_REPORT}")]
     TooLarge(usize),
+    /// postcard could not encode the value.
     #[error("cannot encode the reported value: {0}")]
     Encode(#[from] postcard::Error),
+    /// Writing to the driver's connection failed.
     #[error("cannot reach the driver: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -54,6 +58,8 @@ impl std::fmt::Debug for Reporter {
 }
 
 impl Reporter {
+    /// A reporter that hands each value's bytes to `send` (the agent's
+    /// sends a `Report` frame for the running call).
     pub fn new(send: impl Fn(Vec<u8>) -> Result<(), ReportError> + Send + Sync + 'static) -> Self {
         Reporter { send: std::sync::Arc::new(send) }
     }
@@ -74,6 +80,8 @@ impl Reporter {
 }
 
 impl WorkerContext {
+    /// A context over the variables kolo set for this worker; `reporter`
+    /// is `None` where nothing can be reported.
     pub fn new(env: BTreeMap<String, String>, reporter: Option<Reporter>) -> Self {
         WorkerContext { env, reporter }
     }
@@ -103,21 +111,28 @@ impl WorkerContext {
         self.env(name).and_then(|v| v.parse().ok()).unwrap_or(0)
     }
 
+    /// This worker's world rank (0 where it is not set).
     pub fn rank(&self) -> u32 {
         self.number(env_names::RANK)
     }
+    /// The job's number of ranks (0 where it is not set).
     pub fn size(&self) -> u32 {
         self.number(env_names::SIZE)
     }
+    /// This worker's rank among those on its host.
     pub fn local_rank(&self) -> u32 {
         self.number(env_names::LOCAL_RANK)
     }
+    /// How many ranks run on this worker's host.
     pub fn local_size(&self) -> u32 {
         self.number(env_names::LOCAL_SIZE)
     }
+    /// This worker's rank among the ranks of the same local rank on every
+    /// host.
     pub fn cross_rank(&self) -> u32 {
         self.number(env_names::CROSS_RANK)
     }
+    /// How many hosts have a rank of this worker's local rank.
     pub fn cross_size(&self) -> u32 {
         self.number(env_names::CROSS_SIZE)
     }
@@ -128,23 +143,33 @@ impl WorkerContext {
 pub trait Executable: Sized + Send + 'static {
     /// The name the executable is registered and called by.
     const NAME: &'static str;
+    /// What the driver passes to `start`, sent to every worker.
     type Args: Serialize + DeserializeOwned + Send;
+    /// Makes the worker's instance; an error fails the start.
     fn create(args: Self::Args, ctx: &WorkerContext) -> Result<Self, UserError>;
 }
 
 /// A call on every worker's executable (`execute(fn)`); the value is the
 /// task's arguments.
 pub trait Task<E: Executable>: Serialize + DeserializeOwned + Send + 'static {
+    /// The name the task is registered and called by.
     const NAME: &'static str;
+    /// What each worker returns to the driver.
     type Output: Serialize + DeserializeOwned + Send + 'static;
+    /// Runs the task on this worker's executable; an error (or a panic)
+    /// becomes this worker's failed result.
     fn run(self, executable: &mut E, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
 }
 
 /// A plain function run on every worker (`run(fn, args)`); the value is
 /// the function's arguments.
 pub trait Function: Serialize + DeserializeOwned + Send + 'static {
+    /// The name the function is registered and called by.
     const NAME: &'static str;
+    /// What each worker returns to the driver.
     type Output: Serialize + DeserializeOwned + Send + 'static;
+    /// Runs the function on this worker; an error (or a panic) becomes
+    /// this worker's failed result.
     fn call(self, ctx: &WorkerContext) -> Result<Self::Output, UserError>;
 }
 
@@ -185,6 +210,7 @@ fn claim(names: &mut std::collections::HashSet<&'static str>, kind: &str, name: 
 }
 
 impl Registry {
+    /// An empty registry, to add to with the builder methods below.
     pub fn new() -> Self {
         Self::default()
     }
@@ -204,6 +230,7 @@ impl Registry {
         format!("kolo {} protocol {} registry {hash:016x}", env!("CARGO_PKG_VERSION"), crate::proto::PROTOCOL_VERSION)
     }
 
+    /// Adds executable `E` under `E::NAME`; panics if the name is taken.
     pub fn executable<E: Executable>(mut self) -> Self {
         claim(&mut self.names, "executable", E::NAME);
         self.executables.insert(
@@ -217,6 +244,8 @@ impl Registry {
         self
     }
 
+    /// Adds task `T` on executable `E` under `T::NAME`; panics if the name
+    /// is taken.
     pub fn task<E: Executable, T: Task<E>>(mut self) -> Self {
         claim(&mut self.names, "task", T::NAME);
         self.tasks.insert(
@@ -233,6 +262,7 @@ impl Registry {
         self
     }
 
+    /// Adds function `F` under `F::NAME`; panics if the name is taken.
     pub fn function<F: Function>(mut self) -> Self {
         claim(&mut self.names, "function", F::NAME);
         self.functions.insert(
@@ -246,6 +276,8 @@ impl Registry {
         self
     }
 
+    /// Makes the executable registered as `name` from postcard-encoded
+    /// `args`; the error is the message for the driver.
     pub fn create(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Box<dyn Any + Send>, String> {
         let creator = self.executables.get(name).ok_or_else(|| {
             format!("executable {name} is not registered in this worker; add .executable::<{name}>() to its Registry")
@@ -253,6 +285,8 @@ impl Registry {
         creator(args, ctx)
     }
 
+    /// Runs task `name` on `executable` (the one `create` made, if any);
+    /// returns its postcard-encoded output or the message for the driver.
     pub fn run_task(
         &self,
         name: &str,
@@ -267,6 +301,8 @@ impl Registry {
         runner(args, executable, ctx)
     }
 
+    /// Runs function `name`; returns its postcard-encoded output or the
+    /// message for the driver.
     pub fn run_function(&self, name: &str, args: &[u8], ctx: &WorkerContext) -> Result<Vec<u8>, String> {
         let runner = self.functions.get(name).ok_or_else(|| {
             format!("function {name} is not registered in this worker; add .function::<{name}>() to its Registry")

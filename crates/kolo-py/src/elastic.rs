@@ -62,14 +62,13 @@ impl ElasticWorker {
     /// (a peer's death reaches the driver first; its round follows).
     fn wait_newer_round(&self, py: Python<'_>, timeout_s: f64) -> Option<u64> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s.clamp(0.0, 1e9));
-        py.allow_threads(|| loop {
-            if let Some(round) = self.lock().newer_round() {
-                return Some(round);
-            }
-            if std::time::Instant::now() >= deadline {
-                return None;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        py.allow_threads(|| {
+            let mut newer = None;
+            kolo_exec::wait::wait_until(deadline, std::time::Duration::from_millis(5), || {
+                newer = self.lock().newer_round();
+                newer.is_some()
+            });
+            newer
         })
     }
 

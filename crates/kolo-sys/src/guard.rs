@@ -55,6 +55,8 @@ pub struct Guard {
 pub struct GroupWriter(OwnedFd);
 
 impl GroupWriter {
+    /// Has the guard end process group `pgid` when the parent goes, like
+    /// [`Guard::watch_group`].
     pub fn watch_group(&self, pgid: u32) -> io::Result<()> {
         let mut record = [GROUP, 0, 4, 0, 0, 0, 0];
         record[3..].copy_from_slice(&pgid.to_be_bytes());
@@ -80,11 +82,13 @@ impl Guard {
     /// Forks the guard.
     pub fn spawn(options: GuardOptions) -> io::Result<Guard> {
         let mut fds = [0 as RawFd; 2];
-        // SAFETY: pipe2 writes two descriptors into the array.
+        // SAFETY: `fds` is a writable array of exactly the two c_ints pipe2
+        // fills, and pipe2 keeps no pointer to it.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: both descriptors were just made and are owned here only.
+        // SAFETY: pipe2 succeeded, so both are open descriptors it just made;
+        // nothing else holds them, and each is wrapped exactly once.
         let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         let mut state = Box::new(State {
             grace_ms: options.grace.as_millis() as i64,
@@ -98,15 +102,21 @@ impl Guard {
             filled: 0,
         });
         let parent = std::process::id() as libc::pid_t;
-        // SAFETY: the child runs only async-signal-safe calls (see `watch`)
-        // and never returns from it.
+        // SAFETY: fork has no memory preconditions. The parent may be
+        // multi-threaded, so the child only moves fds out of their owners
+        // (no drop, no close) and enters `watch`, which makes only
+        // async-signal-safe calls on memory allocated above and never returns
+        // (no destructor or unwinding in the forked copy). The parent side
+        // only owns its write end and closes the read end.
         match unsafe { libc::fork() } {
             -1 => Err(io::Error::last_os_error()),
             0 => {
                 let read_fd = read_end.as_raw_fd();
                 std::mem::forget(read_end);
                 std::mem::forget(write_end);
-                // SAFETY: in the child; see above.
+                // SAFETY: this is the freshly forked guard; `read_fd` is the
+                // pipe's read end, left open since its owner was forgotten,
+                // and `state` was allocated before the fork (`watch`'s contract).
                 unsafe { watch(read_fd, parent, &mut state) }
             }
             pid => {
@@ -116,6 +126,7 @@ impl Guard {
         }
     }
 
+    /// The guard process's id (to reap it, or to check it is alive).
     pub fn pid(&self) -> u32 {
         self.pid as u32
     }
@@ -197,7 +208,9 @@ impl Guard {
 
     /// Waits for a released guard to exit.
     pub fn reap(pid: u32) {
-        // SAFETY: waitpid on our own child.
+        // SAFETY: waitpid takes a pid and a status pointer that may be null;
+        // no memory is touched, and for a pid that is not our child it fails
+        // with ECHILD.
         unsafe {
             libc::waitpid(pid as libc::pid_t, std::ptr::null_mut(), 0);
         }
@@ -213,7 +226,8 @@ impl Drop for Guard {
         }
         let pid = self.pid;
         let _ = std::thread::Builder::new().name("kolo-guard-reaper".into()).spawn(move || {
-            // SAFETY: waitpid on our own child.
+            // SAFETY: as in `reap`: a null status pointer is allowed and no
+            // memory is touched; the pid is this guard's, our own child.
             unsafe {
                 libc::waitpid(pid, std::ptr::null_mut(), 0);
             }
@@ -223,7 +237,9 @@ impl Drop for Guard {
 
 fn write_all(fd: RawFd, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
-        // SAFETY: writes from a valid slice.
+        // SAFETY: the pointer and length come from a live slice, readable
+        // for the whole call, and write keeps no pointer to it. A bad `fd`
+        // only makes write fail (EBADF).
         let n = unsafe { libc::write(fd, bytes.as_ptr().cast(), bytes.len()) };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -239,14 +255,16 @@ fn write_all(fd: RawFd, mut bytes: &[u8]) -> io::Result<()> {
 
 fn now_ms() -> i64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime is async-signal-safe and fills `ts`.
+    // SAFETY: `ts` is a valid, writable timespec on the stack, which
+    // clock_gettime only fills (and it is async-signal-safe).
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec * 1000 + ts.tv_nsec / 1_000_000
 }
 
 fn nap_ms(ms: i64) {
     let ts = libc::timespec { tv_sec: ms / 1000, tv_nsec: (ms % 1000) * 1_000_000 };
-    // SAFETY: nanosleep is async-signal-safe.
+    // SAFETY: `ts` is a valid timespec for nanosleep to read; the remainder
+    // pointer may be null (and nanosleep is async-signal-safe).
     unsafe { libc::nanosleep(&ts, std::ptr::null_mut()) };
 }
 
@@ -258,7 +276,11 @@ fn nap_ms(ms: i64) {
 /// async-signal-safe functions only (no allocation, no locks), and
 /// `state` was made before the fork.
 unsafe fn watch(pipe: RawFd, parent: libc::pid_t, state: &mut State) -> ! {
-    // SAFETY: as the function's own contract says
+    // SAFETY: by the contract this is the guard just forked, one thread, so
+    // nothing else uses these descriptors or `state`. Every call is a system
+    // call wrapper that neither allocates nor locks, given pointers to
+    // locals or to `state.buf` with its true free length; a zeroed sigset_t
+    // is a valid (empty) set; `take_records` only fills reserved capacity.
     unsafe {
         // own session: no terminal signals, not in the parent's process group
         // (which engines kill as a whole)
@@ -380,7 +402,10 @@ fn take_records(state: &mut State) -> bool {
 /// async-signal-safe functions only (no allocation, no locks), and
 /// `state` was made before the fork.
 unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
-    // SAFETY: as the function's own contract says
+    // SAFETY: by the contract this is the single-threaded guard; kill,
+    // killpg, unlink, rmdir and _exit are async-signal-safe, and each path
+    // passed is a NUL-terminated slot (zeroed before the fork, and
+    // `take_records` puts a NUL after every path it copies).
     unsafe {
         let groups = &state.groups[..];
         if let Some(parent) = silent_parent {
@@ -424,9 +449,14 @@ unsafe fn clean_up(state: &mut State, silent_parent: Option<libc::pid_t>) -> ! {
 ///
 /// Only in the guard process just forked from the parent: it may call
 /// async-signal-safe functions only (no allocation, no locks), and
-/// `state` was made before the fork.
+/// `bytes` lives in memory made before the fork.
 unsafe fn run_command(bytes: &[u8]) {
-    // SAFETY: as the function's own contract says
+    // SAFETY: every `argv` entry points into `bytes` at the start of an
+    // argument ending at a NUL inside it, and at most MAX_ARGS - 1 are set,
+    // so the array stays NULL-terminated. By the contract this process has
+    // one thread, so its fork copies no lock held elsewhere; the child only
+    // calls execvp and _exit. execvp is not on POSIX's async-signal-safe
+    // list (it searches PATH): that part rests on the libc, not on this code.
     unsafe {
         let mut argv: [*const libc::c_char; MAX_ARGS] = [std::ptr::null(); MAX_ARGS];
         let mut count = 0;
@@ -521,22 +551,30 @@ mod tests {
         let pgid = sleeper.id();
         // the parent must go silent, so it is a forked child of this test
         // that starts a guard and then stops itself
-        // SAFETY: the child makes the guard (glibc's malloc survives fork)
-        // and ends with _exit.
+        // SAFETY: fork itself has no memory preconditions. The test harness
+        // is multi-threaded, and the child allocates (Guard::spawn) before
+        // it stops or _exits: that relies on glibc's malloc being usable in
+        // a fork child, which glibc provides; the child never returns into
+        // the harness.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
             let options = GuardOptions { grace: Duration::ZERO, silence: Some(Duration::from_millis(300)) };
             if let Ok(guard) = Guard::spawn(options) {
                 let _ = guard.watch_group(pgid);
                 std::mem::forget(guard);
+                // SAFETY: raise takes no pointers; SIGSTOP stops this child
+                // so that it goes silent.
                 unsafe { libc::raise(libc::SIGSTOP) };
             }
+            // SAFETY: _exit takes no pointers and ends the forked child at
+            // once, running none of the harness's exit handlers.
             unsafe { libc::_exit(0) };
         }
         assert!(pid > 0);
         assert!(wait_for(Duration::from_secs(10), || sleeper.try_wait().unwrap().is_some()), "group not ended");
         let mut status = 0;
-        // SAFETY: our own child.
+        // SAFETY: `status` is a valid, writable c_int for waitpid to fill;
+        // `pid` is our own child.
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGKILL, "stopped parent not killed");
     }

@@ -4,6 +4,9 @@
 //! the one way to wait on a condition, and locks that survive a panic.
 //! No kolo protocol and no policy here.
 
+#![warn(missing_docs)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod guard;
 pub mod hurry;
 pub mod process;

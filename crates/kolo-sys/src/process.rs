@@ -15,8 +15,6 @@ pub fn group_alive(pgid: u32) -> bool {
     killpg(Pid::from_raw(pgid as i32), None).is_ok()
 }
 
-/// SIGTERM to the group, SIGKILL to what is left of it after `grace`
-/// (blocking: call it from a thread of its own or a process on its way out).
 /// Whether process `pid` is stopped by a signal (`T` in `/proc/PID/stat`;
 /// not `t`, a tracer's stop: a debugger or a stack sampler).
 pub fn is_stopped(pid: u32) -> bool {
@@ -26,6 +24,8 @@ pub fn is_stopped(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// SIGTERM to the group, SIGKILL to what is left of it after `grace`
+/// (blocking: call it from a thread of its own or a process on its way out).
 pub fn stop_group(group: u32, grace: std::time::Duration) {
     if !signal_group(group, Signal::SIGTERM) {
         return;

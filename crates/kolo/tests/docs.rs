@@ -129,3 +129,79 @@ fn every_relative_link_of_the_readme_and_the_guide_leads_somewhere() {
         );
     }
 }
+
+/// ARCHITECTURE.md's invariant "kolo-topology has no I/O and no clock",
+/// kept: its sources name no file, socket, process, environment or clock.
+#[test]
+fn kolo_topology_does_no_io_and_reads_no_clock() {
+    const FORBIDDEN: [&str; 9] = [
+        "std::fs",
+        "std::net",
+        "std::process",
+        "std::env::var",
+        "Instant::now",
+        "SystemTime",
+        "std::io::stdin",
+        "tokio",
+        "std::thread",
+    ];
+    let src = repo().join("crates/kolo-topology/src");
+    let mut found = Vec::new();
+    let mut dirs = vec![src];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            // its tests may use what they like
+            let code = text.split("#[cfg(test)]").next().unwrap_or("");
+            for (n, line) in code.lines().enumerate() {
+                let line = line.split("//").next().unwrap_or("");
+                for word in FORBIDDEN.iter().filter(|w| line.contains(*w)) {
+                    found.push(format!("{}:{}: {word}", path.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "kolo-topology must stay pure: {found:?}");
+}
+
+/// ARCHITECTURE.md's rule on locks, kept: no library code panics on a
+/// lock a panicking thread left poisoned (kolo-sys's `lock`, or the same
+/// rule inline where a crate is loaded into users' processes).
+#[test]
+fn no_lock_is_unwrapped_outside_tests() {
+    const PANICKING: [&str; 6] =
+        [".lock().unwrap()", ".lock().expect(", ".read().unwrap()", ".write().unwrap()", ".wait(", ".wait_timeout("];
+    let crates = repo().join("crates");
+    let mut found = Vec::new();
+    let mut dirs: Vec<_> = std::fs::read_dir(&crates).unwrap().map(|e| e.unwrap().path().join("src")).collect();
+    while let Some(dir) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("#[cfg(test)]").next().unwrap_or("");
+            for (n, line) in code.lines().enumerate() {
+                let line = line.split("//").next().unwrap_or("");
+                // a condition variable's wait hands back the lock as lock() does
+                let unwrapped =
+                    |p: &str| line.contains(p) && line.contains(".unwrap()") && !line.contains("into_inner");
+                if PANICKING[..4].iter().any(|p| line.contains(p)) || PANICKING[4..].iter().any(|p| unwrapped(p)) {
+                    found.push(format!("{}:{}", path.strip_prefix(&crates).unwrap().display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(found.is_empty(), "a poisoned lock would panic here: {found:?}");
+}

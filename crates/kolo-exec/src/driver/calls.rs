@@ -16,6 +16,7 @@ use kolo_proto::registry::{Executable, Function, Task};
 /// A value a worker reported while a call ran ([`crate::WorkerContext::report`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
+    /// The rank that reported it.
     pub rank: u32,
     /// What the worker sent: postcard bytes from `report`, as they were
     /// from `report_bytes`.

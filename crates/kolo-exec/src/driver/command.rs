@@ -14,9 +14,13 @@ use kolo_proto::proto::ToWorker;
 /// The rank that failed first in a command job.
 #[derive(Clone, Debug)]
 pub struct Failure {
+    /// The rank.
     pub rank: u32,
+    /// Its host.
     pub host: String,
+    /// How it failed.
     pub cause: Cause,
+    /// Its last lines on stderr, oldest first.
     pub stderr_tail: Vec<String>,
     /// What the rank reported of its exception, where it did (`@record`).
     pub error: Option<super::link::RankError>,
@@ -27,7 +31,9 @@ pub struct Failure {
 pub struct JobOutcome {
     /// 0, the first failure's code, or 128 + the signal that interrupted the job.
     pub exit_code: i32,
+    /// The rank that failed first, if one did before any interruption.
     pub failure: Option<Failure>,
+    /// The signal that asked kolo to stop, if one did.
     pub interrupted_by: Option<Signal>,
 }
 

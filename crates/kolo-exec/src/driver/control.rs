@@ -87,10 +87,15 @@ pub fn sweep(dir: &Path) -> Vec<(JobListing, PathBuf)> {
 /// What `kolo ps` shows of a job.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct JobListing {
+    /// The job's id.
     pub job: String,
+    /// The driver's process id.
     pub driver_pid: u32,
+    /// What the job runs, as `kolo ps` prints it.
     pub command: String,
+    /// How many ranks it has.
     pub ranks: usize,
+    /// Its hosts, each once, in plan order.
     pub hosts: Vec<String>,
     /// Seconds since the Unix epoch.
     pub started: f64,
@@ -99,13 +104,17 @@ pub struct JobListing {
 /// One rank as `kolo status` shows it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RankStatus {
+    /// The rank's world rank.
     pub rank: u32,
+    /// Its host.
     pub host: String,
     /// The rank's process: its command's, or the worker's own.
     pub pid: Option<u32>,
     /// `running`, `sleeping`, `stopped`, `zombie`, `disk-wait`, `ended`, `lost`.
     pub state: String,
+    /// Its CPU use over its agent's last heartbeat interval, where known.
     pub cpu_percent: Option<f64>,
+    /// Its resident memory, where known.
     pub rss_bytes: Option<u64>,
     /// Seconds since the rank last wrote a line (or since the job started).
     pub last_output_s: f64,

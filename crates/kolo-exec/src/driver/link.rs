@@ -32,7 +32,9 @@ pub(crate) type CallResult = Result<Vec<u8>, CallError>;
 /// A rank's command ended (or could not start, or its worker was lost).
 #[derive(Clone, Debug)]
 pub struct RankEvent {
+    /// The rank it happened to.
     pub rank: u32,
+    /// What happened.
     pub cause: Cause,
 }
 
@@ -81,6 +83,7 @@ pub(crate) struct Link {
 pub struct RankError {
     /// The exception, as `Type: message`.
     pub message: String,
+    /// Its traceback, from the same file (cut to a bound).
     pub traceback: String,
 }
 

@@ -46,12 +46,17 @@ pub(crate) use link::Link;
 /// A registered worker and its place in the job.
 #[derive(Clone, Debug)]
 pub struct WorkerInfo {
+    /// The worker's world rank.
     pub rank: u32,
     /// The host the plan put it on (its engine's name for the host).
     pub hostname: String,
+    /// The engine's id of its node; workers with the same id share a node.
     pub node_id: String,
+    /// The worker agent's process id, as it reported it.
     pub pid: u32,
+    /// The GPU ids it holds on its host.
     pub gpus: Vec<u32>,
+    /// Its local and cross ranks and sizes.
     pub ranks: RankInfo,
     /// Every variable kolo set for this worker.
     pub env: BTreeMap<String, String>,
@@ -107,6 +112,8 @@ impl Executor {
         Self::with_engine(settings, request, engine)
     }
 
+    /// An executor on the given engine; refuses a request for no workers
+    /// or no CPUs, and settings that cannot work (heartbeats, secret).
     pub fn with_engine(settings: Settings, request: WorkerRequest, engine: Box<dyn Engine>) -> Result<Self, ExecError> {
         if request.num_workers() == 0 {
             return Err(TopologyError::BadRequest("at least one worker is needed".into()).into());
