@@ -452,3 +452,22 @@ fn start_agent(driver: &str, launch: Launch) -> Result<(Arc<Agent>, TcpStream), 
     }
     Ok((agent, stream))
 }
+
+#[cfg(test)]
+mod tests {
+    /// The ranks' Python hooks run before kolo can be imported, so they
+    /// spell kolo's variables out: each must be one kolo writes.
+    #[test]
+    fn the_python_hooks_read_only_variables_kolo_names() {
+        let known: Vec<&str> = kolo_topology::env_names::ALL.iter().map(|(_, name)| *name).collect();
+        let mut read = Vec::new();
+        for piece in super::PYTHON_HOOKS.split('"').skip(1).step_by(2) {
+            if piece.starts_with("KOLO_") && piece.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+                read.push(piece);
+            }
+        }
+        assert!(read.contains(&"KOLO_JOB_ID"), "the parser found no variable: {read:?}");
+        let unknown: Vec<&&str> = read.iter().filter(|name| !known.contains(name)).collect();
+        assert!(unknown.is_empty(), "the hooks read variables kolo does not name: {unknown:?}");
+    }
+}

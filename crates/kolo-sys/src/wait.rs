@@ -4,32 +4,37 @@
 
 use std::time::{Duration, Instant};
 
+/// One look at `done`: whether it held or the deadline passed, or how
+/// long to pause before the next look.
+fn look(deadline: Instant, every: Duration, done: &mut impl FnMut() -> bool) -> Result<bool, Duration> {
+    if done() {
+        return Ok(true);
+    }
+    let now = Instant::now();
+    if now >= deadline {
+        return Ok(false);
+    }
+    Err(every.min(deadline - now))
+}
+
 /// Polls `done` every `every` until it holds or `deadline` passes
 /// (blocking); whether it held.
 pub fn wait_until(deadline: Instant, every: Duration, mut done: impl FnMut() -> bool) -> bool {
     loop {
-        if done() {
-            return true;
+        match look(deadline, every, &mut done) {
+            Ok(held) => return held,
+            Err(pause) => std::thread::sleep(pause),
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        std::thread::sleep(every.min(deadline - now));
     }
 }
 
 /// As [`wait_until`], on the async runtime.
 pub async fn wait_until_async(deadline: Instant, every: Duration, mut done: impl FnMut() -> bool) -> bool {
     loop {
-        if done() {
-            return true;
+        match look(deadline, every, &mut done) {
+            Ok(held) => return held,
+            Err(pause) => tokio::time::sleep(pause).await,
         }
-        let now = Instant::now();
-        if now >= deadline {
-            return false;
-        }
-        tokio::time::sleep(every.min(deadline - now)).await;
     }
 }
 
