@@ -1,8 +1,9 @@
 """In-place elastic training for `kolo.Executor`'s workers (Horovod's
 `hvd.elastic`): the job's processes keep running when others fail or hosts
 come and go; each joins the new round with new ranks, gets a fresh
-communicator (kolo-comm's, in Rust), takes rank 0's state and goes on from
-its last commit.
+communicator (kolo-comm's, in Rust), takes the state of the process that
+committed most (`kolo._rounds`: one loop and one rule for every front end)
+and goes on from its last commit.
 
     import kolo, numpy as np
 
