@@ -5,7 +5,6 @@
 //! stops what it started and exits.
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod command;
 mod gpu;

@@ -19,7 +19,6 @@
 //! ```
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod bootstrap;
 mod comm;

@@ -3,7 +3,6 @@
 //! every engine.
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 mod error;
 mod local;

@@ -6,7 +6,6 @@
 //! ([`launch`]).
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod launch;
 pub mod proto;

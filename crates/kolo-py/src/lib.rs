@@ -10,8 +10,6 @@
 //! - `elastic`: kolo-comm's elastic API for the workers, events as dicts
 //! - `horovod`: Horovod's core (kolo-horovod) for `kolo.horovod.torch`
 
-#![deny(clippy::undocumented_unsafe_blocks)]
-
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 

@@ -5,7 +5,6 @@
 //! No kolo protocol and no policy here.
 
 #![warn(missing_docs)]
-#![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod guard;
 pub mod hurry;
