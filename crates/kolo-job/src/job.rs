@@ -14,7 +14,8 @@ use kolo_topology::{
 
 use crate::elastic::{Cohort, CohortFactory, Discovery};
 use kolo_exec::{
-    Engine, EngineChoice, EngineOptions, ExecError, Executor, LocalEngine, Settings, SlurmEngine, WorkerRequest,
+    Engine, EngineChoice, EngineOptions, ExecError, Executor, LocalEngine, RayOptions, Settings, SlurmEngine,
+    WorkerRequest,
 };
 
 /// How a front end spells the options its messages name (`--min-np` on
@@ -391,7 +392,39 @@ impl JobSpec {
     }
 }
 
+/// What only a job's start knows, for a front end that makes the job
+/// before it starts it (kolo.Executor: horovod.ray's constructor checks
+/// the arguments, `start` brings the worker program, the ssh key, the Ray
+/// cluster and the hang watch).
+#[derive(Clone, Debug, Default)]
+pub struct StartOptions {
+    /// The program the workers run, and its arguments.
+    pub worker_program: Option<PathBuf>,
+    /// The worker program's arguments.
+    pub worker_args: Vec<String>,
+    /// The ssh engine's key.
+    pub ssh_identity_file: Option<PathBuf>,
+    /// The Ray cluster and how to reach it.
+    pub ray: RayOptions,
+    /// Seconds without progress before the hang watch ends the job.
+    pub hang_timeout_s: Option<f64>,
+}
+
 impl Job {
+    /// This job with what its start knows; only those parts are checked
+    /// here, the rest was when the job was.
+    pub fn started_with(&self, start: StartOptions) -> Result<Job, ExecError> {
+        let mut job = self.clone();
+        let spec = &mut job.spec;
+        spec.hang_timeout_s = start.hang_timeout_s;
+        spec.engine_options.ssh.identity_file = start.ssh_identity_file;
+        spec.engine_options.ray = start.ray;
+        spec.settings.worker_program = start.worker_program;
+        spec.settings.worker_args = start.worker_args;
+        spec.check_times()?;
+        Ok(job)
+    }
+
     /// The hang watch's timeout, if the job asked for one (checked).
     pub fn hang_timeout(&self) -> Option<Duration> {
         self.spec.hang_timeout_s.map(Duration::from_secs_f64)

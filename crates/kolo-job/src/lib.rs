@@ -13,4 +13,4 @@
 pub mod elastic;
 mod job;
 
-pub use job::{seconds, ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, Workers};
+pub use job::{seconds, ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, StartOptions, Workers};

@@ -12,9 +12,11 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 use tokio::sync::watch;
 
-use kolo_exec::{lock, BridgeHost, EngineOptions, Executor, RayOptions, RunsBridge, Settings, WorkerRequest};
+use kolo_exec::{
+    lock, BridgeHost, EngineOptions, Executor, RayOptions, RunsBridge, Settings, SshOptions, WorkerRequest,
+};
 use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
-use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, Workers};
+use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, StartOptions, Workers};
 
 use crate::worker::{registry, PyCall, PyWorker};
 use crate::{error, exec_error, HangError, JobStopped, WorkerLost};
@@ -41,7 +43,8 @@ fn value_error(e: impl std::fmt::Display) -> PyErr {
 /// A `kolo.Executor`'s job, checked when the Executor is made.
 #[pyclass(module = "kolo._kolo")]
 pub(crate) struct Job {
-    spec: JobSpec,
+    /// Checked when made, as horovod.ray checks its arguments.
+    job: kolo_job::Job,
 }
 
 #[pymethods]
@@ -124,7 +127,6 @@ impl Job {
         settings.placement_timeout =
             kolo_job::seconds("placement_group_timeout_s", placement_group_timeout_s).map_err(exec_error)?;
         settings.nics = nics;
-        settings.ssh.config_file = ssh_config_file.map(Into::into);
         let elastic = match mode {
             None => None,
             Some(mode) => {
@@ -152,27 +154,28 @@ impl Job {
             workers,
             resources: request.resources,
             settings,
-            engine_options: EngineOptions::default(),
+            engine_options: EngineOptions {
+                ssh: SshOptions { config_file: ssh_config_file.map(Into::into), ..SshOptions::default() },
+                ..EngineOptions::default()
+            },
             env: Vec::new(),
             elastic,
             hang_timeout_s: None,
             names: PYTHON_NAMES,
         };
-        // checked now, as horovod.ray checks its arguments
-        spec.clone().check().map_err(exec_error)?;
-        Ok(Job { spec })
+        Ok(Job { job: spec.check().map_err(exec_error)? })
     }
 
     /// Whether the job is elastic (its functions run with `run` only).
     #[getter]
     fn elastic(&self) -> bool {
-        self.spec.elastic.is_some()
+        self.job.is_elastic()
     }
 
     /// The engine asked for, by name.
     #[getter]
     fn engine(&self) -> String {
-        self.spec.engine.to_string()
+        self.job.spec().engine.to_string()
     }
 }
 
@@ -448,13 +451,10 @@ impl Driver {
         ray_bridge: Option<Py<PyAny>>,
         hang_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
-        let mut spec = job.spec.clone();
-        spec.hang_timeout_s = hang_timeout_s;
-        spec.settings.ssh.identity_file = ssh_identity_file.map(Into::into);
-        spec.settings.worker_program = Some(worker_program.clone().into());
-        spec.settings.worker_args = worker_args;
-        spec.engine_options = EngineOptions {
-            ssh: spec.settings.ssh.clone(),
+        let start = StartOptions {
+            worker_program: Some(worker_program.clone().into()),
+            worker_args,
+            ssh_identity_file: ssh_identity_file.map(Into::into),
             // the workers' Python runs the Ray bridge too: it has Ray if the caller does
             ray: RayOptions {
                 address: ray_address,
@@ -462,9 +462,9 @@ impl Driver {
                 placement_group: ray_placement_group,
                 bridge_host: ray_bridge.map(|start| BridgeHost(Arc::new(PyBridge(start)))),
             },
-            ..Default::default()
+            hang_timeout_s,
         };
-        let job = spec.check().map_err(exec_error)?;
+        let job = job.job.started_with(start).map_err(exec_error)?;
         let hang_timeout = job.hang_timeout();
         // the workers are `python -m kolo._worker` with this registry
         kolo_exec::set_build_id(registry().build_id());

@@ -62,7 +62,6 @@ pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> 
     };
     settings.rendezvous_require_secret = args.require_secret;
     settings.nics = nics(args.nics.as_deref())?;
-    settings.ssh = ssh.clone();
     settings.worker_program = args.worker_program.clone().or_else(|| worker.program.clone());
     if args.worker_program.is_none() {
         settings.worker_args = worker.args.clone();
