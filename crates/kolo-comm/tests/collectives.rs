@@ -221,51 +221,48 @@ impl Function for CheckAll {
     }
 }
 
-/// One rank exits while the others are in an allreduce; they must fail.
+/// One rank fails the others, which must say so: the error each of them
+/// got.
 #[derive(Serialize, Deserialize)]
-struct DieMidway {
-    victim: u32,
+enum Fault {
+    /// `victim` exits while the others are in an allreduce; they must fail.
+    DieMidway { victim: u32 },
+    /// `missing` never joins; the others must name it.
+    Absent { missing: u32 },
 }
 
-impl Function for DieMidway {
-    const NAME: &'static str = "die-midway";
+impl Function for Fault {
+    const NAME: &'static str = "fault";
     type Output = String;
     fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
-        let mut comm = Communicator::from_env()?;
-        if ctx.rank() == self.victim {
-            std::process::exit(3);
-        }
-        let send = vec![1.0f32; 1 << 20];
-        let mut recv = vec![0.0f32; 1 << 20];
-        match comm.allreduce(&send, &mut recv, ReduceOp::Sum) {
-            Ok(()) => Err("the allreduce finished without a rank".into()),
-            Err(e) => Ok(e.to_string()),
-        }
-    }
-}
-
-/// One rank never joins; the others must name it.
-#[derive(Serialize, Deserialize)]
-struct Absent {
-    missing: u32,
-}
-
-impl Function for Absent {
-    const NAME: &'static str = "absent";
-    type Output = String;
-    fn call(self, ctx: &WorkerContext) -> Result<String, UserError> {
-        if ctx.rank() == self.missing {
-            return Ok(String::new());
-        }
-        match Communicator::from_env() {
-            Ok(_) => Err("joined without every rank".into()),
-            Err(e) => Ok(e.to_string()),
+        match self {
+            Fault::DieMidway { victim } => {
+                let mut comm = Communicator::from_env()?;
+                if ctx.rank() == victim {
+                    std::process::exit(3);
+                }
+                let send = vec![1.0f32; 1 << 20];
+                let mut recv = vec![0.0f32; 1 << 20];
+                match comm.allreduce(&send, &mut recv, ReduceOp::Sum) {
+                    Ok(()) => Err("the allreduce finished without a rank".into()),
+                    Err(e) => Ok(e.to_string()),
+                }
+            }
+            Fault::Absent { missing } => {
+                if ctx.rank() == missing {
+                    return Ok(String::new());
+                }
+                match Communicator::from_env() {
+                    Ok(_) => Err("joined without every rank".into()),
+                    Err(e) => Ok(e.to_string()),
+                }
+            }
         }
     }
 }
 
 fn registry() -> Registry {
-    Registry::new().function::<CheckAll>().function::<DieMidway>().function::<Absent>()
+    Registry::new().function::<CheckAll>().function::<Fault>()
 }
 
 fn executor(n: u32, env: &[(&str, &str)]) -> impl std::future::Future<Output = Result<Executor, Failed>> {
@@ -340,7 +337,7 @@ fn kernel_lets_siblings_read() -> bool {
 fn a_dead_rank_fails_the_others(transport: &'static str) -> Result<(), Failed> {
     block(async move {
         let mut ex = executor(3, &[("KOLO_COMM_TRANSPORT", transport), ("KOLO_COMM_TIMEOUT_SECONDS", "20")]).await?;
-        let handles = ex.run_remote_function(&DieMidway { victim: 1 }).await?;
+        let handles = ex.run_remote_function(&Fault::DieMidway { victim: 1 }).await?;
         let mut messages = Vec::new();
         for h in handles {
             let rank = h.rank();
@@ -365,7 +362,7 @@ fn a_dead_rank_fails_the_others(transport: &'static str) -> Result<(), Failed> {
 fn a_missing_rank_is_named() -> Result<(), Failed> {
     block(async move {
         let mut ex = executor(3, &[("KOLO_COMM_TIMEOUT_SECONDS", "2")]).await?;
-        let result = ex.run(&Absent { missing: 2 }).await;
+        let result = ex.run(&Fault::Absent { missing: 2 }).await;
         ex.shutdown().await;
         let messages = result?;
         if !messages[0].contains("ranks [2] did not show up") {

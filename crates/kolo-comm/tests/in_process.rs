@@ -15,10 +15,27 @@ fn store() -> (tokio::runtime::Runtime, RendezvousServer) {
     (runtime, server)
 }
 
+/// Runs `test` against a store of its own, then stops the store.
+fn with_store(test: impl FnOnce(&tokio::runtime::Runtime, &RendezvousServer)) {
+    let (runtime, server) = store();
+    test(&runtime, &server);
+    runtime.block_on(server.stop());
+}
+
 fn config(server: &RendezvousServer, rank: usize, size: usize, secret: &str, job: &str) -> Config {
     Config::new(rank, size, "this-host", server.addr().to_string(), Secret::new(secret).unwrap(), job)
         .unwrap()
         .with_timeout(Duration::from_secs(3))
+}
+
+/// The configs of the `size` ranks of `job`.
+fn world(server: &RendezvousServer, size: usize, secret: &str, job: &str) -> Vec<Config> {
+    (0..size).map(|r| config(server, r, size, secret, job)).collect()
+}
+
+/// [`world`], its links over `transport`.
+fn world_over(transport: Transport, server: &RendezvousServer, size: usize, secret: &str, job: &str) -> Vec<Config> {
+    world(server, size, secret, job).into_iter().map(|c| c.with_transport(transport)).collect()
 }
 
 /// Runs `f` as every rank, one thread each; the results in rank order.
@@ -34,6 +51,14 @@ fn ranks<R: Send + 'static>(
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
+/// [`ranks`], each connected.
+fn connected_ranks<R: Send + 'static>(
+    configs: Vec<Config>,
+    f: impl Fn(usize, Communicator) -> R + Send + Sync + Copy + 'static,
+) -> Vec<R> {
+    ranks(configs, move |r, comm| f(r, comm.unwrap()))
+}
+
 fn shm_entries() -> Vec<String> {
     std::fs::read_dir("/dev/shm")
         .map(|d| d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect())
@@ -42,105 +67,99 @@ fn shm_entries() -> Vec<String> {
 
 #[test]
 fn ranks_in_threads_reduce_over_shared_memory_and_tcp_leaving_nothing_in_dev_shm() {
-    let (runtime, server) = store();
-    let before = shm_entries();
-    for (job, transport) in [("shm", Transport::Auto), ("tcp", Transport::Tcp)] {
-        let configs = (0..3).map(|r| config(&server, r, 3, "s3cret", job).with_transport(transport)).collect();
-        let sums = ranks(configs, |r, comm| {
-            let mut comm = comm.unwrap();
-            let mut v = vec![r as f32 + 1.0; 100_003];
-            comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap();
-            v[100_002]
-        });
-        assert_eq!(sums, vec![6.0; 3], "{job}");
-    }
-    let after = shm_entries();
-    assert!(after.iter().all(|e| before.contains(e)), "new in /dev/shm: {after:?}");
-    runtime.block_on(server.stop());
+    with_store(|_, server| {
+        let before = shm_entries();
+        for (job, transport) in [("shm", Transport::Auto), ("tcp", Transport::Tcp)] {
+            let sums = connected_ranks(world_over(transport, server, 3, "s3cret", job), |r, mut comm| {
+                let mut v = vec![r as f32 + 1.0; 100_003];
+                comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap();
+                v[100_002]
+            });
+            assert_eq!(sums, vec![6.0; 3], "{job}");
+        }
+        let after = shm_entries();
+        assert!(after.iter().all(|e| before.contains(e)), "new in /dev/shm: {after:?}");
+    });
 }
 
 #[test]
 fn a_rank_without_the_job_secret_gets_no_link() {
-    let (runtime, server) = store();
-    for (job, transport) in [("shm", Transport::Auto), ("tcp", Transport::Tcp)] {
-        let configs = vec![
-            config(&server, 0, 2, "right", job).with_transport(transport),
-            config(&server, 1, 2, "wrong", job).with_transport(transport),
-        ];
-        let results = ranks(configs, |_, comm| comm.map(drop).map_err(|e| e.to_string()));
-        // rank 0 dials and is refused; rank 1 waits for it in vain
-        let e0 = results[0].clone().unwrap_err();
-        assert!(e0.contains("link to rank 1") && e0.contains("job secret"), "{job}: rank 0: {e0}");
-        let e1 = results[1].clone().unwrap_err();
-        assert!(e1.contains("ranks [0] did not connect"), "{job}: rank 1: {e1}");
-    }
-    runtime.block_on(server.stop());
+    with_store(|_, server| {
+        for (job, transport) in [("shm", Transport::Auto), ("tcp", Transport::Tcp)] {
+            let configs = vec![
+                config(server, 0, 2, "right", job).with_transport(transport),
+                config(server, 1, 2, "wrong", job).with_transport(transport),
+            ];
+            let results = ranks(configs, |_, comm| comm.map(drop).map_err(|e| e.to_string()));
+            // rank 0 dials and is refused; rank 1 waits for it in vain
+            let e0 = results[0].clone().unwrap_err();
+            assert!(e0.contains("link to rank 1") && e0.contains("job secret"), "{job}: rank 0: {e0}");
+            let e1 = results[1].clone().unwrap_err();
+            assert!(e1.contains("ranks [0] did not connect"), "{job}: rank 1: {e1}");
+        }
+    });
 }
 
 #[test]
 fn collectives_of_two_communicators_in_different_orders_fail_naming_them() {
-    let (runtime, server) = store();
-    let configs = (0..2).map(|r| config(&server, r, 2, "s", "order")).collect();
-    let errors = ranks(configs, |r, comm| {
-        let mut world = comm.unwrap();
-        let mut pair = world.split(0, r as u32).unwrap();
-        let mut a = vec![1i64; 64];
-        let mut b = vec![2i64; 64];
-        // rank 0: world then pair; rank 1: pair then world
-        let (first, second) = if r == 0 { (&mut world, &mut pair) } else { (&mut pair, &mut world) };
-        let one = first.allreduce_in_place(&mut a, ReduceOp::Sum);
-        let two = second.allreduce_in_place(&mut b, ReduceOp::Sum);
-        [one, two]
-            .into_iter()
-            .filter_map(Result::err)
-            .map(|e| (matches!(e, CommError::Mismatch { .. }), e.to_string()))
-            .collect::<Vec<_>>()
+    with_store(|_, server| {
+        let errors = connected_ranks(world(server, 2, "s", "order"), |r, mut world| {
+            let mut pair = world.split(0, r as u32).unwrap();
+            let mut a = vec![1i64; 64];
+            let mut b = vec![2i64; 64];
+            // rank 0: world then pair; rank 1: pair then world
+            let (first, second) = if r == 0 { (&mut world, &mut pair) } else { (&mut pair, &mut world) };
+            let one = first.allreduce_in_place(&mut a, ReduceOp::Sum);
+            let two = second.allreduce_in_place(&mut b, ReduceOp::Sum);
+            [one, two]
+                .into_iter()
+                .filter_map(Result::err)
+                .map(|e| (matches!(e, CommError::Mismatch { .. }), e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        let all: Vec<&(bool, String)> = errors.iter().flatten().collect();
+        assert!(!all.is_empty(), "calls in different orders went through");
+        let mismatch = all.iter().find(|(m, _)| *m).unwrap_or_else(|| panic!("no mismatch reported: {all:?}"));
+        let message = &mismatch.1;
+        assert!(message.contains("'world'") && message.contains("split 0"), "{message}");
+        assert!(message.contains("same order"), "{message}");
     });
-    let all: Vec<&(bool, String)> = errors.iter().flatten().collect();
-    assert!(!all.is_empty(), "calls in different orders went through");
-    let mismatch = all.iter().find(|(m, _)| *m).unwrap_or_else(|| panic!("no mismatch reported: {all:?}"));
-    let message = &mismatch.1;
-    assert!(message.contains("'world'") && message.contains("split 0"), "{message}");
-    assert!(message.contains("same order"), "{message}");
-    runtime.block_on(server.stop());
 }
 
 #[test]
 fn point_to_point_messages_pair_up_per_peer() {
-    let (runtime, server) = store();
-    let configs = (0..3).map(|r| config(&server, r, 3, "s", "p2p")).collect();
-    let got = ranks(configs, |r, comm| {
-        let mut comm = comm.unwrap();
-        // 0 and 2 each send twice to 1; 1 receives from 2 first
-        let mut got = Vec::new();
-        if r == 1 {
-            for from in [2, 0, 2, 0] {
-                let mut v = [0i32; 3];
-                comm.recv(&mut v, from).unwrap();
-                got.push(v[0]);
+    with_store(|_, server| {
+        let got = connected_ranks(world(server, 3, "s", "p2p"), |r, mut comm| {
+            // 0 and 2 each send twice to 1; 1 receives from 2 first
+            let mut got = Vec::new();
+            if r == 1 {
+                for from in [2, 0, 2, 0] {
+                    let mut v = [0i32; 3];
+                    comm.recv(&mut v, from).unwrap();
+                    got.push(v[0]);
+                }
+            } else {
+                for i in 0..2 {
+                    comm.send(&[(r * 10 + i) as i32; 3], 1).unwrap();
+                }
             }
-        } else {
-            for i in 0..2 {
-                comm.send(&[(r * 10 + i) as i32; 3], 1).unwrap();
-            }
-        }
-        comm.barrier().unwrap();
-        got
+            comm.barrier().unwrap();
+            got
+        });
+        assert_eq!(got[1], vec![20, 0, 21, 1]);
     });
-    assert_eq!(got[1], vec![20, 0, 21, 1]);
-    runtime.block_on(server.stop());
 }
 
 #[test]
 fn a_communicator_comes_up_inside_async_code() {
-    let (runtime, server) = store();
-    let c = config(&server, 0, 1, "s", "async");
-    // the old bootstrap built a tokio runtime of its own and panicked here
-    let mut comm = runtime.block_on(async move { Communicator::connect(c) }).unwrap();
-    let mut v = [3u8; 5];
-    comm.allreduce_in_place(&mut v, ReduceOp::Avg).unwrap();
-    assert_eq!(v, [3; 5]);
-    runtime.block_on(server.stop());
+    with_store(|runtime, server| {
+        let c = config(server, 0, 1, "s", "async");
+        // the old bootstrap built a tokio runtime of its own and panicked here
+        let mut comm = runtime.block_on(async move { Communicator::connect(c) }).unwrap();
+        let mut v = [3u8; 5];
+        comm.allreduce_in_place(&mut v, ReduceOp::Avg).unwrap();
+        assert_eq!(v, [3; 5]);
+    });
 }
 
 #[test]
@@ -184,6 +203,14 @@ mod elastic {
         host_assignments(&hosts, np, Some(np)).unwrap()
     }
 
+    /// A store (on a runtime of its own) whose job is at round 0 on
+    /// `hosts`, to share with the members' threads.
+    fn store_at_round_zero(hosts: &str) -> (tokio::runtime::Runtime, Arc<RendezvousServer>) {
+        let (runtime, server) = super::store();
+        server.set_round(0, &plan(hosts));
+        (runtime, Arc::new(server))
+    }
+
     /// A process named `host:0` of the job, from round `first` on; a
     /// collective that makes no progress would wait `timeout`.
     fn member(server: &RendezvousServer, host: &str, first: u64, timeout: Duration) -> Elastic {
@@ -224,9 +251,7 @@ mod elastic {
 
     #[test]
     fn a_stuck_collective_ends_with_the_round_and_survivors_go_on_from_the_last_commit() {
-        let (runtime, server) = super::store();
-        server.set_round(0, &plan("a,b,c"));
-        let server = Arc::new(server);
+        let (runtime, server) = store_at_round_zero("a,b,c");
         let errors = Arc::new(Mutex::new(Vec::new()));
         let (vanished_tx, vanished) = mpsc::channel();
         let (release_tx, release) = mpsc::channel::<()>();
@@ -284,9 +309,7 @@ mod elastic {
 
     #[test]
     fn added_hosts_are_joined_at_a_commit_and_a_new_process_takes_the_state_of_those_that_committed() {
-        let (runtime, server) = super::store();
-        server.set_round(0, &plan("a,b"));
-        let server = Arc::new(server);
+        let (runtime, server) = store_at_round_zero("a,b");
         let errors = Arc::new(Mutex::new(Vec::new()));
         let (reached_tx, reached) = mpsc::channel();
         let timeout = Duration::from_secs(20);
@@ -343,85 +366,77 @@ mod elastic {
 
 #[test]
 fn alltoall_gather_and_scatter_move_every_part_to_its_rank() {
-    let (runtime, server) = store();
-    for (job, transport) in [("a2a-shm", Transport::Auto), ("a2a-tcp", Transport::Tcp)] {
-        let configs = (0..3).map(|r| config(&server, r, 3, "s", job).with_transport(transport)).collect();
-        let results = ranks(configs, |r, comm| {
-            let mut comm = comm.unwrap();
-            // rank r sends r+1+p elements of value 10r+p to rank p
-            let send_counts: Vec<usize> = (0..3).map(|p| r + 1 + p).collect();
-            let send: Vec<i64> =
-                (0..3).flat_map(|p| std::iter::repeat_n((10 * r + p) as i64, send_counts[p])).collect();
-            let recv_counts: Vec<usize> = (0..3).map(|p| p + 1 + r).collect();
-            let mut recv = vec![-1i64; recv_counts.iter().sum()];
-            comm.alltoallv(&send, &send_counts, &mut recv, &recv_counts).unwrap();
-            // gather: rank p's p+1 values of p, at rank 1
-            let mine = vec![r as f32; r + 1];
-            let mut gathered = vec![-1.0f32; if r == 1 { 6 } else { 0 }];
-            comm.gatherv(&mine, &mut gathered, &[1, 2, 3], 1).unwrap();
-            // scatter from rank 2: rank p gets p+1 values of 100+p
-            let whole: Vec<u8> = if r == 2 { vec![100, 101, 101, 102, 102, 102] } else { vec![] };
-            let mut part = vec![0u8; r + 1];
-            comm.scatterv(&whole, &mut part, &[1, 2, 3], 2).unwrap();
-            (recv, gathered, part)
-        });
-        for (r, (recv, gathered, part)) in results.into_iter().enumerate() {
-            let expected: Vec<i64> = (0..3).flat_map(|p| std::iter::repeat_n((10 * p + r) as i64, p + 1 + r)).collect();
-            assert_eq!(recv, expected, "{job}: alltoall at rank {r}");
-            if r == 1 {
-                assert_eq!(gathered, vec![0.0, 1.0, 1.0, 2.0, 2.0, 2.0], "{job}: gather");
+    with_store(|_, server| {
+        for (job, transport) in [("a2a-shm", Transport::Auto), ("a2a-tcp", Transport::Tcp)] {
+            let results = connected_ranks(world_over(transport, server, 3, "s", job), |r, mut comm| {
+                // rank r sends r+1+p elements of value 10r+p to rank p
+                let send_counts: Vec<usize> = (0..3).map(|p| r + 1 + p).collect();
+                let send: Vec<i64> =
+                    (0..3).flat_map(|p| std::iter::repeat_n((10 * r + p) as i64, send_counts[p])).collect();
+                let recv_counts: Vec<usize> = (0..3).map(|p| p + 1 + r).collect();
+                let mut recv = vec![-1i64; recv_counts.iter().sum()];
+                comm.alltoallv(&send, &send_counts, &mut recv, &recv_counts).unwrap();
+                // gather: rank p's p+1 values of p, at rank 1
+                let mine = vec![r as f32; r + 1];
+                let mut gathered = vec![-1.0f32; if r == 1 { 6 } else { 0 }];
+                comm.gatherv(&mine, &mut gathered, &[1, 2, 3], 1).unwrap();
+                // scatter from rank 2: rank p gets p+1 values of 100+p
+                let whole: Vec<u8> = if r == 2 { vec![100, 101, 101, 102, 102, 102] } else { vec![] };
+                let mut part = vec![0u8; r + 1];
+                comm.scatterv(&whole, &mut part, &[1, 2, 3], 2).unwrap();
+                (recv, gathered, part)
+            });
+            for (r, (recv, gathered, part)) in results.into_iter().enumerate() {
+                let expected: Vec<i64> =
+                    (0..3).flat_map(|p| std::iter::repeat_n((10 * p + r) as i64, p + 1 + r)).collect();
+                assert_eq!(recv, expected, "{job}: alltoall at rank {r}");
+                if r == 1 {
+                    assert_eq!(gathered, vec![0.0, 1.0, 1.0, 2.0, 2.0, 2.0], "{job}: gather");
+                }
+                assert_eq!(part, vec![100 + r as u8; r + 1], "{job}: scatter at rank {r}");
             }
-            assert_eq!(part, vec![100 + r as u8; r + 1], "{job}: scatter at rank {r}");
         }
-    }
-    runtime.block_on(server.stop());
+    });
 }
 
 #[test]
 fn ranks_that_disagree_on_a_collectives_size_or_op_fail_naming_both() {
-    let (runtime, server) = store();
-    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree")).collect();
-    let errors = ranks(configs, |r, comm| {
-        let mut comm = comm.unwrap();
-        let mut v = vec![1.0f32; 1000 + r * 24];
-        comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
-    });
-    assert!(
-        errors[0]
-            .contains("rank 1 called allreduce(sum) of 1024 f32 while this rank called allreduce(sum) of 1000 f32"),
-        "{}",
-        errors[0]
-    );
-    assert!(errors[1].contains("rank 0 called allreduce(sum) of 1000 f32"), "{}", errors[1]);
+    with_store(|_, server| {
+        let errors = connected_ranks(world(server, 2, "s", "disagree"), |r, mut comm| {
+            let mut v = vec![1.0f32; 1000 + r * 24];
+            comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+        });
+        assert!(
+            errors[0]
+                .contains("rank 1 called allreduce(sum) of 1024 f32 while this rank called allreduce(sum) of 1000 f32"),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[1].contains("rank 0 called allreduce(sum) of 1000 f32"), "{}", errors[1]);
+        let errors = connected_ranks(world(server, 2, "s", "disagree-op"), |r, mut comm| {
+            let mut v = vec![1i64; 8];
+            let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Min };
+            comm.allreduce_in_place(&mut v, op).unwrap_err().to_string()
+        });
+        assert!(
+            errors[0].contains("called allreduce(min) of 8 i64 while this rank called allreduce(max)"),
+            "{}",
+            errors[0]
+        );
 
-    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree-op")).collect();
-    let errors = ranks(configs, |r, comm| {
-        let mut comm = comm.unwrap();
-        let mut v = vec![1i64; 8];
-        let op = if r == 0 { ReduceOp::Max } else { ReduceOp::Min };
-        comm.allreduce_in_place(&mut v, op).unwrap_err().to_string()
+        // sizes that read peers' memory directly are checked the same way
+        let errors = connected_ranks(world(server, 2, "s", "disagree-large"), |r, mut comm| {
+            let mut v = vec![1.0f32; (1 << 20) + r];
+            comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
+        });
+        assert!(
+            errors[0].contains(
+                "rank 1 called allreduce(sum) of 1048577 f32 while this rank called allreduce(sum) of 1048576 f32"
+            ),
+            "{}",
+            errors[0]
+        );
     });
-    assert!(
-        errors[0].contains("called allreduce(min) of 8 i64 while this rank called allreduce(max)"),
-        "{}",
-        errors[0]
-    );
-
-    // sizes that read peers' memory directly are checked the same way
-    let configs = (0..2).map(|r| config(&server, r, 2, "s", "disagree-large")).collect();
-    let errors = ranks(configs, |r, comm| {
-        let mut comm = comm.unwrap();
-        let mut v = vec![1.0f32; (1 << 20) + r];
-        comm.allreduce_in_place(&mut v, ReduceOp::Sum).unwrap_err().to_string()
-    });
-    assert!(
-        errors[0].contains(
-            "rank 1 called allreduce(sum) of 1048577 f32 while this rank called allreduce(sum) of 1048576 f32"
-        ),
-        "{}",
-        errors[0]
-    );
-    runtime.block_on(server.stop());
 }
 
 /// A store the caller brings (torch.distributed's, in kolo's backend): here a map.
@@ -440,17 +455,23 @@ impl kolo_comm::AddressBook for MapBook {
     }
 }
 
-#[test]
-fn ranks_bootstrap_through_an_address_book_of_their_own_and_name_the_missing() {
+/// The configs of ranks `0..present` of `job` (`size` ranks), which
+/// bootstrap through an address book of their own within `timeout`.
+fn through_a_book(present: usize, size: usize, job: &str, timeout: Duration) -> Vec<Config> {
     let book = std::sync::Arc::new(MapBook(Default::default(), Default::default()));
-    let configs: Vec<Config> = (0..3)
+    (0..present)
         .map(|r| {
-            Config::new(r, 3, "this-host", "unused:0", Secret::new("s").unwrap(), "book")
+            Config::new(r, size, "this-host", "unused:0", Secret::new("s").unwrap(), job)
                 .unwrap()
-                .with_timeout(Duration::from_secs(3))
+                .with_timeout(timeout)
                 .with_book(book.clone())
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn ranks_bootstrap_through_an_address_book_of_their_own_and_name_the_missing() {
+    let configs = through_a_book(3, 3, "book", Duration::from_secs(3));
     let sums = ranks(configs, |r, comm| {
         let mut v = [r as i32 + 1];
         comm.unwrap().allreduce_in_place(&mut v, ReduceOp::Sum).unwrap();
@@ -459,15 +480,7 @@ fn ranks_bootstrap_through_an_address_book_of_their_own_and_name_the_missing() {
     assert_eq!(sums, vec![6; 3]);
 
     // rank 2 never comes: rank 0 names it
-    let book = std::sync::Arc::new(MapBook(Default::default(), Default::default()));
-    let configs: Vec<Config> = (0..2)
-        .map(|r| {
-            Config::new(r, 3, "this-host", "unused:0", Secret::new("s").unwrap(), "book-missing")
-                .unwrap()
-                .with_timeout(Duration::from_millis(500))
-                .with_book(book.clone())
-        })
-        .collect();
+    let configs = through_a_book(2, 3, "book-missing", Duration::from_millis(500));
     let errors = ranks(configs, |_, comm| comm.unwrap_err().to_string());
     assert!(errors[0].contains("ranks [2] did not show up"), "{}", errors[0]);
 }
@@ -499,52 +512,46 @@ fn refuse_reading_other_processes() {
 
 #[test]
 fn large_allreduces_read_peers_directly_and_fall_back_to_the_rings_where_the_kernel_refuses() {
-    let (runtime, server) = store();
-    // 1 MiB of f32 (past the direct size), odd so the parts are uneven, in
-    // place and not, every op; a small call first (it never tries)
-    let check = |r: usize, comm: &mut Communicator| -> Option<bool> {
-        let mut small = vec![1i64; 10];
-        comm.allreduce_in_place(&mut small, ReduceOp::Sum).unwrap();
-        assert_eq!(comm.direct_reads(), None, "a small call tried direct reads");
-        let len = (1 << 18) + 3;
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Prod] {
-            let send: Vec<f32> = (0..len).map(|i| ((i + r) % 3) as f32 + 1.0).collect();
-            let mut out = vec![0f32; len];
-            comm.allreduce(&send, &mut out, op).unwrap();
-            let mut inplace = send.clone();
-            comm.allreduce_in_place(&mut inplace, op).unwrap();
-            for i in (0..len).step_by(997).chain([len - 1]) {
-                let vals = (0..3).map(|q| ((i + q) % 3) as f32 + 1.0);
-                let want = match op {
-                    ReduceOp::Sum => vals.sum(),
-                    ReduceOp::Avg => vals.sum::<f32>() / 3.0,
-                    ReduceOp::Max => vals.fold(f32::MIN, f32::max),
-                    _ => vals.product(),
-                };
-                assert_eq!((out[i], inplace[i]), (want, want), "{op:?} element {i} on rank {r}");
+    with_store(|_, server| {
+        // 1 MiB of f32 (past the direct size), odd so the parts are uneven, in
+        // place and not, every op; a small call first (it never tries)
+        let check = |r: usize, comm: &mut Communicator| -> Option<bool> {
+            let mut small = vec![1i64; 10];
+            comm.allreduce_in_place(&mut small, ReduceOp::Sum).unwrap();
+            assert_eq!(comm.direct_reads(), None, "a small call tried direct reads");
+            let len = (1 << 18) + 3;
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Prod] {
+                let send: Vec<f32> = (0..len).map(|i| ((i + r) % 3) as f32 + 1.0).collect();
+                let mut out = vec![0f32; len];
+                comm.allreduce(&send, &mut out, op).unwrap();
+                let mut inplace = send.clone();
+                comm.allreduce_in_place(&mut inplace, op).unwrap();
+                for i in (0..len).step_by(997).chain([len - 1]) {
+                    let vals = (0..3).map(|q| ((i + q) % 3) as f32 + 1.0);
+                    let want = match op {
+                        ReduceOp::Sum => vals.sum(),
+                        ReduceOp::Avg => vals.sum::<f32>() / 3.0,
+                        ReduceOp::Max => vals.fold(f32::MIN, f32::max),
+                        _ => vals.product(),
+                    };
+                    assert_eq!((out[i], inplace[i]), (want, want), "{op:?} element {i} on rank {r}");
+                }
             }
-        }
-        comm.direct_reads()
-    };
-    let configs = (0..3).map(|r| config(&server, r, 3, "s3cret", "direct")).collect();
-    let reads = ranks(configs, move |r, comm| check(r, &mut comm.unwrap()));
-    assert_eq!(reads, vec![Some(true); 3]);
-    let configs = (0..3).map(|r| config(&server, r, 3, "s3cret", "refused")).collect();
-    let reads = ranks(configs, move |r, comm| {
-        if r == 1 {
-            refuse_reading_other_processes();
-        }
-        check(r, &mut comm.unwrap())
+            comm.direct_reads()
+        };
+        let reads = connected_ranks(world(server, 3, "s3cret", "direct"), move |r, mut comm| check(r, &mut comm));
+        assert_eq!(reads, vec![Some(true); 3]);
+        let reads = connected_ranks(world(server, 3, "s3cret", "refused"), move |r, mut comm| {
+            if r == 1 {
+                refuse_reading_other_processes();
+            }
+            check(r, &mut comm)
+        });
+        assert_eq!(reads, vec![Some(false); 3], "every rank must fall back when one cannot read");
+        // and turned off: never tried
+        let off = kolo_comm::Tuning { direct_bytes: None, ..Default::default() };
+        let configs = world(server, 3, "s3cret", "off").into_iter().map(|c| c.with_tuning(off.clone())).collect();
+        let reads = connected_ranks(configs, move |r, mut comm| check(r, &mut comm));
+        assert_eq!(reads, vec![None; 3]);
     });
-    assert_eq!(reads, vec![Some(false); 3], "every rank must fall back when one cannot read");
-    // and turned off: never tried
-    let configs = (0..3)
-        .map(|r| {
-            let c = config(&server, r, 3, "s3cret", "off");
-            c.with_tuning(kolo_comm::Tuning { direct_bytes: None, ..Default::default() })
-        })
-        .collect();
-    let reads = ranks(configs, move |r, comm| check(r, &mut comm.unwrap()));
-    assert_eq!(reads, vec![None; 3]);
-    runtime.block_on(server.stop());
 }

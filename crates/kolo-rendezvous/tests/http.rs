@@ -16,6 +16,21 @@ async fn server(plan: &[Slot]) -> RendezvousServer {
     RendezvousServer::start(config(), plan).await.unwrap()
 }
 
+/// The address of a server that stopped: nothing answers there.
+async fn stopped_server_addr() -> std::net::SocketAddr {
+    let server = server(&[]).await;
+    let addr = server.addr();
+    server.stop().await;
+    addr
+}
+
+/// A server of `plan` and a raw connection to it.
+async fn connected(plan: &[Slot]) -> (RendezvousServer, Raw) {
+    let server = server(plan).await;
+    let c = Raw::connect(&server).await;
+    (server, c)
+}
+
 fn config() -> ServerConfig {
     ServerConfig::new("127.0.0.1:0".parse().unwrap())
 }
@@ -87,8 +102,7 @@ impl Raw {
 
 #[tokio::test]
 async fn put_get_overwrite_and_404_on_one_connection() {
-    let server = server(&[]).await;
-    let mut c = Raw::connect(&server).await;
+    let (_server, mut c) = connected(&[]).await;
     assert_eq!(c.request("GET", "/s/k", b"").await, (404, vec![]));
     assert_eq!(c.request("PUT", "/s/k", b"\x00bytes\xff").await, (200, vec![]));
     assert_eq!(c.request("GET", "/s/k", b"").await, (200, b"\x00bytes\xff".to_vec()));
@@ -102,8 +116,7 @@ async fn put_get_overwrite_and_404_on_one_connection() {
 
 #[tokio::test]
 async fn malformed_paths_get_400_and_the_connection_lives_on() {
-    let server = server(&[]).await;
-    let mut c = Raw::connect(&server).await;
+    let (_server, mut c) = connected(&[]).await;
     for path in ["/", "/onlyscope", "/a/", "//key", "/a/b/c", "/a/b/"] {
         for method in ["GET", "PUT", "DELETE"] {
             let (status, body) = c.request(method, path, b"").await;
@@ -139,8 +152,7 @@ async fn put_needs_length_and_bounded_body() {
 #[tokio::test]
 async fn plan_scopes_clear_once_every_rank_finished() {
     let plan = plan("a:2,b:2", 4);
-    let server = server(&plan).await;
-    let mut c = Raw::connect(&server).await;
+    let (server, mut c) = connected(&plan).await;
     for round in 0..2 {
         for r in 0..4 {
             assert_eq!(c.request("PUT", &format!("/global/{r}"), b"addr").await.0, 200);
@@ -178,8 +190,7 @@ fn plan_of_one() -> Vec<Slot> {
 
 #[tokio::test]
 async fn ad_hoc_scopes_delete_the_key() {
-    let server = server(&plan("a:2", 2)).await;
-    let mut c = Raw::connect(&server).await;
+    let (_server, mut c) = connected(&plan("a:2", 2)).await;
     c.request("PUT", "/procset_1/0", b"x").await;
     c.request("PUT", "/procset_1/1", b"y").await;
     assert_eq!(c.request("DELETE", "/procset_1/0", b"").await.0, 200);
@@ -191,8 +202,7 @@ async fn ad_hoc_scopes_delete_the_key() {
 
 #[tokio::test]
 async fn rank_and_size_is_answered_from_the_plan() {
-    let server = server(&plan("worker-0:1,worker-1:2", 3)).await;
-    let mut c = Raw::connect(&server).await;
+    let (_server, mut c) = connected(&plan("worker-0:1,worker-1:2", 3)).await;
     assert_eq!(c.request("GET", "/rank_and_size/worker-1:1", b"").await, (200, b"2,3,1,2,0,1".to_vec()));
     assert_eq!(c.request("GET", "/rank_and_size/worker-0:0", b"").await, (200, b"0,3,0,1,0,2".to_vec()));
     assert_eq!(c.request("GET", "/rank_and_size/worker-0:1", b"").await, (200, b"-1,-1,-1,-1,-1,-1".to_vec()));
@@ -202,8 +212,7 @@ async fn rank_and_size_is_answered_from_the_plan() {
 
 #[tokio::test]
 async fn a_new_round_answers_rank_and_size_from_its_own_plan() {
-    let server = server(&plan("a:2,b:2", 4)).await;
-    let mut c = Raw::connect(&server).await;
+    let (server, mut c) = connected(&plan("a:2,b:2", 4)).await;
     assert_eq!(c.request("GET", "/rank_and_size/round", b"").await, (200, b"0".to_vec()));
     assert_eq!(c.request("PUT", "/global/0", b"old").await.0, 200);
     // host a is gone: b keeps its slots and becomes ranks 0 and 1
@@ -279,9 +288,7 @@ async fn client_waits_for_keys_and_times_out_naming_them() {
 
 #[tokio::test]
 async fn client_reports_an_unreachable_server_after_its_attempts() {
-    let server = server(&[]).await;
-    let addr = server.addr();
-    server.stop().await;
+    let addr = stopped_server_addr().await;
     let mut config = ClientConfig::new(addr.to_string());
     config.retry_delay = Duration::from_millis(10);
     let client = Client::new(config);
@@ -291,9 +298,7 @@ async fn client_reports_an_unreachable_server_after_its_attempts() {
 
 #[tokio::test]
 async fn a_failed_request_keeps_the_underlying_error_as_its_source() {
-    let stopped = server(&[]).await;
-    let addr = stopped.addr();
-    stopped.stop().await;
+    let addr = stopped_server_addr().await;
     let mut config = ClientConfig::new(addr.to_string());
     config.attempts = 1;
     let err = Client::new(config).put("a", "b", "v").await.unwrap_err();
@@ -530,8 +535,7 @@ async fn serving_resumes_once_slow_clients_holding_every_descriptor_time_out() {
 
 #[tokio::test]
 async fn a_retried_delete_counts_once() {
-    let server = server(&plan("a:2", 2)).await;
-    let mut c = Raw::connect(&server).await;
+    let (_server, mut c) = connected(&plan("a:2", 2)).await;
     assert_eq!(c.request("PUT", "/global/0", b"x").await.0, 200);
     assert_eq!(c.request("PUT", "/global/1", b"y").await.0, 200);
     assert_eq!(c.request("DELETE", "/global/0", b"").await.0, 200);

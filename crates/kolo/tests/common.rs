@@ -31,8 +31,20 @@ pub(crate) trait Within {
 
 impl Within for Command {
     fn output_within(&mut self, limit: Duration) -> Output {
-        let child = self.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("the command starts");
+        let child = self.start(Stdio::piped(), Stdio::piped());
         output_within(child, limit)
+    }
+}
+
+/// `spawn()` with stdout and stderr as given: `Stdio::piped()` for what
+/// the test reads, `Stdio::null()` for what it drops.
+pub(crate) trait Start {
+    fn start(&mut self, stdout: Stdio, stderr: Stdio) -> Child;
+}
+
+impl Start for Command {
+    fn start(&mut self, stdout: Stdio, stderr: Stdio) -> Child {
+        self.stdout(stdout).stderr(stderr).spawn().expect("the command starts")
     }
 }
 
@@ -225,6 +237,40 @@ pub(crate) fn stdout(o: &Output) -> String {
 
 pub(crate) fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Its stdout, once it succeeded; else the test fails showing its stdout
+/// and stderr.
+#[track_caller]
+pub(crate) fn succeeded(o: &Output) -> String {
+    let text = stdout(o);
+    assert!(o.status.success(), "{text}{}", stderr(o));
+    text
+}
+
+/// Its stdout's lines, sorted, once it succeeded; else the test fails
+/// showing its stderr.
+#[track_caller]
+pub(crate) fn sorted_lines(o: &Output) -> Vec<String> {
+    assert!(o.status.success(), "{}", stderr(o));
+    let mut lines: Vec<String> = stdout(o).lines().map(String::from).collect();
+    lines.sort();
+    lines
+}
+
+/// Its stderr, once it ended with `code`; else the test fails showing it.
+#[track_caller]
+pub(crate) fn failed_with(o: &Output, code: i32) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(code), "{err}");
+    err
+}
+
+/// Fails the test, showing its stderr, unless that holds `what`.
+#[track_caller]
+pub(crate) fn assert_stderr_has(o: &Output, what: &str) {
+    let err = stderr(o);
+    assert!(err.contains(what), "{err}");
 }
 
 /// Waits until `cond` holds, failing the test after `limit` with the

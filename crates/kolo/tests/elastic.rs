@@ -36,21 +36,19 @@ fn a_failed_rank_restarts_every_rank_with_the_restart_count() {
         "echo rank $RANK restart $KOLO_RESTART_COUNT $TORCHELASTIC_RESTART_COUNT of $TORCHELASTIC_MAX_RESTARTS elastic $HOROVOD_ELASTIC; \
          [ $KOLO_RESTART_COUNT = 0 ] && [ $RANK = 1 ] && exit 3; exit 0",
     ]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let text = succeeded(&out);
     // the first round ends as soon as rank 1 fails: others may not have printed
     assert!(text.contains("rank 1 restart 0 0 of 2 elastic 1"), "{text}");
     for rank in 0..4 {
         assert!(text.contains(&format!("rank {rank} restart 1 1 of 2 elastic 1")), "{text}");
     }
-    assert!(stderr(&out).contains("rank 1 on host a exited with code 3; restarting the job"), "{}", stderr(&out));
+    assert_stderr_has(&out, "rank 1 on host a exited with code 3; restarting the job");
 }
 
 #[test]
 fn past_max_restarts_the_job_stops_with_the_ranks_code_and_says_why() {
     let out = run(&["run", "-np", "2", "--max-restarts", "1", "--", "sh", "-c", "[ $RANK = 0 ] && exit 7; sleep 30"]);
-    assert_eq!(out.status.code(), Some(7), "{}", stderr(&out));
-    let err = stderr(&out);
+    let err = failed_with(&out, 7);
     assert_eq!(err.matches("restarting the job").count(), 1, "{err}");
     assert!(err.contains("rank 0 on host localhost exited with code 7; it failed first"), "{err}");
     assert!(err.contains("restarted 1 times, its --max-restarts"), "{err}");
@@ -66,17 +64,14 @@ fn a_killed_rank_restarts_the_world_and_nothing_of_the_old_one_is_left() {
     let child = kolo()
         .args(["run", "--engine", "local", "-H", "a:2,b:2", "-np", "4", "--max-restarts", "1", "--"])
         .args(["sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::null(), Stdio::piped());
     let first_round = |i: u32| dir.path().join(format!("{i}.0.pid"));
     wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&first_round(i)).is_some()));
     let pids: Vec<i32> = (0..4).map(|i| line_in(&first_round(i)).unwrap().parse().unwrap()).collect();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pids[2]), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = output_within(child, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 2 on host b was killed by signal 9 (SIGKILL); restarting"), "{}", stderr(&out));
+    assert_stderr_has(&out, "rank 2 on host b was killed by signal 9 (SIGKILL); restarting");
     assert!((0..4).all(|i| dir.path().join(format!("{i}.1.pid")).exists()));
     assert!(pids.iter().all(|&p| !alive(p)), "a rank of the first world outlived it");
 }
@@ -93,18 +88,14 @@ fn a_lost_host_is_left_out_of_the_next_world() {
     let child = kolo()
         .args(["run", "--engine", "local", "-H", "a:2,b:2", "-np", "4", "--min-np", "2", "--max-restarts", "1"])
         .args(["--", "sh", "-c", &script])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::piped(), Stdio::piped());
     let file = |i: u32| dir.path().join(format!("{i}.0.pid"));
     wait_for("the first round's ranks", Duration::from_secs(20), || (0..4).all(|i| line_in(&file(i)).is_some()));
     let agent_of_3: i32 = line_in(&file(3)).unwrap().split_whitespace().nth(1).unwrap().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(agent_of_3), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = output_within(child, JOB_DEADLINE);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 3 on host b was lost"), "{}", stderr(&out));
+    let text = succeeded(&out);
+    assert_stderr_has(&out, "rank 3 on host b was lost");
     assert_eq!(text.matches("size 2 host a").count(), 2, "{text}");
     assert!(!text.contains("host b"), "{text}");
 }
@@ -133,10 +124,9 @@ fn a_host_the_discovery_script_adds_grows_the_world() {
         "-c",
         &script,
     ]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let text = succeeded(&out);
     assert_eq!(text.matches("grown").count(), 4, "{text}");
-    assert!(stderr(&out).contains("the hosts changed; re-forming the job"), "{}", stderr(&out));
+    assert_stderr_has(&out, "the hosts changed; re-forming the job");
 }
 
 #[test]
@@ -156,8 +146,7 @@ fn too_few_slots_for_longer_than_the_elastic_timeout_stop_the_job_saying_so() {
         "--",
         "true",
     ]);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    let err = stderr(&out);
+    let err = failed_with(&out, 1);
     assert!(err.contains("waiting for 3 slots, 2 available"), "{err}");
     assert!(err.contains("timed out after 1 s waiting for 3 slots (--min-np) with 2 available"), "{err}");
 }

@@ -23,10 +23,7 @@ fn a_paused_reader_of_kolos_output_holds_back_only_the_rank_that_prints() {
     // while nobody reads kolo's stdout: the job must live and lose nothing
     let mut child = kolo()
         .args(["run", "-np", "2", "--", "sh", "-c", "[ $RANK = 0 ] && yes | head -c 2000000; sleep 7; echo finished"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::piped(), Stdio::piped());
     // the pause is the scenario itself (a reader that is busy elsewhere)
     std::thread::sleep(Duration::from_secs(6));
     let mut out = String::new();
@@ -42,12 +39,7 @@ fn a_paused_reader_of_kolos_output_holds_back_only_the_rank_that_prints() {
 /// `kolo run -np 2` of ranks that sleep, with each rank's command and agent.
 fn two_sleeping_ranks(dir: &std::path::Path) -> (std::process::Child, Vec<(i32, i32)>) {
     let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.display());
-    let child = kolo()
-        .args(["run", "-np", "2", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = kolo().args(["run", "-np", "2", "--", "sh", "-c", &script]).start(Stdio::null(), Stdio::piped());
     (child, commands_and_agents(dir, 2))
 }
 
@@ -57,8 +49,8 @@ fn a_killed_agent_takes_its_rank_with_it() {
     let (child, ranks) = two_sleeping_ranks(dir.path());
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[1].1), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = output_within(child, JOB_DEADLINE);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 1 on host localhost was lost"), "{}", stderr(&out));
+    let err = failed_with(&out, 1);
+    assert!(err.contains("rank 1 on host localhost was lost"), "{err}");
     wait_for("every rank's command to end", Duration::from_secs(10), || ranks.iter().all(|&(cmd, _)| !alive(cmd)));
 }
 
@@ -70,26 +62,30 @@ fn a_stopped_agent_is_reported_and_leaves_nothing_running() {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(ranks[0].1), nix::sys::signal::Signal::SIGSTOP).unwrap();
     let out = output_within(child, JOB_DEADLINE);
     assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 0 on host localhost was lost: no heartbeat"), "{}", stderr(&out));
+    let err = failed_with(&out, 1);
+    assert!(err.contains("rank 0 on host localhost was lost: no heartbeat"), "{err}");
     wait_for("the ranks and the stopped agent to end", Duration::from_secs(15), || {
         ranks.iter().all(|&(cmd, agent)| !alive(cmd) && !alive(agent))
     });
 }
 
+/// `kolo run -np NP -- sh -c SCRIPT` with its temporary files in a TMPDIR
+/// of its own (`NAME-tmp`), so that nothing else's can mix in; its output
+/// is dropped.
+fn quiet_job(name: &str, np: &str, script: &str) -> (std::process::Child, TempDir) {
+    let tmp = TempDir::new(&format!("{name}-tmp"));
+    let child = kolo()
+        .env("TMPDIR", tmp.path())
+        .args(["run", "-np", np, "--", "sh", "-c", script])
+        .start(Stdio::null(), Stdio::null());
+    (child, tmp)
+}
+
 #[test]
 fn a_killed_driver_leaves_no_process_and_no_file() {
     let dir = TempDir::new("driver-killed");
-    // kolo's temporary files go here (TMPDIR), so nothing else's can mix in
-    let tmp = TempDir::new("driver-killed-tmp");
     let script = format!("sleep 1000 & echo $$ $! > {}/$RANK.pid; wait", dir.path().display());
-    let mut child = kolo()
-        .env("TMPDIR", tmp.path())
-        .args(["run", "-np", "3", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, tmp) = quiet_job("driver-killed", "3", &script);
     let ranks = commands_and_agents(dir.path(), 3);
     child.kill().unwrap();
     wait_within(&mut child, JOB_DEADLINE);
@@ -121,10 +117,7 @@ fn an_endless_line_is_split_instead_of_buffered() {
 fn a_closed_pipe_ends_kolo_quietly() {
     let mut child = kolo()
         .args(["run", "--dry-run", "-H", "localhost:4000", "-np", "4000", "--", "true"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::piped(), Stdio::piped());
     let mut first = [0u8; 100];
     child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
     drop(child.stdout.take());
@@ -215,16 +208,9 @@ fn stopped(pid: i32) -> bool {
 fn rank_directories_of_a_job_whose_every_process_was_killed_go_with_the_next_job() {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
-    let tmp = TempDir::new("all-killed-tmp");
     let dir = TempDir::new("all-killed");
     let script = format!("echo $$ $PPID > {}/$RANK.pid; exec sleep 1000", dir.path().display());
-    let mut child = kolo()
-        .env("TMPDIR", tmp.path())
-        .args(["run", "-np", "2", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let (mut child, tmp) = quiet_job("all-killed", "2", &script);
     commands_and_agents(dir.path(), 2);
     // stopped first, so that none of them sees another die and cleans up
     let everyone: Vec<i32> = process_tree(child.id()).into_iter().map(|p| p as i32).collect();

@@ -33,7 +33,7 @@ struct Job {
 
 impl Job {
     fn start(args: &[&str]) -> Job {
-        let mut child = kolo().args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        let mut child = kolo().args(args).start(Stdio::piped(), Stdio::piped());
         let (stdout, stderr) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
         let mut readers = Vec::new();
         for (pipe, text) in [
@@ -142,6 +142,21 @@ fn in_place_job(tag: &str, extra: &[&str]) -> Job {
     Job::start(&args)
 }
 
+/// An in-place job of `sh -c SCRIPT` on hosts a and b, a slot each (one
+/// process is enough), its processes tagged `tag`.
+fn shell_job_on_a_and_b(tag: &str, extra: &[&str], script: &str) -> Job {
+    let tag_var = format!("KOLO_TEST_TAG={tag}");
+    let mut args = vec!["run", "--in-place", "--engine", "local", "-H", "a:1,b:1", "--min-np", "1"];
+    args.extend_from_slice(extra);
+    args.extend(["-x", &tag_var, "--", "sh", "-c", script]);
+    Job::start(&args)
+}
+
+/// Waits for the shells of [`shell_job_on_a_and_b`] to be gone.
+fn no_shell_left(tag: &str) {
+    wait_for("the job's processes to be gone", Duration::from_secs(10), || pids_of_tagged_shells(tag).is_empty());
+}
+
 #[test]
 fn a_killed_rank_leaves_the_others_running_and_the_demo_ends_where_a_clean_run_does() {
     let reference = reference_loss();
@@ -226,33 +241,16 @@ fn a_host_discovery_adds_joins_at_the_next_commit() {
 fn past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing() {
     let tag = "in-place-reset";
     // every process kolo starts on b fails at once
-    let job = Job::start(&[
-        "run",
-        "--in-place",
-        "--engine",
-        "local",
-        "-H",
-        "a:1,b:1",
-        "--min-np",
-        "1",
-        "--reset-limit",
-        "2",
-        "--cooldown-range",
-        "0.1:0.1",
-        "--discovery-interval",
-        "0.05",
-        "-x",
-        &format!("KOLO_TEST_TAG={tag}"),
-        "--",
-        "sh",
-        "-c",
+    let job = shell_job_on_a_and_b(
+        tag,
+        &["--reset-limit", "2", "--cooldown-range", "0.1:0.1", "--discovery-interval", "0.05"],
         "[ $HOROVOD_HOSTNAME = b ] && exit 5; exec sleep 1000",
-    ]);
+    );
     let (status, out, err) = job.finish();
     assert_eq!(status.code(), Some(1), "{out}{err}");
     assert_eq!(err.matches("rank 1 on host b exited with code 5").count(), 2, "{err}");
     assert!(err.contains("--reset-limit"), "{err}");
-    wait_for("the job's processes to be gone", Duration::from_secs(10), || pids_of_tagged_shells(tag).is_empty());
+    no_shell_left(tag);
 }
 
 #[test]
@@ -266,27 +264,7 @@ fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() 
          while [ ! -e done ]; do sleep 0.05; done",
         dir.path().display()
     );
-    let tag_var = format!("KOLO_TEST_TAG={tag}");
-    let job = Job::start(&[
-        "run",
-        "--in-place",
-        "--engine",
-        "local",
-        "-H",
-        "a:1,b:1",
-        "--min-np",
-        "1",
-        "--cooldown-range",
-        "1:1",
-        "--discovery-interval",
-        "0.1",
-        "-x",
-        &tag_var,
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let job = shell_job_on_a_and_b(tag, &["--cooldown-range", "1:1", "--discovery-interval", "0.1"], &script);
     let (status, out, err) = job.finish();
     assert!(status.success(), "{out}{err}");
     assert_eq!(err.matches("rank 1 on host b exited with code 5").count(), 2, "{err}");
@@ -300,7 +278,7 @@ fn a_host_that_keeps_failing_is_blacklisted_and_comes_back_after_its_cooldown() 
     let without_b = err.find("round 3: 1 process on a:1").unwrap_or_else(|| panic!("{err}"));
     let back = err.find("round 4: 2 processes on a:1,b:1").unwrap_or_else(|| panic!("{err}"));
     assert!(blacklisted < back && without_b < back, "{err}");
-    wait_for("the job's processes to be gone", Duration::from_secs(10), || pids_of_tagged_shells(tag).is_empty());
+    no_shell_left(tag);
 }
 
 /// Shell and sleep processes of a job (the reset test's ranks).
@@ -348,8 +326,7 @@ fn processes_that_cannot_start_take_their_host_out_once_and_the_job_stops_saying
         "--",
         "true",
     ]);
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
-    let err = stderr(&out);
+    let err = failed_with(&out, 1);
     // once: a start that failed is not retried in a loop
     assert_eq!(err.matches("could not start").count(), 1, "{err}");
     assert!(err.contains("host a is blacklisted for the rest of the job"), "{err}");

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::path::Path;
+use std::process::{Child, Output, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -10,10 +12,10 @@ use serde_json::Value;
 #[test]
 fn four_ranks_print_prefixed_lines() {
     let out = run(&["run", "-np", "4", "--", "sh", "-c", "echo $HOROVOD_RANK $HOROVOD_SIZE $LOCAL_RANK"]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
-    lines.sort();
-    assert_eq!(lines, ["[0]<stdout>:0 4 0", "[1]<stdout>:1 4 1", "[2]<stdout>:2 4 2", "[3]<stdout>:3 4 3"]);
+    assert_eq!(
+        sorted_lines(&out),
+        ["[0]<stdout>:0 4 0", "[1]<stdout>:1 4 1", "[2]<stdout>:2 4 2", "[3]<stdout>:3 4 3"]
+    );
 }
 
 fn dry_run(args: &[&str]) -> Vec<Value> {
@@ -40,6 +42,16 @@ fn rows(plan: &[Value]) -> String {
         )
     };
     plan.iter().map(row).collect::<Vec<_>>().join(" | ")
+}
+
+/// A host file of `text` in a directory of its own (gone with the
+/// `TempDir`), and its path.
+fn host_file(name: &str, text: &str) -> (TempDir, String) {
+    let dir = TempDir::new(name);
+    let file = dir.path().join("hosts");
+    std::fs::write(&file, text).unwrap();
+    let path = file.to_str().unwrap().to_string();
+    (dir, path)
 }
 
 #[test]
@@ -70,10 +82,8 @@ fn dry_run_follows_horovods_host_assignment() {
 
 #[test]
 fn dry_run_reads_host_files_and_defaults_np_to_the_slots() {
-    let dir = TempDir::new("hostfile");
-    let file = dir.path().join("hosts");
-    std::fs::write(&file, "# two nodes\nnode-a slots=2\n\nnode-b:1  # small\n").unwrap();
-    let plan = dry_run(&["--hostfile", file.to_str().unwrap()]);
+    let (_dir, hf) = host_file("hostfile", "# two nodes\nnode-a slots=2\n\nnode-b:1  # small\n");
+    let plan = dry_run(&["--hostfile", &hf]);
     assert_eq!(rows(&plan), "0,3,0,2,0,2 | 1,3,1,2,0,1 | 2,3,0,1,1,2");
     let plan = dry_run(&["-H", "x:2,y"]);
     assert_eq!(plan.len(), 3);
@@ -81,10 +91,8 @@ fn dry_run_reads_host_files_and_defaults_np_to_the_slots() {
 
 #[test]
 fn bad_input_is_a_clear_error() {
-    let dir = TempDir::new("badinput");
-    let hostfile = dir.path().join("hosts");
-    std::fs::write(&hostfile, "a slots=2\nb slots=zero\n").unwrap();
-    let hf = hostfile.to_str().unwrap();
+    let (_dir, hf) = host_file("badinput", "a slots=2\nb slots=zero\n");
+    let hf = hf.as_str();
     for (args, needle) in [
         (
             vec!["run", "-np", "5", "-H", "a:2,b:2", "--", "true"],
@@ -119,16 +127,22 @@ fn bad_input_is_a_clear_error() {
     }
 }
 
+/// A directory of its own for the ranks' pid files, and `script` with
+/// `{d}` standing for it.
+fn pid_dir(name: &str, script: &str) -> (TempDir, String) {
+    let dir = TempDir::new(name);
+    let script = script.replace("{d}", &dir.path().display().to_string());
+    (dir, script)
+}
+
 #[test]
 fn a_failing_rank_stops_the_job_with_its_code_and_stderr() {
-    let dir = TempDir::new("fail");
-    let script = format!(
+    let (dir, script) = pid_dir(
+        "fail",
         "echo $$ > {d}/$RANK.pid; if [ $RANK = 2 ]; then echo 'bad things' >&2; echo 'worse' >&2; exit 3; fi; exec sleep 1000",
-        d = dir.path().display()
     );
     let out = run(&["run", "-np", "4", "--", "sh", "-c", &script]);
-    assert_eq!(out.status.code(), Some(3), "{}", stderr(&out));
-    let err = stderr(&out);
+    let err = failed_with(&out, 3);
     assert!(err.contains("rank 2 on host localhost exited with code 3"), "{err}");
     assert!(err.contains("kolo:   bad things\nkolo:   worse"), "{err}");
     assert!(err.contains("[2]<stderr>:bad things"), "{err}");
@@ -140,15 +154,14 @@ fn a_failing_rank_stops_the_job_with_its_code_and_stderr() {
 #[test]
 fn a_rank_killed_by_a_signal_is_reported_with_128_plus_the_signal() {
     let out = run(&["run", "-np", "2", "--", "sh", "-c", "[ $RANK = 1 ] && kill -9 $$; exec sleep 1000"]);
-    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 1 on host localhost was killed by signal 9 (SIGKILL)"), "{}", stderr(&out));
+    let err = failed_with(&out, 137);
+    assert!(err.contains("rank 1 on host localhost was killed by signal 9 (SIGKILL)"), "{err}");
 }
 
 #[test]
 fn no_process_is_left_behind_when_ranks_leave_children() {
-    let dir = TempDir::new("orphans");
     // every rank starts a background grandchild and exits at once
-    let script = format!("sleep 1000 & echo $! > {}/$RANK.pid", dir.path().display());
+    let (dir, script) = pid_dir("orphans", "sleep 1000 & echo $! > {d}/$RANK.pid");
     let out = run(&["run", "-np", "3", "--kill-grace", "0.5", "--", "sh", "-c", &script]);
     assert!(out.status.success(), "{}", stderr(&out));
     let pids = pids_in(dir.path());
@@ -160,13 +173,12 @@ fn no_process_is_left_behind_when_ranks_leave_children() {
 
 #[test]
 fn ranks_ignoring_sigterm_are_killed_after_the_grace_period() {
-    let dir = TempDir::new("stubborn");
-    let script = format!(
+    let (dir, script) = pid_dir(
+        "stubborn",
         "trap '' TERM; echo $$ > {d}/$RANK.pid; [ $RANK = 0 ] && exit 4; while :; do sleep 0.05; done",
-        d = dir.path().display()
     );
     let out = run(&["run", "-np", "3", "--kill-grace", "0.3", "--", "sh", "-c", &script]);
-    assert_eq!(out.status.code(), Some(4), "{}", stderr(&out));
+    failed_with(&out, 4);
     for pid in pids_in(dir.path()) {
         assert!(!alive(pid), "{pid} survived SIGKILL");
     }
@@ -177,17 +189,12 @@ fn sigterm_and_sigint_to_kolo_tear_the_job_down() {
     for (signal, code) in [(nix::sys::signal::Signal::SIGTERM, 143), (nix::sys::signal::Signal::SIGINT, 130)] {
         let dir = TempDir::new(&format!("sig{}", signal as i32));
         let script = format!("sleep 1000 & echo $$ $! > {}/$RANK.pid; wait", dir.path().display());
-        let child = kolo()
-            .args(["run", "-np", "3", "--", "sh", "-c", &script])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let child = kolo().args(["run", "-np", "3", "--", "sh", "-c", &script]).start(Stdio::null(), Stdio::piped());
         wait_for("all ranks to start", Duration::from_secs(20), || pids_in(dir.path()).len() == 6);
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), signal).unwrap();
         let out = output_within(child, JOB_DEADLINE);
-        assert_eq!(out.status.code(), Some(code), "{}", stderr(&out));
-        assert!(stderr(&out).contains(&format!("stopped by {}", signal.as_str())), "{}", stderr(&out));
+        let err = failed_with(&out, code);
+        assert!(err.contains(&format!("stopped by {}", signal.as_str())), "{err}");
         for pid in pids_in(dir.path()) {
             assert!(!alive(pid), "{pid} outlived kolo's {signal}");
         }
@@ -204,10 +211,7 @@ fn a_second_sigint_kills_ranks_that_ignore_sigterm_without_waiting_out_the_grace
     // a grace far longer than the test may take: only the second SIGINT can end it
     let mut child = kolo()
         .args(["run", "-np", "2", "--kill-grace", "600", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::null(), Stdio::piped());
     let _reap = KillOnDrop(child.id());
     wait_for("both ranks to start", Duration::from_secs(20), || pids_in(dir.path()).len() == 2);
     let kolo_pid = Pid::from_raw(child.id() as i32);
@@ -250,7 +254,7 @@ fn a_command_that_cannot_start_is_a_clear_error() {
     let file = dir.path().join("not-executable");
     std::fs::write(&file, "#!/bin/sh\n").unwrap();
     let out = run(&["run", "-np", "1", "--", file.to_str().unwrap()]);
-    assert_eq!(out.status.code(), Some(126), "{}", stderr(&out));
+    failed_with(&out, 126);
 }
 
 #[test]
@@ -322,11 +326,8 @@ fn simulated_nodes_get_their_own_node_ids_and_ranks() {
         "-c",
         "echo $HOROVOD_HOSTNAME $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $GROUP_RANK",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
-    lines.sort();
     assert_eq!(
-        lines,
+        sorted_lines(&out),
         [
             "[0]<stdout>:node-a 0 0 0",
             "[1]<stdout>:node-a 1 0 0",
@@ -338,10 +339,8 @@ fn simulated_nodes_get_their_own_node_ids_and_ranks() {
 
 #[test]
 fn gpus_declared_in_the_host_file_are_shared_per_node() {
-    let dir = TempDir::new("gpus");
-    let file = dir.path().join("hosts");
-    std::fs::write(&file, "a slots=2 gpus=4\nb slots=1 gpus=3\n").unwrap();
-    let hf = file.to_str().unwrap();
+    let (_dir, hf) = host_file("gpus", "a slots=2 gpus=4\nb slots=1 gpus=3\n");
+    let hf = hf.as_str();
     let out = run(&[
         "run",
         "--engine",
@@ -355,17 +354,14 @@ fn gpus_declared_in_the_host_file_are_shared_per_node() {
         "-c",
         "echo $HOROVOD_HOSTNAME $LOCAL_RANK $CUDA_VISIBLE_DEVICES",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
-    lines.sort();
-    assert_eq!(lines, ["[0]<stdout>:a 0 0,1,2,3", "[1]<stdout>:a 1 0,1,2,3", "[2]<stdout>:b 0 0,1"]);
+    assert_eq!(sorted_lines(&out), ["[0]<stdout>:a 0 0,1,2,3", "[1]<stdout>:a 1 0,1,2,3", "[2]<stdout>:b 0 0,1"]);
     let plan = dry_run(&["--hostfile", hf, "--gpus-per-worker", "1"]);
     let visible: Vec<&str> = plan.iter().map(|r| r["env"]["CUDA_VISIBLE_DEVICES"].as_str().unwrap()).collect();
     assert_eq!(visible, ["0,1", "0,1", "0"]);
     let out = run(&["run", "--engine", "local", "--hostfile", hf, "--gpus-per-worker", "4", "--", "true"]);
     assert!(!out.status.success());
-    assert!(stderr(&out).contains("cannot place 3 workers with 1 CPU and 4 GPUs each"), "{}", stderr(&out));
-    assert!(stderr(&out).contains("b (1 CPU, 3 GPUs)"), "{}", stderr(&out));
+    assert_stderr_has(&out, "cannot place 3 workers with 1 CPU and 4 GPUs each");
+    assert_stderr_has(&out, "b (1 CPU, 3 GPUs)");
 }
 
 /// The training demo (kolo-comm's `train` example) through `kolo run`:
@@ -387,6 +383,28 @@ fn the_training_demo_converges() {
     }
 }
 
+/// `kolo run ARGS -- sh -c ...` whose ranks write "their pid, their
+/// agent's pid" into `dir`; those for which `done` (a shell test) holds
+/// then exit, the others wait for `go` in `dir` and then run `then`.
+fn ranks_waiting_for_go(dir: &Path, args: &[&str], done: &str, then: &str) -> Child {
+    let script = format!(
+        "echo $$ $PPID > {d}/$RANK.pid; {done} && exit 0; while [ ! -e {go} ]; do sleep 0.01; done{then}",
+        d = dir.display(),
+        go = dir.join("go").display()
+    );
+    kolo().args(args).args(["--", "sh", "-c", &script]).start(Stdio::piped(), Stdio::piped())
+}
+
+/// Lets the ranks of [`ranks_waiting_for_go`] go: the job must end well,
+/// with no rank lost.
+fn let_go(dir: &Path, child: Child) -> Output {
+    std::fs::write(dir.join("go"), "").unwrap();
+    let out = output_within(child, JOB_DEADLINE);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+    out
+}
+
 /// A rank that is done no longer needs its agent: the agent goes while the
 /// others still run (not all at the job's end), and its going is no loss.
 /// The ranks are on two (simulated) nodes, so each has an agent process
@@ -394,19 +412,9 @@ fn the_training_demo_converges() {
 #[test]
 fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
     let dir = TempDir::new("released-agent");
-    let go = dir.path().join("go");
-    // each rank writes "its pid, its agent's pid"; rank 1 then waits for `go`
-    let script = format!(
-        "echo $$ $PPID > {d}/$RANK.pid; [ $RANK = 0 ] && exit 0; while [ ! -e {go} ]; do sleep 0.01; done",
-        d = dir.path().display(),
-        go = go.display()
-    );
-    let child = kolo()
-        .args(["run", "--engine", "local", "-H", "a:1,b:1", "--nics", "lo", "-np", "2", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    // rank 1 waits for `go`
+    let args = ["run", "--engine", "local", "-H", "a:1,b:1", "--nics", "lo", "-np", "2"];
+    let child = ranks_waiting_for_go(dir.path(), &args, "[ $RANK = 0 ]", "");
     let _kill = KillOnDrop(child.id());
     wait_for("both ranks to write their pids", Duration::from_secs(20), || pids_in(dir.path()).len() == 4);
     let read = |rank: u32| std::fs::read_to_string(dir.path().join(format!("{rank}.pid"))).unwrap();
@@ -414,10 +422,7 @@ fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
     let (first, second) = (agent_of(0), agent_of(1));
     wait_for("rank 0's agent to exit", Duration::from_secs(20), || !alive(first));
     assert!(alive(second), "rank 1's agent went before its rank ended");
-    std::fs::write(&go, "").unwrap();
-    let out = output_within(child, JOB_DEADLINE);
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+    let_go(dir.path(), child);
 }
 
 /// The agents of one node's commands share one process (one start instead
@@ -426,19 +431,8 @@ fn the_agent_of_a_finished_rank_exits_while_the_others_run() {
 #[test]
 fn the_ranks_of_a_node_share_one_agent_process() {
     let dir = TempDir::new("shared-agent");
-    let go = dir.path().join("go");
     // ranks 0 and 1 end at once; ranks 2 and 3 wait for `go`
-    let script = format!(
-        "echo $$ $PPID > {d}/$RANK.pid; [ $RANK -lt 2 ] && exit 0; while [ ! -e {go} ]; do sleep 0.01; done; echo done",
-        d = dir.path().display(),
-        go = go.display()
-    );
-    let child = kolo()
-        .args(["run", "-np", "4", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = ranks_waiting_for_go(dir.path(), &["run", "-np", "4"], "[ $RANK -lt 2 ]", "; echo done");
     let _kill = KillOnDrop(child.id());
     wait_for("every rank to write its pids", Duration::from_secs(20), || pids_in(dir.path()).len() == 8);
     let pids = |rank: u32| -> Vec<i32> {
@@ -458,10 +452,7 @@ fn the_ranks_of_a_node_share_one_agent_process() {
     wait_for("the agents of ranks 0 and 1 to leave", Duration::from_secs(20), || !beating(0) && !beating(1));
     assert!(beating(2) && beating(3), "the agents of the waiting ranks left");
     assert!(alive(agents[0]) && alive(pids(2)[0]) && alive(pids(3)[0]), "the waiting ranks or their agent ended");
-    std::fs::write(&go, "").unwrap();
-    let out = output_within(child, JOB_DEADLINE);
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(!stderr(&out).contains("lost"), "{}", stderr(&out));
+    let out = let_go(dir.path(), child);
     assert_eq!(String::from_utf8_lossy(&out.stdout).matches(":done").count(), 2);
     wait_for("the agent process to end", Duration::from_secs(10), || !alive(agents[0]));
 }

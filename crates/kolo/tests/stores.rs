@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -44,12 +44,7 @@ fn another_user_of_the_machine_can_neither_read_nor_write_the_jobs_stores() {
     let script = format!(
         "env > {d}/$RANK.env.tmp && mv {d}/$RANK.env.tmp {d}/$RANK.env; while [ ! -e {d}/done ]; do sleep 0.05; done"
     );
-    let job = kolo()
-        .args(["run", "-np", "1", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let job = kolo().args(["run", "-np", "1", "--", "sh", "-c", &script]).start(Stdio::piped(), Stdio::piped());
     let _reap = KillOnDrop(job.id());
     let env_file = dir.path().join("0.env");
     wait_for("the rank to start", Duration::from_secs(30), || env_file.exists());
@@ -78,5 +73,5 @@ fn another_user_of_the_machine_can_neither_read_nor_write_the_jobs_stores() {
     let out = output_within(job, JOB_DEADLINE);
     assert!(out.status.success(), "{}", stderr(&out));
     // each refusal was said, naming whose the connection was
-    assert!(stderr(&out).contains("belongs to user 65534"), "{}", stderr(&out));
+    assert_stderr_has(&out, "belongs to user 65534");
 }

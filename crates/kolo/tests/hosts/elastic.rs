@@ -2,7 +2,6 @@
 //! and inside a Slurm allocation, with killed ranks, cut-off hosts and
 //! hosts added by discovery.
 
-use std::process::Command;
 use std::time::Duration;
 
 use super::*;
@@ -21,14 +20,9 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
          echo size $WORLD_SIZE on $(hostname) && exit 0; exec sleep 1000",
         dir.path().display()
     );
-    let t = testhosts();
-    let child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "-H", "h1:2,h2:2,h3:2", "-np", "6", "--min-np", "4"])
+    let child = kolo_command_in_h1(&["run", "-H", "h1:2,h2:2,h3:2", "-np", "6", "--min-np", "4"])
         .args(["--max-restarts", "1", "--ssh-config", &cfg, "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::piped(), Stdio::piped());
     // a failing assertion must not leave the job to fail the next tests
     let _reap = KillOnDrop(child.id());
     // a pid file exists before the shell has written the pid into it
@@ -39,9 +33,8 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
     let on_h3: Vec<i32> = (4..6).filter_map(first).collect();
     let cut = LinkDown::cut("h3");
     let out = output_within(child, JOB_DEADLINE);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert!(stderr(&out).contains("on host h3 was lost"), "{}", stderr(&out));
+    let text = succeeded(&out);
+    assert_stderr_has(&out, "on host h3 was lost");
     assert_eq!(text.matches("size 4 on h").count(), 4, "{text}");
     assert!(!text.contains("on h3"), "{text}");
     drop(cut);
@@ -49,20 +42,20 @@ fn restart_mode_goes_on_without_a_cut_off_host() {
     assert_nothing_left();
 }
 
+/// The training demo's final loss is that of a run that converged.
+#[track_caller]
+fn assert_converged(text: &str) {
+    let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(loss < 0.35, "{text}");
+}
+
 #[test]
 #[ignore = "needs the test hosts"]
 fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
-    let cfg = ssh_config();
     let train = example("train");
-    let job = Streaming::start(&[
-        "run",
-        "--in-place",
-        "-H",
-        "h1:1,h2:1,h3:1",
+    let job = in_place_on_three_hosts(&[
         "--min-np",
         "1",
-        "--ssh-config",
-        &cfg,
         "--",
         &train,
         "--epochs",
@@ -91,44 +84,37 @@ fn in_place_training_goes_on_without_a_killed_host_and_a_cut_off_one() {
     assert!(ok, "{text}");
     assert!(text.contains("on host h2 was lost") && text.contains("on host h3 was lost"), "{text}");
     assert!(text.contains("1 ranks from epoch"), "{text}");
-    let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
-    assert!(loss < 0.35, "{text}");
+    assert_converged(&text);
     drop(cut);
     wait_for("h3's processes to end", Duration::from_secs(30), || on_h3.iter().all(|&p| !alive(p)));
     assert_nothing_left();
 }
 
+/// Starts `kolo run ARGS` over ssh from h1 on the hosts a discovery script
+/// in `dir` gives, looked at every 0.2 s: h1 and h2, and h3 too once the
+/// file it returns exists.
+fn discovering_job(dir: &std::path::Path, args: &[&str]) -> (Streaming, std::path::PathBuf) {
+    let (cfg, grow) = (ssh_config(), dir.join("grow"));
+    let discover = discovery_on_hosts(dir, &grow);
+    let mut all =
+        vec!["run", "--host-discovery-script", &discover, "--discovery-interval", "0.2", "--ssh-config", &cfg];
+    all.extend_from_slice(args);
+    (Streaming::start(&all), grow)
+}
+
 #[test]
 #[ignore = "needs the test hosts"]
 fn restart_mode_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
-    let cfg = ssh_config();
     let dir = TempDir::new("hosts-restart-grow");
-    let grow = dir.path().join("grow");
-    let discover = discovery_on_hosts(dir.path(), &grow);
     let script = format!(
         "echo $$ > {}/$RANK.$KOLO_RESTART_COUNT.pid; [ $WORLD_SIZE = 3 ] && echo grown $RANK on $(hostname) && exit 0; \
          exec sleep 1000",
         dir.path().display()
     );
-    let job = Streaming::start(&[
-        "run",
-        "--min-np",
-        "2",
-        "--max-np",
-        "3",
-        "--max-restarts",
-        "2",
-        "--host-discovery-script",
-        &discover,
-        "--discovery-interval",
-        "0.2",
-        "--ssh-config",
-        &cfg,
-        "--",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let (job, grow) = discovering_job(
+        dir.path(),
+        &["--min-np", "2", "--max-np", "3", "--max-restarts", "2", "--", "sh", "-c", &script],
+    );
     let pid = |rank: u32, restart: u32| dir.path().join(format!("{rank}.{restart}.pid"));
     wait_for("the first world", Duration::from_secs(30), || {
         line_in(&pid(0, 0)).is_some() && line_in(&pid(1, 0)).is_some()
@@ -151,37 +137,29 @@ fn restart_mode_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
 #[test]
 #[ignore = "needs the test hosts"]
 fn in_place_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
-    let cfg = ssh_config();
-    let dir = TempDir::new("hosts-in-place-grow");
-    let grow = dir.path().join("grow");
-    let discover = discovery_on_hosts(dir.path(), &grow);
     let train = example("train");
-    let job = Streaming::start(&[
-        "run",
-        "--in-place",
-        "--min-np",
-        "1",
-        "--max-np",
-        "3",
-        "--host-discovery-script",
-        &discover,
-        "--discovery-interval",
-        "0.2",
-        "--ssh-config",
-        &cfg,
-        "--",
-        &train,
-        "--epochs",
-        "30",
-        "--step-ms",
-        "5",
-        "--commit-every",
-        "8",
-    ]);
+    let dir = TempDir::new("hosts-in-place-grow");
+    let (job, grow) = discovering_job(
+        dir.path(),
+        &[
+            "--in-place",
+            "--min-np",
+            "1",
+            "--max-np",
+            "3",
+            "--",
+            &train,
+            "--epochs",
+            "30",
+            "--step-ms",
+            "5",
+            "--commit-every",
+            "8",
+        ],
+    );
     job.wait_for("epoch   2");
     let on_h1: Vec<i32> = job_processes("h1");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(training_rank_on("h2")), nix::sys::signal::Signal::SIGKILL)
-        .unwrap();
+    kill_the_training_rank_on("h2");
     job.wait_for("round 1: 1 process on h1:1");
     std::fs::write(&grow, "").unwrap();
     job.wait_for("round 2: 2 processes on h1:1,h3:1");
@@ -191,61 +169,46 @@ fn in_place_over_ssh_survives_a_killed_rank_and_grows_by_discovery() {
     assert!(text.contains("rank 1 on host h2 was killed by signal 9 (SIGKILL)"), "{text}");
     assert!(text.contains("host h2 is blacklisted for the rest of the job"), "{text}");
     assert!(text.contains("2 ranks from epoch"), "h3 did not join: {text}");
-    let loss: f32 = text.split("final loss ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
-    assert!(loss < 0.35, "{text}");
+    assert_converged(&text);
     assert_nothing_left();
 }
 
 #[test]
 #[ignore = "needs the test hosts"]
 fn both_elastic_modes_inside_a_slurm_allocation() {
-    let kolo = env!("CARGO_BIN_EXE_kolo");
     // restart mode: every rank starts again on the allocation's nodes
-    let out = in_h1(&[
-        "salloc",
-        "-N3",
-        "--ntasks-per-node=1",
-        kolo,
-        "run",
-        "--max-restarts",
-        "1",
-        "--",
-        "sh",
-        "-c",
+    let script =
         "[ $KOLO_RESTART_COUNT = 1 ] && echo restarted $RANK on $(hostname) && exit 0; [ $RANK = 1 ] && exit 4; \
-         exec sleep 100",
-    ]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 1 on host h2 exited with code 4; restarting the job"), "{}", stderr(&out));
+                  exec sleep 100";
+    let out =
+        in_h1(&salloc_kolo_run(&["-N3", "--ntasks-per-node=1"], &["--max-restarts", "1", "--", "sh", "-c", script]));
+    let text = succeeded(&out);
+    assert_stderr_has(&out, "rank 1 on host h2 exited with code 4; restarting the job");
     for (rank, host) in [(0, "h1"), (1, "h2"), (2, "h3")] {
         assert!(text.contains(&format!("restarted {rank} on {host}")), "{text}");
     }
     // in place: h2 leaves for its cooldown and comes back in a step of its own
     let train = example("train");
-    let job = Streaming::in_h1(&[
-        "salloc",
-        "-N3",
-        "--ntasks-per-node=1",
-        kolo,
-        "run",
-        "--in-place",
-        "--min-np",
-        "1",
-        "--cooldown-range",
-        "1:1",
-        "--",
-        &train,
-        "--epochs",
-        "40",
-        "--samples",
-        "16384",
-        "--step-ms",
-        "5",
-    ]);
+    let job = Streaming::in_h1(&salloc_kolo_run(
+        &["-N3", "--ntasks-per-node=1"],
+        &[
+            "--in-place",
+            "--min-np",
+            "1",
+            "--cooldown-range",
+            "1:1",
+            "--",
+            &train,
+            "--epochs",
+            "40",
+            "--samples",
+            "16384",
+            "--step-ms",
+            "5",
+        ],
+    ));
     job.wait_for("epoch   2");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(training_rank_on("h2")), nix::sys::signal::Signal::SIGKILL)
-        .unwrap();
+    kill_the_training_rank_on("h2");
     let (ok, text) = job.finish();
     assert!(ok, "{text}");
     assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");

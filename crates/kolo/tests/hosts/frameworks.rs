@@ -17,8 +17,7 @@ fn rank_zero_away_from_the_driver_is_reachable_at_the_jax_coordinator() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples/rank0_reachable.py");
     let script = script.to_string_lossy().into_owned();
     let out = kolo_in_h1(&["run", "-np", "4", "-H", "h2:2,h3:2", "--ssh-config", &cfg, "--", "python3", &script]);
-    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
-    let text = stdout(&out);
+    let text = succeeded(&out);
     assert!(text.contains("rank 0 on h2 served 3 ranks at 10.77.0.12:"), "{text}");
     assert_eq!(text.lines().filter(|l| l.contains("reached rank 0 at 10.77.0.12:")).count(), 3, "{text}");
     assert_nothing_left();
@@ -39,11 +38,48 @@ fn across_hosts_with(module: &str, script: &str, extra: &[&str], script_args: &[
     args.extend(extra);
     args.extend(["--", &python, &script]);
     args.extend(script_args);
-    let out = kolo_in_h1(&args);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let text = succeeded(&kolo_in_h1(&args));
     assert_nothing_left();
     Some(text)
+}
+
+/// Runs `script` through `kolo run` in a Slurm allocation of two nodes,
+/// two tasks each, with the Python that has `module` (skipped when that
+/// Python is missing): four rank lines (`.../4 on h...`) must show `each`.
+fn four_ranks_under_slurm(module: &str, script: &str, each: &str) {
+    let Some(python) = python_with(module) else { return };
+    let script = repo_file(script);
+    let text = succeeded(&in_h1(&salloc_kolo_run(&["-N2", "--ntasks-per-node=2"], &["--", &python, &script])));
+    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains(each)).count(), 4, "{text}");
+    assert_nothing_left();
+}
+
+/// Every rank printed the same parameters (`params P,...`).
+#[track_caller]
+fn assert_one_set_of_params(text: &str) {
+    let params: std::collections::HashSet<&str> =
+        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
+    assert_eq!(params.len(), 1, "{text}");
+}
+
+/// `first` (rank 0's line, on h2) in `text`, and `each` (every rank's)
+/// on four lines.
+#[track_caller]
+fn assert_rank_zero_and_four_ranks(text: &str, first: &str, each: &str) {
+    assert!(text.contains(first), "{text}");
+    assert_eq!(text.lines().filter(|l| l.contains(each)).count(), 4, "{text}");
+}
+
+/// Runs the Horovod `script` across hosts (see [`across_hosts`]): it must
+/// print four rank lines (`.../4 on h...`), rank 0's on h2, all with the
+/// same weights (`weights W`).
+fn horovod_script_across_hosts(module: &str, script: &str) {
+    let Some(text) = across_hosts(module, script, &[]) else { return };
+    let ranks: Vec<&str> = text.lines().filter(|l| l.contains("/4 on h")).collect();
+    assert_eq!(ranks.len(), 4, "{text}");
+    assert!(ranks.iter().any(|l| l.contains("rank 0/4 on h2")), "{text}");
+    let weights: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("weights ").nth(1)).collect();
+    assert_eq!(weights.len(), 1, "{text}");
 }
 
 /// PyTorch DDP from h1 onto h2 and h3: every rank, rank 0 (on h2) included,
@@ -52,11 +88,8 @@ fn across_hosts_with(module: &str, script: &str, extra: &[&str], script_args: &[
 #[ignore = "needs the test hosts"]
 fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
     let Some(text) = across_hosts("torch", "examples/ddp.py", &[]) else { return };
-    assert!(text.contains("rank 0/4 on h2"), "{text}");
-    assert_eq!(text.lines().filter(|l| l.contains("store 10.77.0.11:")).count(), 4, "{text}");
-    let params: std::collections::HashSet<&str> =
-        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
-    assert_eq!(params.len(), 1, "{text}");
+    assert_rank_zero_and_four_ranks(&text, "rank 0/4 on h2", "store 10.77.0.11:");
+    assert_one_set_of_params(&text);
 }
 
 /// DDP on kolo's own torch.distributed backend across hosts: kolo-comm
@@ -66,11 +99,8 @@ fn pytorch_ddp_across_hosts_with_rank_zero_away_from_the_driver() {
 #[ignore = "needs the test hosts"]
 fn pytorch_ddp_on_the_kolo_backend_across_hosts() {
     let Some(text) = across_hosts_with("torch, kolo", "examples/ddp.py", &[], &["kolo"]) else { return };
-    assert!(text.contains("rank 0/4 on h2 (kolo)"), "{text}");
-    let params: std::collections::HashSet<&str> =
-        text.lines().filter_map(|l| l.split("params ").nth(1)?.split(',').next()).collect();
-    assert_eq!(text.lines().filter(|l| l.contains("(kolo)")).count(), 4, "{text}");
-    assert_eq!(params.len(), 1, "{text}");
+    assert_rank_zero_and_four_ranks(&text, "rank 0/4 on h2 (kolo)", "(kolo)");
+    assert_one_set_of_params(&text);
 }
 
 /// A Horovod script (SyncBatchNorm, DistributedOptimizer) across hosts
@@ -78,12 +108,7 @@ fn pytorch_ddp_on_the_kolo_backend_across_hosts() {
 #[test]
 #[ignore = "needs the test hosts"]
 fn a_horovod_script_across_hosts() {
-    let Some(text) = across_hosts("torch, kolo", "examples/horovod_train.py", &[]) else { return };
-    let ranks: Vec<&str> = text.lines().filter(|l| l.contains("/4 on h")).collect();
-    assert_eq!(ranks.len(), 4, "{text}");
-    assert!(ranks.iter().any(|l| l.contains("rank 0/4 on h2")), "{text}");
-    let weights: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("weights ").nth(1)).collect();
-    assert_eq!(weights.len(), 1, "{text}");
+    horovod_script_across_hosts("torch, kolo", "examples/horovod_train.py");
 }
 
 /// A Horovod Keras script (TensorFlow 2.21, Keras 3: model.fit with
@@ -92,26 +117,14 @@ fn a_horovod_script_across_hosts() {
 #[test]
 #[ignore = "needs the test hosts"]
 fn a_horovod_keras_script_across_hosts() {
-    let Some(text) = across_hosts("tensorflow, keras, kolo", "examples/horovod_keras.py", &[]) else { return };
-    let ranks: Vec<&str> = text.lines().filter(|l| l.contains("/4 on h")).collect();
-    assert_eq!(ranks.len(), 4, "{text}");
-    assert!(ranks.iter().any(|l| l.contains("rank 0/4 on h2")), "{text}");
-    let weights: std::collections::HashSet<&str> = ranks.iter().filter_map(|l| l.split("weights ").nth(1)).collect();
-    assert_eq!(weights.len(), 1, "{text}");
+    horovod_script_across_hosts("tensorflow, keras, kolo", "examples/horovod_keras.py");
 }
 
 /// The same Horovod script through the Slurm engine.
 #[test]
 #[ignore = "needs the test hosts"]
 fn a_horovod_script_under_slurm() {
-    let Some(python) = python_with("torch, kolo") else { return };
-    let kolo = env!("CARGO_BIN_EXE_kolo");
-    let script = repo_file("examples/horovod_train.py");
-    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", kolo, "run", "--", &python, &script]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("weights ")).count(), 4, "{text}");
-    assert_nothing_left();
+    four_ranks_under_slurm("torch, kolo", "examples/horovod_train.py", "weights ");
 }
 
 /// JAX's no-argument initialize across hosts, process 0 on h2.
@@ -119,30 +132,21 @@ fn a_horovod_script_under_slurm() {
 #[ignore = "needs the test hosts"]
 fn jax_across_hosts_with_process_zero_away_from_the_driver() {
     let Some(text) = across_hosts("jax", "examples/jax_check.py", &["-x", "JAX_PLATFORMS=cpu"]) else { return };
-    assert!(text.contains("process 0/4 on h2"), "{text}");
-    assert_eq!(text.lines().filter(|l| l.contains("gathered [0, 1, 2, 3]")).count(), 4, "{text}");
+    assert_rank_zero_and_four_ranks(&text, "process 0/4 on h2", "gathered [0, 1, 2, 3]");
 }
 
 /// PyTorch DDP through the Slurm engine: the store is the driver's there too.
 #[test]
 #[ignore = "needs the test hosts"]
 fn pytorch_ddp_under_slurm() {
-    let Some(python) = python_with("torch") else { return };
-    let kolo = env!("CARGO_BIN_EXE_kolo");
-    let script = repo_file("examples/ddp.py");
-    let out = in_h1(&["salloc", "-N2", "--ntasks-per-node=2", kolo, "run", "--", &python, &script]);
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
-    assert_eq!(text.lines().filter(|l| l.contains("/4 on h") && l.contains("store 10.77.0.11:")).count(), 4, "{text}");
-    assert_nothing_left();
+    four_ranks_under_slurm("torch", "examples/ddp.py", "store 10.77.0.11:");
 }
 
 /// The lines `examples/executor_ddp.py` prints: rank lines must show 4
 /// ranks with one set of parameters, on `hosts`, and rank 0's losses must
 /// have reached the driver's callback.
 fn check_executor_ddp(out: &Output, hosts: &[&str]) {
-    let text = stdout(out);
-    assert!(out.status.success(), "{text}{}", stderr(out));
+    let text = succeeded(out);
     let ranks: Vec<&str> = text.lines().filter(|l| l.starts_with("rank ")).collect();
     assert_eq!(ranks.len(), 4, "{text}");
     for (i, line) in ranks.iter().enumerate() {
@@ -227,8 +231,7 @@ fn python_elastic_executor_inside_a_slurm_allocation() {
     let script = repo_file("examples/elastic_executor.py");
     let args = ["--fail-on", "h2:50", "--steps", "150"];
     let out = in_h1(&[&["salloc", "-N3", "--ntasks-per-node=1", &python, &script][..], &args[..]].concat());
-    let text = stdout(&out);
-    assert!(out.status.success(), "{text}{}", stderr(&out));
+    let text = succeeded(&out);
     assert!(text.contains("round 0: 3 processes on h1:1,h2:1,h3:1"), "{text}");
     assert!(text.contains("host h2 is blacklisted for the rest of the job"), "{text}");
     assert!(text.contains("round 1: 2 processes on h1:1,h3:1"), "{text}");
@@ -238,6 +241,34 @@ fn python_elastic_executor_inside_a_slurm_allocation() {
     assert!(finals[0].starts_with("rank 0 on h1") && finals[1].starts_with("rank 1 on h3"), "{text}");
     wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
+}
+
+/// What `tests/python/elastic_torch_ranks.py` left in `dir` as the
+/// survivors on h1 and h2.
+fn survivors_results(dir: &std::path::Path) -> Vec<serde_json::Value> {
+    ["h1-0", "h2-0"]
+        .iter()
+        .map(|p| {
+            let file = std::fs::read_to_string(dir.join(format!("{p}.json"))).expect("a survivor's result");
+            serde_json::from_str::<serde_json::Value>(&file).unwrap()
+        })
+        .collect()
+}
+
+/// The samples a rank's result says it saw, in order.
+fn samples_seen(result: &serde_json::Value) -> Vec<u64> {
+    result["seen"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect()
+}
+
+/// Each epoch of `seen` (`samples` long) saw every sample once; else the
+/// test fails showing `context`.
+#[track_caller]
+fn assert_every_sample_once_an_epoch(seen: &[u64], samples: u64, context: &str) {
+    for epoch in seen.chunks(samples as usize) {
+        let mut sorted = epoch.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..samples).collect::<Vec<u64>>(), "{context}");
+    }
 }
 
 /// In-place PyTorch across the hosts over ssh: h3 is cut off mid-training
@@ -250,19 +281,13 @@ fn python_elastic_executor_inside_a_slurm_allocation() {
 #[ignore = "needs the test hosts"]
 fn in_place_pytorch_goes_on_without_a_cut_off_host() {
     let Some(python) = python_with("kolo.torch.elastic") else { return };
-    let (cfg, ranks) = (ssh_config(), repo_file("tests/python/elastic_torch_ranks.py"));
+    let ranks = repo_file("tests/python/elastic_torch_ranks.py");
     for flavour in ["hvd", "kolo"] {
         let out = TempDir::new("hosts-torch-in-place");
         let dir = out.path().to_string_lossy().into_owned();
-        let job = Streaming::start(&[
-            "run",
-            "--in-place",
-            "-H",
-            "h1:1,h2:1,h3:1",
+        let job = in_place_on_three_hosts(&[
             "--min-np",
             "2",
-            "--ssh-config",
-            &cfg,
             "-x",
             "TIMES=1",
             "-x",
@@ -281,22 +306,12 @@ fn in_place_pytorch_goes_on_without_a_cut_off_host() {
         assert!(ok, "{flavour}: {text}");
         assert!(text.contains("rank 2 on host h3 was lost: no heartbeat"), "{flavour}: {text}");
         assert!(text.contains("round 1: 2 processes on h1:1,h2:1"), "{flavour}: {text}");
-        let results: Vec<serde_json::Value> = ["h1-0", "h2-0"]
-            .iter()
-            .map(|p| {
-                let file = std::fs::read_to_string(out.path().join(format!("{p}.json"))).expect("a survivor's result");
-                serde_json::from_str::<serde_json::Value>(&file).unwrap()
-            })
-            .collect();
+        let results = survivors_results(out.path());
         assert_eq!(results[0]["weights"], results[1]["weights"], "{flavour}: the survivors disagree");
         // the ranks' 96 samples (their default) once an epoch over the committed steps
-        let seen: Vec<u64> = results[0]["seen"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+        let seen = samples_seen(&results[0]);
         assert_eq!(seen.len(), 96 * 3, "{flavour}: {text}");
-        for epoch in seen.chunks(96) {
-            let mut sorted = epoch.to_vec();
-            sorted.sort_unstable();
-            assert_eq!(sorted, (0..96).collect::<Vec<u64>>(), "{flavour}: {text}");
-        }
+        assert_every_sample_once_an_epoch(&seen, 96, &format!("{flavour}: {text}"));
         assert!(!out.path().join("h3-0.json").exists(), "{flavour}: h3 finished while cut off");
         drop(cut);
         assert_nothing_left();
@@ -310,47 +325,35 @@ fn in_place_pytorch_goes_on_without_a_cut_off_host() {
 #[ignore = "needs the test hosts"]
 fn horovods_elastic_api_in_place_under_slurm() {
     let Some(python) = python_with("kolo.torch.elastic") else { return };
-    let (kolo, ranks) = (env!("CARGO_BIN_EXE_kolo"), repo_file("tests/python/elastic_torch_ranks.py"));
+    let ranks = repo_file("tests/python/elastic_torch_ranks.py");
     let out_dir = TempDir::new("hosts-hvd-slurm");
     let dir = out_dir.path().to_string_lossy().into_owned();
-    let out = in_h1(&[
-        "salloc",
-        "-N3",
-        "--ntasks-per-node=1",
-        kolo,
-        "run",
-        "--in-place",
-        "--min-np",
-        "2",
-        "-x",
-        "FAULT=kill",
-        "-x",
-        "FAULT_AT=h3:0:3",
-        "-x",
-        "SAMPLES=48",
-        "--",
-        &python,
-        &ranks,
-        "hvd",
-        &dir,
-    ]);
+    let out = in_h1(&salloc_kolo_run(
+        &["-N3", "--ntasks-per-node=1"],
+        &[
+            "--in-place",
+            "--min-np",
+            "2",
+            "-x",
+            "FAULT=kill",
+            "-x",
+            "FAULT_AT=h3:0:3",
+            "-x",
+            "SAMPLES=48",
+            "--",
+            &python,
+            &ranks,
+            "hvd",
+            &dir,
+        ],
+    ));
     let text = format!("{}{}", stdout(&out), stderr(&out));
     assert!(out.status.success(), "{text}");
     assert!(text.contains("round 1: 2 processes on h1:1,h2:1"), "{text}");
-    let results: Vec<serde_json::Value> = ["h1-0", "h2-0"]
-        .iter()
-        .map(|p| {
-            serde_json::from_str(&std::fs::read_to_string(out_dir.path().join(format!("{p}.json"))).unwrap()).unwrap()
-        })
-        .collect();
+    let results = survivors_results(out_dir.path());
     assert_eq!(results[0]["weights"], results[1]["weights"], "{text}");
     // 48 samples: 12 a step on three ranks, 8 on two; every one once an epoch
-    let seen: Vec<u64> = results[0]["seen"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-    for epoch in seen.chunks(48) {
-        let mut sorted = epoch.to_vec();
-        sorted.sort_unstable();
-        assert_eq!(sorted, (0..48).collect::<Vec<u64>>(), "{text}");
-    }
+    assert_every_sample_once_an_epoch(&samples_seen(&results[0]), 48, &text);
     wait_for("the allocation to be given back", Duration::from_secs(20), || slurm_jobs().trim().is_empty());
     assert_nothing_left();
 }
@@ -375,10 +378,7 @@ fn stack_and_status_across_hosts() {
     let mut child = Command::new(t.join("hx"))
         .args(["h1", "env", &xdg, &path, env!("CARGO_BIN_EXE_kolo"), "run", "-H", "h2:1,h3:1", "--ssh-config", &cfg])
         .args(["--", &python, "-c", script])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::piped(), Stdio::piped());
     let _reap = KillOnDrop(child.id());
     let ask = |args: &[&str]| {
         Command::new(t.join("hx"))

@@ -15,7 +15,7 @@ mod slurm;
 mod ssh;
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -26,15 +26,30 @@ fn testhosts() -> PathBuf {
     t
 }
 
+/// `CMD` inside h1, with the test cluster's Slurm config.
+fn command_in_h1(cmd: &[&str]) -> Command {
+    let t = testhosts();
+    let mut command = Command::new(t.join("hx"));
+    command.arg("h1").args(cmd).env("SLURM_CONF", t.join("slurm/slurm.conf"));
+    command
+}
+
+/// `kolo ARGS` inside h1, with the test cluster's Slurm config.
+fn kolo_command_in_h1(args: &[&str]) -> Command {
+    let mut command = command_in_h1(&[env!("CARGO_BIN_EXE_kolo")]);
+    command.args(args);
+    command
+}
+
 /// Runs `kolo ARGS` inside h1.
 fn kolo_in_h1(args: &[&str]) -> Output {
-    let t = testhosts();
-    Command::new(t.join("hx"))
-        .arg("h1")
-        .arg(env!("CARGO_BIN_EXE_kolo"))
-        .args(args)
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .output_within(JOB_DEADLINE)
+    kolo_command_in_h1(args).output_within(JOB_DEADLINE)
+}
+
+/// `salloc ALLOCATION kolo run ARGS`, for [`in_h1`]: `kolo run` in a Slurm
+/// allocation (`-N3 --ntasks-per-node=1`, say).
+fn salloc_kolo_run<'a>(allocation: &[&'a str], args: &[&'a str]) -> Vec<&'a str> {
+    [&["salloc"][..], allocation, &[env!("CARGO_BIN_EXE_kolo"), "run"], args].concat()
 }
 
 fn ssh_config() -> String {
@@ -117,27 +132,12 @@ impl Drop for LinkDown {
 
 /// Starts `kolo ARGS -- sh -c SCRIPT` inside h1 (stderr piped for the report).
 fn spawn_in_h1(args: &[&str], script: &str) -> std::process::Child {
-    let t = testhosts();
-    Command::new(t.join("hx"))
-        .arg("h1")
-        .arg(env!("CARGO_BIN_EXE_kolo"))
-        .args(args)
-        .args(["--", "sh", "-c", script])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+    kolo_command_in_h1(args).args(["--", "sh", "-c", script]).start(Stdio::null(), Stdio::piped())
 }
 
 /// Runs a command inside h1 with the test cluster's Slurm config.
 fn in_h1(cmd: &[&str]) -> Output {
-    let t = testhosts();
-    Command::new(t.join("hx"))
-        .arg("h1")
-        .args(cmd)
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-        .output_within(JOB_DEADLINE)
+    command_in_h1(cmd).output_within(JOB_DEADLINE)
 }
 
 fn slurm_jobs() -> String {
@@ -154,18 +154,10 @@ fn agent_fault_leaves_nothing(engine: &[&str], signal: nix::sys::signal::Signal)
     let script = format!("echo $$ $PPID > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
     let mut args = vec!["run", "-np", "6", "--kill-grace", "1"];
     args.extend_from_slice(engine);
-    let t = testhosts();
-    let child = Command::new(t.join("hx"))
-        .arg("h1")
-        .arg(env!("CARGO_BIN_EXE_kolo"))
-        .args(&args)
+    let child = kolo_command_in_h1(&args)
         .args(["--", "sh", "-c", &script])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
         .env("TMPDIR", tmp.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+        .start(Stdio::null(), Stdio::piped());
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 12);
     let text = std::fs::read_to_string(dir.path().join("2.pid")).unwrap();
     let agent: i32 = text.split_whitespace().nth(1).unwrap().parse().unwrap();
@@ -190,6 +182,12 @@ fn job_processes(host: &str) -> Vec<i32> {
         .collect()
 }
 
+/// SIGKILLs the one training process (the demo) on `host`.
+fn kill_the_training_rank_on(host: &str) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(training_rank_on(host)), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
+}
+
 /// The pid of the one training process (the demo) on `host`.
 fn training_rank_on(host: &str) -> i32 {
     let ranks: Vec<i32> = job_processes(host)
@@ -209,6 +207,15 @@ fn discovery_on_hosts(dir: &std::path::Path, grow: &std::path::Path) -> String {
     path.to_string_lossy().into_owned()
 }
 
+/// `kolo run --in-place` over ssh on h1, h2 and h3, a slot each, from h1:
+/// those options, then `rest` (more options, `--` and the command).
+fn in_place_on_three_hosts(rest: &[&str]) -> Streaming {
+    let cfg = ssh_config();
+    let mut args = vec!["run", "--in-place", "-H", "h1:1,h2:1,h3:1", "--ssh-config", &cfg];
+    args.extend_from_slice(rest);
+    Streaming::start(&args)
+}
+
 /// A command in h1 (`kolo ARGS`, or any) with its stdout and stderr
 /// collected as they come.
 struct Streaming {
@@ -225,15 +232,7 @@ impl Streaming {
     }
 
     fn in_h1(cmd: &[&str]) -> Streaming {
-        let t = testhosts();
-        let mut child = Command::new(t.join("hx"))
-            .arg("h1")
-            .args(cmd)
-            .env("SLURM_CONF", t.join("slurm/slurm.conf"))
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = command_in_h1(cmd).start(Stdio::piped(), Stdio::piped());
         let text = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
         let pipes: [Box<dyn std::io::Read + Send>; 2] =
             [Box::new(child.stdout.take().unwrap()), Box::new(child.stderr.take().unwrap())];

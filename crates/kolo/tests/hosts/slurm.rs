@@ -1,7 +1,6 @@
 //! kolo under Slurm: inside an allocation, asking for one, scancel,
 //! a busy cluster, a killed agent or driver.
 
-use std::process::Command;
 use std::time::Duration;
 
 use super::*;
@@ -10,21 +9,9 @@ use crate::common::*;
 #[test]
 #[ignore = "needs the test hosts"]
 fn slurm_inside_an_allocation_three_nodes_two_tasks_each() {
-    let kolo = env!("CARGO_BIN_EXE_kolo");
-    let out = in_h1(&[
-        "salloc",
-        "-N3",
-        "--ntasks-per-node=2",
-        kolo,
-        "run",
-        "--",
-        "sh",
-        "-c",
-        "echo $(hostname) $HOROVOD_RANK $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $HOROVOD_GLOO_IFACE",
-    ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mut lines: Vec<String> = stdout(&out).lines().filter(|l| l.starts_with('[')).map(String::from).collect();
-    lines.sort();
+    let script = "echo $(hostname) $HOROVOD_RANK $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $HOROVOD_GLOO_IFACE";
+    let out = in_h1(&salloc_kolo_run(&["-N3", "--ntasks-per-node=2"], &["--", "sh", "-c", script]));
+    let lines: Vec<String> = sorted_lines(&out).into_iter().filter(|l| l.starts_with('[')).collect();
     assert_eq!(
         lines,
         [
@@ -37,9 +24,8 @@ fn slurm_inside_an_allocation_three_nodes_two_tasks_each() {
         ]
     );
     let check = example("allreduce_check");
-    let out = in_h1(&["salloc", "-N3", "--ntasks-per-node=2", kolo, "run", "--", &check]);
-    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
-    assert_eq!(stdout(&out).lines().filter(|l| l.contains("allreduce sums ok (21)")).count(), 6, "{}", stdout(&out));
+    let text = succeeded(&in_h1(&salloc_kolo_run(&["-N3", "--ntasks-per-node=2"], &["--", &check])));
+    assert_eq!(text.lines().filter(|l| l.contains("allreduce sums ok (21)")).count(), 6, "{text}");
     assert_nothing_left();
 }
 
@@ -118,16 +104,10 @@ fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
     let dir = TempDir::new("hosts-driver-killed");
     let tmp = TempDir::new("hosts-driver-killed-tmp");
     let script = format!("echo $$ > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
-    let t = testhosts();
-    let mut child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3"])
+    let mut child = kolo_command_in_h1(&["run", "--engine", "slurm", "-np", "6", "--slurm-nodes", "3"])
         .args(["--", "sh", "-c", &script])
-        .env("SLURM_CONF", t.join("slurm/slurm.conf"))
         .env("TMPDIR", tmp.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+        .start(Stdio::null(), Stdio::null());
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
     assert!(!slurm_jobs().trim().is_empty());
     // hx execs its way to kolo: this kills the driver itself

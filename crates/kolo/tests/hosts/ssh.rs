@@ -1,34 +1,31 @@
 //! kolo over ssh: placement on three hosts, allreduce and training,
 //! interface detection, and the faults of a host or an agent.
 
-use std::process::Command;
 use std::time::Duration;
 
 use super::*;
 use crate::common::*;
 
+/// Runs `kolo run -np 6` over ssh on h1, h2 and h3, two slots each, from
+/// h1: those options, then `rest` (more options, `--` and the command).
+fn six_ranks_on_three_hosts(rest: &[&str]) -> Output {
+    let cfg = ssh_config();
+    let mut args = vec!["run", "-np", "6", "-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg];
+    args.extend_from_slice(rest);
+    kolo_in_h1(&args)
+}
+
 #[test]
 #[ignore = "needs the test hosts"]
 fn ssh_six_workers_on_three_hosts() {
-    let cfg = ssh_config();
-    let out = kolo_in_h1(&[
-        "run",
-        "-np",
-        "6",
-        "-H",
-        "h1:2,h2:2,h3:2",
-        "--ssh-config",
-        &cfg,
+    let out = six_ranks_on_three_hosts(&[
         "--",
         "sh",
         "-c",
         "echo $(hostname) $HOROVOD_RANK $HOROVOD_LOCAL_RANK $HOROVOD_CROSS_RANK $HOROVOD_HOSTNAME $HOROVOD_GLOO_IFACE",
     ]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    let mut lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
-    lines.sort();
     assert_eq!(
-        lines,
+        sorted_lines(&out),
         [
             "[0]<stdout>:h1 0 0 0 h1 eth0",
             "[1]<stdout>:h1 1 1 0 h1 eth0",
@@ -44,17 +41,13 @@ fn ssh_six_workers_on_three_hosts() {
 #[test]
 #[ignore = "needs the test hosts"]
 fn allreduce_and_training_across_three_hosts() {
-    let cfg = ssh_config();
     let check = example("allreduce_check");
-    let out = kolo_in_h1(&["run", "-np", "6", "-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg, "--", &check]);
-    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
-    let ok = stdout(&out).lines().filter(|l| l.contains("on 3 hosts: allreduce sums ok (21)")).count();
-    assert_eq!(ok, 6, "{}", stdout(&out));
+    let text = succeeded(&six_ranks_on_three_hosts(&["--", &check]));
+    let ok = text.lines().filter(|l| l.contains("on 3 hosts: allreduce sums ok (21)")).count();
+    assert_eq!(ok, 6, "{text}");
     let train = example("train");
-    let out =
-        kolo_in_h1(&["run", "-np", "6", "-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg, "--", &train, "--epochs", "3"]);
-    assert!(out.status.success(), "{}{}", stdout(&out), stderr(&out));
-    assert!(stdout(&out).contains("[0]<stdout>:final loss"), "{}", stdout(&out));
+    let text = succeeded(&six_ranks_on_three_hosts(&["--", &train, "--epochs", "3"]));
+    assert!(text.contains("[0]<stdout>:final loss"), "{text}");
     assert_nothing_left();
 }
 
@@ -75,21 +68,8 @@ fn nic_detection_finds_the_shared_interfaces() {
 #[test]
 #[ignore = "needs the test hosts"]
 fn a_cut_off_host_fails_the_start_naming_it() {
-    let cfg = ssh_config();
     let _cut = LinkDown::cut("h3");
-    let out = kolo_in_h1(&[
-        "run",
-        "-np",
-        "6",
-        "-H",
-        "h1:2,h2:2,h3:2",
-        "--ssh-config",
-        &cfg,
-        "--start-timeout",
-        "10",
-        "--",
-        "true",
-    ]);
+    let out = six_ranks_on_three_hosts(&["--start-timeout", "10", "--", "true"]);
     assert!(!out.status.success());
     let err = stderr(&out);
     assert!(err.contains("h3"), "{err}");
@@ -103,20 +83,14 @@ fn a_worker_killed_on_h2_ends_the_job_naming_h2() {
     let cfg = ssh_config();
     let dir = TempDir::new("hosts-kill");
     let script = format!("echo $$ > {}/$HOROVOD_RANK.pid; exec sleep 1000", dir.path().display());
-    let t = testhosts();
-    let child = Command::new(t.join("hx"))
-        .args(["h1", env!("CARGO_BIN_EXE_kolo"), "run", "-np", "6", "-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg])
-        .args(["--kill-grace", "1", "--", "sh", "-c", &script])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child =
+        spawn_in_h1(&["run", "-np", "6", "-H", "h1:2,h2:2,h3:2", "--ssh-config", &cfg, "--kill-grace", "1"], &script);
     wait_for("six ranks to start", Duration::from_secs(30), || pids_in(dir.path()).len() == 6);
     let victim: i32 = std::fs::read_to_string(dir.path().join("2.pid")).unwrap().trim().parse().unwrap();
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), nix::sys::signal::Signal::SIGKILL).unwrap();
     let out = output_within(child, JOB_DEADLINE);
-    assert_eq!(out.status.code(), Some(137), "{}", stderr(&out));
-    assert!(stderr(&out).contains("rank 2 on host h2 was killed by signal 9"), "{}", stderr(&out));
+    let err = failed_with(&out, 137);
+    assert!(err.contains("rank 2 on host h2 was killed by signal 9"), "{err}");
     for pid in pids_in(dir.path()) {
         assert!(!alive(pid), "rank process {pid} outlived the job");
     }
