@@ -39,19 +39,19 @@ pub(crate) fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::
         interfaces: crate::nics::interface_names(),
     };
     let body = postcard::to_stdvec(&body).map_err(|e| e.to_string())?;
+    let hello_proof = |role| proto::ControlProof {
+        role,
+        nonces: (&challenge.nonce, &nonce),
+        version: PROTOCOL_VERSION,
+        index,
+        body: &body,
+    };
     let header = HelloHeader {
         magic: MAGIC,
         version: PROTOCOL_VERSION,
         index,
         nonce,
-        tag: proto::control_tag(
-            secret,
-            proto::Role::Dialer,
-            (&challenge.nonce, &nonce),
-            PROTOCOL_VERSION,
-            index,
-            &body,
-        ),
+        tag: hello_proof(proto::Role::Dialer).tag(secret),
     };
     stream.write_all(&proto::hello_frame(&header, &body)).map_err(|e| e.to_string())?;
     if challenge.version != PROTOCOL_VERSION {
@@ -63,8 +63,7 @@ pub(crate) fn handshake(stream: &mut TcpStream, index: u32, secret: &kolo_auth::
     let frame = proto::read_frame(stream, proto::MAX_PREAUTH_FRAME)
         .map_err(|e| format!("the driver refused this worker ({e})"))?;
     let welcome: Welcome = proto::decode(&frame).map_err(|e| e.to_string())?;
-    let nonces = (&challenge.nonce, &nonce);
-    if !proto::control_verifies(secret, proto::Role::Listener, nonces, PROTOCOL_VERSION, index, &body, &welcome.tag) {
+    if !hello_proof(proto::Role::Listener).verifies(secret, &welcome.tag) {
         return Err("the driver could not prove it knows the job secret".into());
     }
     Ok(welcome)

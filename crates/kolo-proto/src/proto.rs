@@ -74,7 +74,7 @@ pub struct HelloHeader {
     pub index: u32,
     /// The worker's fresh nonce, which the driver's proof must cover.
     pub nonce: Nonce,
-    /// The worker's [`control_tag`] (the dialer's) over the nonces, version,
+    /// The worker's [`ControlProof`] (the dialer's) over the nonces, version,
     /// index and body.
     pub tag: Tag,
 }
@@ -128,7 +128,7 @@ pub fn parse_hello(frame: &[u8]) -> Option<(HelloHeader, &[u8])> {
 #[derive(Serialize, Deserialize, Debug, Clone)]
 pub struct Welcome {
     /// The driver's proof that it knows the secret (the listener's
-    /// [`control_tag`] over the worker's hello).
+    /// [`ControlProof`] over the worker's hello).
     pub tag: Tag,
     /// How often the worker sends a heartbeat.
     pub heartbeat_interval_ms: u64,
@@ -382,34 +382,41 @@ fn control_context(version: u32, index: u32, body: &[u8]) -> Vec<u8> {
     context
 }
 
-/// A control handshake proof: the worker's is kolo-auth's dialer tag over
-/// the control context, the driver's the listener tag, given only to a
+/// What a control handshake proof binds: whose proof it is, both nonces
+/// (the driver's, the worker's), the protocol version, the worker's index
+/// and the rest of its first frame. The worker's proof is kolo-auth's
+/// dialer tag over it, the driver's the listener tag, given only to a
 /// worker that proved itself.
-pub fn control_tag(
-    secret: &Secret,
-    role: Role,
-    nonces: (&Nonce, &Nonce),
-    version: u32,
-    index: u32,
-    body: &[u8],
-) -> Tag {
-    let (driver_nonce, worker_nonce) = nonces;
-    kolo_auth::tag(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce)
+pub struct ControlProof<'a> {
+    /// Whose proof: the worker's (`Dialer`) or the driver's (`Listener`).
+    pub role: Role,
+    /// The driver's nonce, then the worker's.
+    pub nonces: (&'a Nonce, &'a Nonce),
+    /// The protocol version the worker speaks.
+    pub version: u32,
+    /// The worker's index.
+    pub index: u32,
+    /// The rest of the worker's first frame.
+    pub body: &'a [u8],
 }
 
-/// Whether `claimed` is `role`'s control proof (compared in constant time
-/// by kolo-auth).
-pub fn control_verifies(
-    secret: &Secret,
-    role: Role,
-    nonces: (&Nonce, &Nonce),
-    version: u32,
-    index: u32,
-    body: &[u8],
-    claimed: &Tag,
-) -> bool {
-    let (driver_nonce, worker_nonce) = nonces;
-    kolo_auth::verify(secret, &control_context(version, index, body), role, driver_nonce, worker_nonce, claimed)
+impl ControlProof<'_> {
+    /// The proof, made with `secret`.
+    pub fn tag(&self, secret: &Secret) -> Tag {
+        let (driver_nonce, worker_nonce) = self.nonces;
+        kolo_auth::tag(secret, &self.context(), self.role, driver_nonce, worker_nonce)
+    }
+
+    /// Whether `claimed` is this proof (compared in constant time by
+    /// kolo-auth).
+    pub fn verifies(&self, secret: &Secret, claimed: &Tag) -> bool {
+        let (driver_nonce, worker_nonce) = self.nonces;
+        kolo_auth::verify(secret, &self.context(), self.role, driver_nonce, worker_nonce, claimed)
+    }
+
+    fn context(&self) -> Vec<u8> {
+        control_context(self.version, self.index, self.body)
+    }
 }
 
 /// A message as a whole frame: its length, then its postcard encoding;
@@ -501,16 +508,14 @@ mod tests {
     fn tags_depend_on_secret_role_and_nonces() {
         let (a, b) = ([1u8; 32], [2u8; 32]);
         let (s, x) = (Secret::new("s").unwrap(), Secret::new("x").unwrap());
-        let t = control_tag(&s, Role::Dialer, (&a, &b), 2, 0, b"body");
-        let dialer = |s: &Secret, n: (&Nonce, &Nonce), version, index, body: &[u8]| {
-            control_verifies(s, Role::Dialer, n, version, index, body, &t)
-        };
-        assert!(dialer(&s, (&a, &b), 2, 0, b"body"));
-        assert!(!dialer(&x, (&a, &b), 2, 0, b"body"));
-        assert!(!control_verifies(&s, Role::Listener, (&a, &b), 2, 0, b"body", &t));
-        assert!(!dialer(&s, (&b, &a), 2, 0, b"body"));
-        assert!(!dialer(&s, (&a, &b), 3, 0, b"body"));
-        assert!(!dialer(&s, (&a, &b), 2, 1, b"body"));
-        assert!(!dialer(&s, (&a, &b), 2, 0, b"bodz"));
+        let proof = |role, nonces, version, index, body| ControlProof { role, nonces, version, index, body };
+        let t = proof(Role::Dialer, (&a, &b), 2, 0, b"body").tag(&s);
+        assert!(proof(Role::Dialer, (&a, &b), 2, 0, b"body").verifies(&s, &t));
+        assert!(!proof(Role::Dialer, (&a, &b), 2, 0, b"body").verifies(&x, &t));
+        assert!(!proof(Role::Listener, (&a, &b), 2, 0, b"body").verifies(&s, &t));
+        assert!(!proof(Role::Dialer, (&b, &a), 2, 0, b"body").verifies(&s, &t));
+        assert!(!proof(Role::Dialer, (&a, &b), 3, 0, b"body").verifies(&s, &t));
+        assert!(!proof(Role::Dialer, (&a, &b), 2, 1, b"body").verifies(&s, &t));
+        assert!(!proof(Role::Dialer, (&a, &b), 2, 0, b"bodz").verifies(&s, &t));
     }
 }

@@ -436,8 +436,14 @@ async fn handshake(
     if header.magic != MAGIC {
         return Err(Refusal::Logged("not a kolo worker".into()));
     }
-    let nonces = (&nonce, &header.nonce);
-    if !proto::control_verifies(secret, proto::Role::Dialer, nonces, header.version, header.index, body, &header.tag) {
+    let proof = |role| proto::ControlProof {
+        role,
+        nonces: (&nonce, &header.nonce),
+        version: header.version,
+        index: header.index,
+        body,
+    };
+    if !proof(proto::Role::Dialer).verifies(secret, &header.tag) {
         return Err(Refusal::Logged(format!(
             "a peer claiming to be worker {} does not know the job secret",
             header.index
@@ -447,12 +453,11 @@ async fn handshake(
     if header.version != PROTOCOL_VERSION {
         return Err(Refusal::Fatal(ExecError::Version { index: header.index, worker: header.version }));
     }
-    let body_bytes = body;
     let body: HelloBody = proto::decode(body).map_err(|e| Refusal::Logged(format!("unreadable hello: {e}")))?;
     if header.index as usize >= workers {
         return Err(Refusal::Logged(format!("worker index {} is out of range", header.index)));
     }
-    welcome.tag = proto::control_tag(secret, proto::Role::Listener, nonces, header.version, header.index, body_bytes);
+    welcome.tag = proof(proto::Role::Listener).tag(secret);
     let frame = proto::encode(&welcome).map_err(|e| quiet(e.to_string()))?;
     stream.write_all(&frame).await.map_err(|e| quiet(e.to_string()))?;
     Ok(Hello { header, body, stream })
