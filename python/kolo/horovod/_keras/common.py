@@ -3,8 +3,23 @@
 import keras
 
 from ..common import basics, numpy_ops
+from ..common.basics import (  # noqa: F401  (exported: see __all__)
+    Adasum, Average, ProcessSet, Sum, add_process_set, cross_rank, cross_size, global_process_set, init,
+    is_initialized, local_rank, local_size, rank, remove_process_set, shutdown, size,
+)
+from ..common.exceptions import HorovodInternalError  # noqa: F401  (exported: see __all__)
 from . import create_distributed_optimizer
 from .variables import model_variables, optimizer_variables, value_of
+
+# what both take with `from .._keras.common import *` (load_model: horovod.keras
+# takes it as it is, horovod.tensorflow.keras wraps it for tf.keras)
+__all__ = [
+    "Adasum", "Average", "ProcessSet", "Sum", "add_process_set", "global_process_set", "remove_process_set",
+    "init", "is_initialized", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "HorovodInternalError",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "allgather", "allreduce", "broadcast",
+    "broadcast_global_variables",
+]
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,

@@ -14,6 +14,17 @@ from kolo import _kolo, _rounds
 
 from .exceptions import HorovodInternalError
 
+# what horovod.torch and horovod.tensorflow export of this module as their
+# own (each takes it with `from ..common.basics import *`)
+__all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum",
+    "add_process_set", "global_process_set", "remove_process_set",
+    "init", "is_initialized", "shutdown",
+    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+    "ccl_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "start_timeline", "stop_timeline",
+]
+
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OPS = (Average, Sum, Min, Max, Product)
 

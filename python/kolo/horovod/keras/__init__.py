@@ -2,34 +2,8 @@
 (TensorFlow, JAX, PyTorch): DistributedOptimizer averages gradients where
 Keras 3 applies them; the callbacks and `load_model` as upstream's."""
 
-from ..common.basics import (  # noqa: F401
-    Adasum,
-    Average,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    cross_rank,
-    cross_size,
-    global_process_set,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-)
-from ..common.exceptions import HorovodInternalError  # noqa: F401
-from .._keras.common import (  # noqa: F401
-    DistributedOptimizer,
-    PartialDistributedOptimizer,
-    allgather,
-    allreduce,
-    broadcast,
-    broadcast_global_variables,
-    load_model,
-)
+from .._keras.common import *  # noqa: F401,F403  (horovod.keras's API: _keras.common's __all__)
+from .._keras.common import load_model  # noqa: F401
 from . import callbacks, elastic  # noqa: F401
 
 

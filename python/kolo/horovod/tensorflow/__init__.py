@@ -25,56 +25,33 @@ from .functions import (  # noqa: F401
     broadcast_object_fn,
     broadcast_variables,
 )
+from ..common.basics import *  # noqa: F401,F403  (horovod.tensorflow's API: basics' __all__)
 from .mpi_ops import (  # noqa: F401
     Adasum,
     Average,
-    Max,
-    Min,
-    Product,
-    ProcessSet,
     Sum,
     _allreduce,
     _executing_eagerly,
     _grouped_allreduce,
     _normalize_name,
     _reducescatter,
-    add_process_set,
     allgather,
     alltoall,
     broadcast,
     broadcast_,
-    ccl_built,
-    cross_rank,
-    cross_size,
     cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
     global_process_set,
     grouped_allgather,
     handle_average_backwards_compatibility,
-    init,
     is_homogeneous,
-    is_initialized,
     join,
-    local_rank,
     local_rank_op,
-    local_size,
     local_size_op,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
     nccl_built,
     process_set_included_op,
-    rank,
     rank_op,
-    remove_process_set,
     rocm_built,
-    shutdown,
-    size,
     size_op,
-    start_timeline,
-    stop_timeline,
 )
 
 
@@ -241,9 +218,11 @@ def _scale_locals(grads, sources, locals_, scale, process_set):
     return scale_locals(grads, sources, locals_, divide)
 
 
-class _DistributedGradientTape(tf.GradientTape):
-    """A GradientTape whose `gradient` returns gradients reduced over the
-    set's ranks."""
+class _ReducesGradients:
+    """What the tape and the TF1 optimizer share: how they reduce
+    gradients, and the local variables whose gradients stay this
+    worker's (scaled by the set's size unless `scale_local_gradients`
+    is False)."""
 
     def _kolo_setup(self, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
                     scale_local_gradients):
@@ -252,29 +231,38 @@ class _DistributedGradientTape(tf.GradientTape):
                                  process_set=process_set)
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
-        self._local_sources = LocalVariables()
+        self._kolo_locals = LocalVariables()
+
+    def _kolo_reduced(self, grads, sources):
+        """`grads` (of `sources`) reduced over the set's ranks, but for the
+        local variables'."""
+
+        def reduce(gs, vs):
+            return reduce_gradients(gs, vs, **self._kolo_reduce)
+
+        grads = reduce_with_locals(grads, sources, self._kolo_locals, reduce)
+        return _scale_locals(grads, sources, self._kolo_locals, self.scale_local_gradients, self.process_set)
+
+
+class _DistributedGradientTape(_ReducesGradients, tf.GradientTape):
+    """A GradientTape whose `gradient` returns gradients reduced over the
+    set's ranks."""
 
     def register_local_source(self, source):
         """The gradient of `source` stays this worker's (not reduced)."""
-        self._local_sources.add(source)
+        self._kolo_locals.add(source)
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None):
         grads = self.gradient(target, sources, output_gradients)
         local, shared = [], []
         for s, g in zip(sources, grads):
-            (local if s in self._local_sources else shared).append((s, g))
+            (local if s in self._kolo_locals else shared).append((s, g))
         return local, shared
 
     def gradient(self, target, sources, output_gradients=None, use_generic_names=False, **kwargs):
         single = not isinstance(sources, (list, tuple))
         listed = [sources] if single else list(sources)
-        grads = super().gradient(target, listed, output_gradients, **kwargs)
-
-        def reduce(gs, vs):
-            return reduce_gradients(gs, vs, **self._kolo_reduce)
-
-        grads = reduce_with_locals(grads, listed, self._local_sources, reduce)
-        grads = _scale_locals(grads, listed, self._local_sources, self.scale_local_gradients, self.process_set)
+        grads = self._kolo_reduced(super().gradient(target, listed, output_gradients, **kwargs), listed)
         return grads[0] if single else grads
 
 
@@ -339,7 +327,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         scale_local_gradients=scale_local_gradients)
 
 
-class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+class _DistributedOptimizer(_ReducesGradients, tf.compat.v1.train.Optimizer):
     """A TF1 optimizer whose `compute_gradients` returns gradients reduced
     over the set's ranks (upstream's graph-mode wrapper)."""
 
@@ -347,27 +335,17 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
                  groups, process_set, scale_local_gradients):
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         self._optimizer = optimizer
-        self._reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                            gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                            process_set=process_set)
-        self.process_set = process_set
-        self.scale_local_gradients = scale_local_gradients
-        self._local_vars = LocalVariables()
+        self._kolo_setup(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
+                         scale_local_gradients)
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""
-        self._local_vars.add(var)
+        self._kolo_locals.add(var)
 
     def compute_gradients(self, *args, **kwargs):
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
-        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
-
-        def reduce(gs, vs):
-            return reduce_gradients(gs, vs, **self._reduce)
-
-        grads = reduce_with_locals(grads, variables, self._local_vars, reduce)
-        grads = _scale_locals(grads, variables, self._local_vars, self.scale_local_gradients, self.process_set)
-        return list(zip(grads, variables))
+        variables = [v for _, v in pairs]
+        return list(zip(self._kolo_reduced([g for g, _ in pairs], variables), variables))
 
     def apply_gradients(self, *args, **kwargs):
         return self._optimizer.apply_gradients(*args, **kwargs)

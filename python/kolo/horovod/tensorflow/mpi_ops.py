@@ -20,36 +20,8 @@ from kolo import _kolo
 from ..common import basics as _basics
 from ..common.util import get_average_backwards_compatibility_fun
 from .util import _executing_eagerly
-from ..common.basics import (  # noqa: F401  (horovod.tensorflow's API)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    global_process_set,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from ..common.basics import *  # noqa: F401,F403  (horovod.tensorflow's API: basics' __all__)
+from ..common.basics import Adasum, Average, Sum, global_process_set, local_rank, local_size, rank
 
 
 def _load_ops():

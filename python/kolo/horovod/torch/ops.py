@@ -13,40 +13,8 @@ import torch
 from kolo import _kolo
 
 from ..common import basics as _basics
-from ..common.basics import (  # noqa: F401  (horovod.torch's API)
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ProcessSet,
-    Sum,
-    _core,
-    _op_of,
-    _set_id,
-    _state,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    global_process_set,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from ..common.basics import *  # noqa: F401,F403  (horovod.torch's API: basics' __all__)
+from ..common.basics import Average, Sum, _core, _op_of, _set_id, _state, global_process_set, local_size, rank
 from ..common.exceptions import HorovodInternalError
 from . import device as _device
 

@@ -7,33 +7,7 @@ upstream's."""
 
 import tensorflow as tf
 
-from ...common.basics import (  # noqa: F401
-    Adasum,
-    Average,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    cross_rank,
-    cross_size,
-    global_process_set,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-)
-from ...common.exceptions import HorovodInternalError  # noqa: F401
-from ..._keras.common import (  # noqa: F401
-    DistributedOptimizer,
-    allgather,
-    allreduce,
-    broadcast,
-    PartialDistributedOptimizer,
-    broadcast_global_variables,
-)
+from ..._keras.common import *  # noqa: F401,F403  (horovod.tensorflow.keras's API: _keras.common's __all__)
 from ..._keras.common import load_model as _load_model
 from ..compression import Compression  # noqa: F401
 from ..functions import allgather_object, broadcast_object  # noqa: F401
