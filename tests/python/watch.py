@@ -149,6 +149,15 @@ def kill_tree(root):
             pass
 
 
+def _overran(proc, timeout, what):
+    """What the process was, after its stacks were dumped and it and its
+    children were killed for running past `timeout`."""
+    what = what or _cmdline(proc.pid)[:200]
+    dump(proc.pid, f"{what} still ran after {timeout} s")
+    kill_tree(proc.pid)
+    return what
+
+
 def communicate(proc, timeout, what=None):
     """`proc.communicate(timeout=...)`; past the deadline, the stacks, then
     the process and its children killed, and the test failed with what
@@ -156,10 +165,7 @@ def communicate(proc, timeout, what=None):
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pass
-    what = what or _cmdline(proc.pid)[:200]
-    dump(proc.pid, f"{what} still ran after {timeout} s")
-    kill_tree(proc.pid)
+        what = _overran(proc, timeout, what)
     out, err = proc.communicate()
     pytest.fail(f"{what} still ran after {timeout} s (its stacks are above); it printed:\n"
                 f"--- stdout\n{out}\n--- stderr\n{err}", pytrace=False)
@@ -170,10 +176,7 @@ def wait(proc, timeout, what=None):
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pass
-    what = what or _cmdline(proc.pid)[:200]
-    dump(proc.pid, f"{what} still ran after {timeout} s")
-    kill_tree(proc.pid)
+        what = _overran(proc, timeout, what)
     proc.wait()
     pytest.fail(f"{what} still ran after {timeout} s (its stacks are above)", pytrace=False)
 
