@@ -1,4 +1,4 @@
-//! The driver side: `kolo.Executor`'s arguments translated into kolo-exec's
+//! The driver side: `kolo.Executor`'s arguments translated into kolo-job's
 //! one job description (`Job`, checked when the Executor is made), and
 //! kolo-exec's Executor on its own runtime (`Driver`), fixed or elastic.
 

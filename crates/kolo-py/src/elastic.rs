@@ -1,6 +1,6 @@
 //! Elastic jobs in place for Python: in the workers, kolo-comm's elastic
 //! API (`ElasticWorker` joins rounds, `Comm` is the round's communicator);
-//! in the driver, kolo-exec's `ElasticJob` running the pickled function
+//! in the driver, kolo-job's `ElasticJob` running the pickled function
 //! in every process of every cohort. `kolo.elastic` and `kolo.Executor`
 //! wrap these.
 

@@ -1,7 +1,7 @@
 //! `kolo._kolo`, the extension module of kolo's Python package. It adds no
 //! logic of its own: the `kolo` command is the Rust binary's `main`, a
-//! Python worker agent is kolo-exec's agent, and `kolo.Executor` drives
-//! kolo-exec's Executor through kolo-exec's one job description. Python
+//! Python worker agent is kolo-agent's agent, and `kolo.Executor` drives
+//! kolo-exec's Executor through kolo-job's one job description. Python
 //! objects cross as pickled bytes; the worker side calls into
 //! `kolo._remote` with the GIL held only for the call.
 //!

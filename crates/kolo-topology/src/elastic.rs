@@ -218,7 +218,7 @@ pub enum StopReason {
 }
 
 /// Said neutrally: the front ends name the limits as their users gave
-/// them (kolo-exec's `OptionNames::explain`).
+/// them (kolo-job's `OptionNames::explain`).
 impl std::fmt::Display for StopReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

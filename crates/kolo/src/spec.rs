@@ -1,4 +1,4 @@
-//! `kolo run`'s arguments, translated into kolo-exec's one job
+//! `kolo run`'s arguments, translated into kolo-job's one job
 //! description (`JobSpec`), which checks them.
 
 use std::time::Duration;
