@@ -130,6 +130,22 @@ fn every_relative_link_of_the_readme_and_the_guide_leads_somewhere() {
     }
 }
 
+/// The non-test code lines (1-based number, text before any `//`) of the
+/// Rust sources under `crates/` whose path starts with `prefix`: what a
+/// source-level rule checks, the tests after `#[cfg(test)]` left out.
+fn code_lines(prefix: &str) -> Vec<(String, usize, String)> {
+    let root = repo();
+    let mut lines = Vec::new();
+    for file in repo_files(&root).into_iter().filter(|f| f.starts_with(prefix) && f.ends_with(".rs")) {
+        let text = std::fs::read_to_string(root.join(&file)).unwrap();
+        let code = text.split("#[cfg(test)]").next().unwrap_or("");
+        for (n, line) in code.lines().enumerate() {
+            lines.push((file.clone(), n + 1, line.split("//").next().unwrap_or("").to_string()));
+        }
+    }
+    lines
+}
+
 /// ARCHITECTURE.md's invariant "kolo-topology has no I/O and no clock",
 /// kept: its sources name no file, socket, process, environment or clock.
 #[test]
@@ -145,27 +161,14 @@ fn kolo_topology_does_no_io_and_reads_no_clock() {
         "tokio",
         "std::thread",
     ];
-    let src = repo().join("crates/kolo-topology/src");
-    let mut found = Vec::new();
-    let mut dirs = vec![src];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).unwrap();
-            // its tests may use what they like
-            let code = text.split("#[cfg(test)]").next().unwrap_or("");
-            for (n, line) in code.lines().enumerate() {
-                let line = line.split("//").next().unwrap_or("");
-                for word in FORBIDDEN.iter().filter(|w| line.contains(*w)) {
-                    found.push(format!("{}:{}: {word}", path.display(), n + 1));
-                }
-            }
-        }
-    }
+    let lines = code_lines("crates/kolo-topology/src/");
+    assert!(lines.len() > 1000, "kolo-topology's sources were not found");
+    let found: Vec<String> = lines
+        .iter()
+        .flat_map(|(file, n, line)| {
+            FORBIDDEN.iter().filter(|w| line.contains(*w)).map(move |w| format!("{file}:{n}: {w}"))
+        })
+        .collect();
     assert!(found.is_empty(), "kolo-topology must stay pure: {found:?}");
 }
 
@@ -174,34 +177,18 @@ fn kolo_topology_does_no_io_and_reads_no_clock() {
 /// rule inline where a crate is loaded into users' processes).
 #[test]
 fn no_lock_is_unwrapped_outside_tests() {
-    const PANICKING: [&str; 6] =
-        [".lock().unwrap()", ".lock().expect(", ".read().unwrap()", ".write().unwrap()", ".wait(", ".wait_timeout("];
-    let crates = repo().join("crates");
-    let mut found = Vec::new();
-    let mut dirs: Vec<_> = std::fs::read_dir(&crates).unwrap().map(|e| e.unwrap().path().join("src")).collect();
-    while let Some(dir) = dirs.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                dirs.push(path);
-                continue;
-            }
-            if path.extension().is_none_or(|e| e != "rs") {
-                continue;
-            }
-            let text = std::fs::read_to_string(&path).unwrap();
-            let code = text.split("#[cfg(test)]").next().unwrap_or("");
-            for (n, line) in code.lines().enumerate() {
-                let line = line.split("//").next().unwrap_or("");
-                // a condition variable's wait hands back the lock as lock() does
-                let unwrapped =
-                    |p: &str| line.contains(p) && line.contains(".unwrap()") && !line.contains("into_inner");
-                if PANICKING[..4].iter().any(|p| line.contains(p)) || PANICKING[4..].iter().any(|p| unwrapped(p)) {
-                    found.push(format!("{}:{}", path.strip_prefix(&crates).unwrap().display(), n + 1));
-                }
-            }
-        }
-    }
+    const PANICKING: [&str; 4] = [".lock().unwrap()", ".lock().expect(", ".read().unwrap()", ".write().unwrap()"];
+    // a condition variable's wait hands the lock back as lock() does
+    const WAITS: [&str; 2] = [".wait(", ".wait_timeout("];
+    let lines: Vec<_> = code_lines("crates/").into_iter().filter(|(file, ..)| file.contains("/src/")).collect();
+    assert!(lines.len() > 10_000, "the crates' sources were not found");
+    let unwrapped_wait = |line: &str| {
+        WAITS.iter().any(|w| line.contains(w)) && line.contains(".unwrap()") && !line.contains("into_inner")
+    };
+    let found: Vec<String> = lines
+        .iter()
+        .filter(|(_, _, line)| PANICKING.iter().any(|p| line.contains(p)) || unwrapped_wait(line))
+        .map(|(file, n, _)| format!("{file}:{n}"))
+        .collect();
     assert!(found.is_empty(), "a poisoned lock would panic here: {found:?}");
 }
