@@ -174,7 +174,7 @@ class State:
         raise NotImplementedError
 
 
-def run_rounds(state, call, *, join_round, finish, abandon, peer_lost):
+def run_rounds(state, call, *, join_round, peer_lost, finish=None, abandon=None):
     """Calls `call()` through rounds until it returns; the loop of every
     front end. Each round: `join_round(first)` (raises `Removed` when the
     round has no place for this process: then `abandon()` and None), the
@@ -183,7 +183,9 @@ def run_rounds(state, call, *, join_round, finish, abandon, peer_lost):
     sync where it says so); an exception `peer_lost(e)` accepts restores
     the last commit; either way the next round is joined. Any other
     exception: `abandon()`, and it is raised. `finish()` once `call`
-    returned."""
+    returned. `finish` and `abandon` do nothing where not given."""
+    finish = finish or (lambda: None)
+    abandon = abandon or (lambda: None)
     hosts_updated = _hosts_updated_types()
     first, skip_sync = True, False
     while True:

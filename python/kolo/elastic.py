@@ -85,7 +85,9 @@ class Communicator:
 
 class ObjectState(_rounds.State):
     """Training state that survives rounds (Horovod's `ObjectState`): its
-    attributes, a copy taken at each `commit`, `restore` to go back to it,
+    attributes, a copy taken at each `commit` (a collective, which raises
+    `HostsUpdated` when hosts came or went: `run` then joins the new
+    round), `restore` to go back to it,
     `sync` to take the state of the process that committed most (rank 0's
     in the first round; the rule and the loop are `kolo._rounds`'s)."""
 
@@ -97,12 +99,6 @@ class ObjectState(_rounds.State):
 
     def _snapshot(self) -> bytes:
         return pickle.dumps({k: v for k, v in self.__dict__.items() if not k.startswith("_")})
-
-    def commit(self):
-        """Keeps a copy to go back to; raises `HostsUpdated` if hosts came
-        or went meanwhile (`run` then joins the new round). A collective:
-        every rank commits alike."""
-        super().commit()
 
     def check_host_updates(self):
         # outside `run` there is no round to leave
@@ -162,11 +158,7 @@ def run(func):
             _round_rank = comm.rank
             state._comm = comm
 
-        def nothing():
-            pass
-
         return _rounds.run_rounds(state, lambda: func(state, comm, *args, **kwargs), join_round=join_round,
-                                  finish=nothing, abandon=nothing,
                                   peer_lost=lambda e: isinstance(e, MembershipError))
 
     return wrapper

@@ -95,20 +95,6 @@ def _broadcast_object(obj, root):
     return _backend.broadcast_object(current().comm, obj, root)
 
 
-def _allgather_int(value):
-    comm = current().comm
-    mine = torch.tensor([int(value)], dtype=torch.int64)
-    every = torch.empty(comm.size, dtype=torch.int64)
-    comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64")
-    return every.tolist()
-
-
-def _broadcast_int(value, root):
-    flag = torch.tensor([int(value)], dtype=torch.int64)
-    current().comm.broadcast(flag.data_ptr(), 1, "i64", root)
-    return int(flag[0])
-
-
 # ---- state ----------------------------------------------------------------
 
 
@@ -122,10 +108,16 @@ class State(_rounds.State):
         return current().rank
 
     def _allgather_int(self, value):
-        return _allgather_int(value)
+        comm = current().comm
+        mine = torch.tensor([int(value)], dtype=torch.int64)
+        every = torch.empty(comm.size, dtype=torch.int64)
+        comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64")
+        return every.tolist()
 
     def _broadcast_int(self, value, root):
-        return _broadcast_int(value, root)
+        flag = torch.tensor([int(value)], dtype=torch.int64)
+        current().comm.broadcast(flag.data_ptr(), 1, "i64", root)
+        return int(flag[0])
 
 
 def _check_sendable(name, value):

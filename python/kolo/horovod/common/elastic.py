@@ -79,9 +79,6 @@ def run(func, peer_lost=PEER_LOST, state_types=None, state_names="KerasState, Te
             basics.shutdown()
         basics.init()
 
-    def nothing():
-        pass
-
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         if not isinstance(state, state_types or State):
@@ -89,6 +86,6 @@ def run(func, peer_lost=PEER_LOST, state_types=None, state_names="KerasState, Te
                             f"got {type(state).__name__}")
         _rounds._require_in_place("hvd.elastic.run")
         return _rounds.run_rounds(state, lambda: func(state, *args, **kwargs), join_round=join_round,
-                                  finish=nothing, abandon=nothing, peer_lost=lambda e: isinstance(e, peer_lost))
+                                  peer_lost=lambda e: isinstance(e, peer_lost))
 
     return wrapper
