@@ -163,7 +163,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
         group: child.id(),
         guard,
         dir: rank_dir.as_ref().map(|d| d.path().to_path_buf()),
-        stopped_since: lookup(kolo_topology::ENV_ELASTIC_ROUND).map(|_| None),
+        stopped_since: lookup(kolo_topology::env_names::ELASTIC_ROUND).map(|_| None),
         progress,
     });
     let _ = agent.send(&ToDriver::CommandStarted { pid: child.id() });

@@ -107,7 +107,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let result = match std::env::var_os(kolo_comm::elastic::ENV_ROUND) {
+    let result = match std::env::var_os(kolo_topology::env_names::ELASTIC_ROUND) {
         Some(_) => train_elastic(&o),
         None => train(&o),
     };

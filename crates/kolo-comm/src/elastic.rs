@@ -49,11 +49,10 @@ use serde::Serialize;
 use crate::bootstrap::{store_client, Interrupt};
 use crate::{CommError, Communicator, Config};
 
-/// Set by `kolo run --in-place`: the first round this process belongs to.
-pub const ENV_ROUND: &str = kolo_topology::env_names::ELASTIC_ROUND;
-/// How long a process waits for a round that includes it (default 600 s,
-/// kolo's `--elastic-timeout`).
-pub const ENV_TIMEOUT: &str = kolo_topology::env_names::ELASTIC_TIMEOUT_SECONDS;
+// Set by `kolo run --in-place`: the first round this process belongs to,
+// and how long it waits for a round that includes it (default 600 s,
+// kolo's `--elastic-timeout`).
+use kolo_topology::env_names::{ELASTIC_ROUND as ENV_ROUND, ELASTIC_TIMEOUT_SECONDS as ENV_TIMEOUT};
 /// How often a waiting collective asks whether its round is over.
 const CHECK_EVERY: Duration = Duration::from_millis(20);
 
@@ -148,7 +147,7 @@ pub struct Elastic {
 
 impl Elastic {
     /// From the variables `kolo run --in-place` sets ([`Config::from_env`]'s,
-    /// [`ENV_ROUND`], `HOROVOD_HOSTNAME` and `HOROVOD_LOCAL_RANK`).
+    /// `KOLO_ELASTIC_ROUND`, `HOROVOD_HOSTNAME` and `HOROVOD_LOCAL_RANK`).
     pub fn from_env() -> Result<Elastic, CommError> {
         let var = |name: &str| {
             std::env::var(name).map_err(|_| {

@@ -16,7 +16,7 @@ pub mod env {
     /// connection; one exec and one runtime start serve them all.
     pub const INDICES: &str = "KOLO_WORKER_INDICES";
     /// The job secret, for engines that cannot pass it on stdin (Slurm).
-    pub use kolo_topology::ENV_SECRET as SECRET;
+    pub use kolo_topology::env_names::SECRET;
     /// `INDEX` set to this means: the index is Slurm's task id (`SLURM_PROCID`).
     pub const INDEX_FROM_SLURM: &str = "SLURM_PROCID";
     /// Set when the secret comes on the first line of stdin instead.

@@ -82,14 +82,6 @@ pub mod names {
     ];
 }
 
-/// The job's secret's variable ([`names::SECRET`]).
-pub const ENV_SECRET: &str = names::SECRET;
-/// The round an in-place process starts for ([`names::ELASTIC_ROUND`]).
-pub const ENV_ELASTIC_ROUND: &str = names::ELASTIC_ROUND;
-/// How long an in-place process waits for a round
-/// ([`names::ELASTIC_TIMEOUT_SECONDS`]).
-pub const ENV_ELASTIC_TIMEOUT: &str = names::ELASTIC_TIMEOUT_SECONDS;
-
 /// Variables whose values are chosen when the job starts (addresses,
 /// ports, ids, the secret): a plan shown before (`--dry-run`) marks them.
 pub const CHOSEN_AT_START: [&str; 10] = [
@@ -102,7 +94,7 @@ pub const CHOSEN_AT_START: [&str; 10] = [
     "JAX_COORDINATOR_ADDRESS",
     names::JOB_ID,
     "TORCHELASTIC_RUN_ID",
-    ENV_SECRET,
+    names::SECRET,
 ];
 
 /// Variables naming the interfaces, detected at start on several hosts.
@@ -235,8 +227,8 @@ pub fn rank_env(
             set("TORCHELASTIC_MAX_RESTARTS", max_restarts.to_string());
         }
         Some(ElasticEnv::InPlace { round, timeout_s }) => {
-            set(ENV_ELASTIC_ROUND, round.to_string());
-            set(ENV_ELASTIC_TIMEOUT, timeout_s.to_string());
+            set(names::ELASTIC_ROUND, round.to_string());
+            set(names::ELASTIC_TIMEOUT_SECONDS, timeout_s.to_string());
             set("TORCHELASTIC_RESTART_COUNT", "0".into());
             set("TORCHELASTIC_MAX_RESTARTS", "0".into());
         }
@@ -307,7 +299,7 @@ pub fn forwards_caller_var(name: &str) -> bool {
     !(name.starts_with("BASH_FUNC_")
         || name == "OLDPWD"
         || name.ends_with("CUDA_VISIBLE_DEVICES")
-        || name == ENV_SECRET
+        || name == names::SECRET
         || name == "HOROVOD_SECRET_KEY")
 }
 
@@ -397,8 +389,8 @@ mod tests {
         let in_place = ElasticEnv::InPlace { round: 4, timeout_s: 600 };
         let elastic = rank_env(&info, "b", &JobEnv { elastic: Some(in_place), ..job() }, None);
         assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
-        assert_eq!(elastic.get(ENV_ELASTIC_ROUND).map(String::as_str), Some("4"));
-        assert_eq!(elastic.get(ENV_ELASTIC_TIMEOUT).map(String::as_str), Some("600"));
+        assert_eq!(elastic.get(names::ELASTIC_ROUND).map(String::as_str), Some("4"));
+        assert_eq!(elastic.get(names::ELASTIC_TIMEOUT_SECONDS).map(String::as_str), Some("600"));
         // every kolo variable a rank gets is in the one table of names
         let mut written: Vec<&String> = [env.keys(), elastic.keys()].into_iter().flatten().collect();
         written.retain(|k| k.starts_with("KOLO_"));
@@ -437,7 +429,7 @@ mod tests {
         };
         let (a, b) = (rank_env(&info, "a", &job(), None), rank_env(&info, "a", &other, None));
         let changed: Vec<&str> = a.keys().filter(|k| a[*k] != b[*k]).map(String::as_str).collect();
-        let mut marked: Vec<&str> = CHOSEN_AT_START.iter().copied().filter(|k| *k != ENV_SECRET).collect();
+        let mut marked: Vec<&str> = CHOSEN_AT_START.iter().copied().filter(|k| *k != names::SECRET).collect();
         marked.sort();
         assert_eq!(changed, marked);
         let other_ifaces = rank_env(&info, "a", &JobEnv { ifaces: vec!["ib0".into()], ..job() }, None);
@@ -450,7 +442,7 @@ mod tests {
 
     #[test]
     fn caller_env_filter() {
-        for name in ["BASH_FUNC_x%%", "OLDPWD", "CUDA_VISIBLE_DEVICES", "NV_CUDA_VISIBLE_DEVICES", ENV_SECRET] {
+        for name in ["BASH_FUNC_x%%", "OLDPWD", "CUDA_VISIBLE_DEVICES", "NV_CUDA_VISIBLE_DEVICES", names::SECRET] {
             assert!(!forwards_caller_var(name), "{name}");
         }
         for name in ["PATH", "HOME", "PYTHONPATH", "OMP_NUM_THREADS"] {

@@ -24,7 +24,7 @@ pub const MAX_PROCESSES: u32 = 65536;
 pub use elastic::{parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, StopReason, World};
 pub use env::{
     caller_defaults, forwards_caller_var, names as env_names, rank_env, ElasticEnv, JobEnv, CHOSEN_AT_START,
-    ENV_ELASTIC_ROUND, ENV_ELASTIC_TIMEOUT, ENV_SECRET, IFACE_VARS, OMP_NUM_THREADS,
+    IFACE_VARS, OMP_NUM_THREADS,
 };
 pub use hosts::{parse_host_list, parse_hostfile, total_slots, HostSpec};
 pub use placement::{

@@ -4,7 +4,8 @@
 use anyhow::{bail, Result};
 use kolo_exec::EngineChoice;
 use kolo_job::Job;
-use kolo_topology::{JobEnv, CHOSEN_AT_START, ENV_SECRET, IFACE_VARS};
+use kolo_topology::env_names::SECRET;
+use kolo_topology::{JobEnv, CHOSEN_AT_START, IFACE_VARS};
 
 use crate::out::{say, Said};
 
@@ -27,7 +28,7 @@ pub(crate) async fn dry_run(job: &Job) -> Result<i32> {
     for (rank, worker) in plan.workers.iter().enumerate() {
         let i = &worker.ranks;
         let mut env = plan.env(rank, &job_env, job.env(), |name| std::env::var(name).ok());
-        env.insert(ENV_SECRET.into(), String::new());
+        env.insert(SECRET.into(), String::new());
         for key in CHOSEN_AT_START {
             if let Some(value) = env.get_mut(key) {
                 *value = format!("<{} chosen at start>", key.to_lowercase());

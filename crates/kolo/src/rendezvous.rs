@@ -2,7 +2,8 @@
 
 use anyhow::{bail, Result};
 use kolo_rendezvous::{RendezvousServer, ServerConfig};
-use kolo_topology::{host_assignments, parse_host_list, total_slots, ENV_SECRET};
+use kolo_topology::env_names::SECRET;
+use kolo_topology::{host_assignments, parse_host_list, total_slots};
 
 use crate::cli::RendezvousArgs;
 use crate::out::say;
@@ -22,9 +23,9 @@ pub(crate) async fn rendezvous(args: RendezvousArgs) -> Result<i32> {
     config.max_store_bytes = args.max_store_bytes;
     config.max_keys = args.max_keys;
     config.max_connections = args.max_connections;
-    config.secret = std::env::var(ENV_SECRET).ok().filter(|s| !s.is_empty());
+    config.secret = std::env::var(SECRET).ok().filter(|s| !s.is_empty());
     if args.require_secret && config.secret.is_none() {
-        bail!("--require-secret needs the secret in ${ENV_SECRET}");
+        bail!("--require-secret needs the secret in ${SECRET}");
     }
     config.require_secret = args.require_secret;
     let stop = stop_signal();

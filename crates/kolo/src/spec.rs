@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use kolo_exec::{EngineChoice, EngineOptions, OutputOptions, RayOptions, Settings, SlurmOptions, SshOptions};
 use kolo_job::{ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, Workers};
-use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources, ENV_SECRET};
+use kolo_topology::env_names::SECRET;
+use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources};
 
 use crate::cli::RunArgs;
 
@@ -179,7 +180,7 @@ fn checked_name(name: &str, flag: &str) -> Result<String> {
     if !valid {
         bail!("{flag} '{name}': not a valid variable name (letters, digits and '_', not starting with a digit)");
     }
-    if name == ENV_SECRET || name.starts_with("KOLO_WORKER_") {
+    if name == SECRET || name.starts_with("KOLO_WORKER_") {
         bail!("{flag} {name}: kolo sets {name} itself for every job (a fresh secret each time); it cannot be given");
     }
     Ok(name.to_string())

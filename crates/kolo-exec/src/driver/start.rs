@@ -216,7 +216,7 @@ impl Executor {
         for link in &links {
             let mut vars = forwarded.clone();
             vars.extend(link.info.env.clone());
-            vars.push((kolo_topology::ENV_SECRET.into(), settings.secret().to_string()));
+            vars.push((kolo_topology::env_names::SECRET.into(), settings.secret().to_string()));
             link.send(&ToWorker::SetEnv(vars)).await?;
         }
         tracing::debug!("every worker has its environment");

@@ -28,11 +28,6 @@ pub use in_place::{Cohort, CohortFactory, ElasticJob, ElasticOutcome, StopCause}
 pub use restart::{CallWork, RestartJob, RestartOutcome, RestartWork, WorldEnd, WorldFailure};
 pub use work::{CommandWork, ElasticWork, Ends, FunctionWork, OnStarted, ProcessEnd, TaskWork};
 
-/// Variables kolo-comm's elastic API reads (`kolo_comm::elastic`).
-pub const ENV_ROUND: &str = kolo_topology::ENV_ELASTIC_ROUND;
-/// How long a process waits for a round, in seconds (read with [`ENV_ROUND`]).
-pub const ENV_TIMEOUT: &str = kolo_topology::ENV_ELASTIC_TIMEOUT;
-
 /// What the driver of an elastic job tells its caller as it goes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ElasticEvent {
