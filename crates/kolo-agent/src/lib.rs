@@ -41,7 +41,7 @@ use kolo_proto::proto::{self, ToDriver};
 use kolo_proto::registry::Registry;
 use kolo_sys::guard::Guard;
 use kolo_sys::process::{signal_group, stop_group};
-use own_output::{redirect_own_output, OwnOutput};
+use own_output::OwnOutput;
 use serve::{heartbeat, libc_signal, serve, Calls};
 
 /// Serves as a worker and exits if this process was started as one;

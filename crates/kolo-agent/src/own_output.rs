@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kolo_proto::proto::ToDriver;
 
-use crate::*;
+use crate::Agent;
 
 /// The agent's own stdout/stderr, redirected into pipes that are forwarded.
 pub(crate) struct OwnOutput {

@@ -15,7 +15,9 @@ use kolo_proto::proto::{CallKind, ToDriver, ToWorker};
 use kolo_proto::registry::{Registry, ReportError, Reporter, WorkerContext};
 use kolo_sys::process::signal_group;
 
-use crate::*;
+use crate::handshake::real_hostname;
+use crate::own_output::redirect_own_output;
+use crate::{command, Agent};
 
 use crate::reader::FrameReader;
 use crate::reading::Reading;
