@@ -103,7 +103,13 @@ pub fn listen(index: u32, secret: Arc<Secret>) -> std::io::Result<(u16, Interfac
                 if let Ok((mut s, _)) = listener.accept() {
                     let _ = s.set_nonblocking(false);
                     // a peer that fails the handshake is simply dropped
-                    let _ = kolo_auth::listen_handshake(&mut s, &secret, &context, Duration::from_secs(5));
+                    let _ = kolo_auth::handshake(
+                        &mut s,
+                        kolo_auth::Role::Listener,
+                        &secret,
+                        &context,
+                        Duration::from_secs(5),
+                    );
                 }
             }
         }
@@ -149,7 +155,7 @@ fn probe_one(index: u32, iface: &str, addr: &str, port: u16, secret: &Secret, ti
         Ok(s) => s,
         Err(e) => return Some(format!("cannot connect: {e}")),
     };
-    if let Err(e) = kolo_auth::dial_handshake(&mut s, secret, &probe_context(index), timeout) {
+    if let Err(e) = kolo_auth::handshake(&mut s, kolo_auth::Role::Dialer, secret, &probe_context(index), timeout) {
         return Some(format!("reached something that is not the next host's agent ({e})"));
     }
     let local = s.local_addr().map(|a| a.ip()).ok();

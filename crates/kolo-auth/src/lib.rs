@@ -7,7 +7,7 @@
 //! one direction and one purpose only: it cannot be replayed on another
 //! connection, reflected back at its sender, or moved to another use.
 //!
-//! The wire protocol of [`listen_handshake`] and [`dial_handshake`]:
+//! The wire protocol of [`handshake`]:
 //!
 //! ```text
 //! listener -> dialer   MAGIC (4) | listener nonce (32)
@@ -301,35 +301,34 @@ impl<S: Read + Write + Timeouts> Io<'_, S> {
     }
 }
 
-/// The accepting end: proves itself only to a dialer that proved itself
-/// first. The stream must be in blocking mode; its timeouts are cleared
-/// on success.
-pub fn listen_handshake<S: Read + Write + Timeouts>(
+/// Runs `role`'s end of the handshake over `stream`: a listener (the
+/// accepting end) proves itself only to a dialer that proved itself first.
+/// The stream must be in blocking mode; its timeouts are cleared on
+/// success.
+pub fn handshake<S: Read + Write + Timeouts>(
     stream: &mut S,
+    role: Role,
     secret: &Secret,
     context: &[u8],
     timeout: Duration,
 ) -> Result<(), AuthError> {
     let mut io = Io { stream, deadline: Instant::now() + timeout, timeout };
-    let me = Listener::new(secret, context);
+    match role {
+        Role::Listener => listen(&mut io, Listener::new(secret, context))?,
+        Role::Dialer => dial(&mut io, Dialer::new(secret, context))?,
+    }
+    io.done()
+}
+
+fn listen<S: Read + Write + Timeouts>(io: &mut Io<'_, S>, me: Listener<'_>) -> Result<(), AuthError> {
     io.write(&me.hello())?;
     let mut answer = [0u8; ANSWER_LEN];
     io.read(&mut answer)?;
     let proof = me.answer(&answer)?;
-    io.write(&proof)?;
-    io.done()
+    io.write(&proof)
 }
 
-/// The connecting end. The stream must be in blocking mode; its timeouts
-/// are cleared on success.
-pub fn dial_handshake<S: Read + Write + Timeouts>(
-    stream: &mut S,
-    secret: &Secret,
-    context: &[u8],
-    timeout: Duration,
-) -> Result<(), AuthError> {
-    let mut io = Io { stream, deadline: Instant::now() + timeout, timeout };
-    let mut me = Dialer::new(secret, context);
+fn dial<S: Read + Write + Timeouts>(io: &mut Io<'_, S>, mut me: Dialer<'_>) -> Result<(), AuthError> {
     let mut hello = [0u8; HELLO_LEN];
     // the magic alone first: something else that answers is named at once
     io.read(&mut hello[..MAGIC.len()])?;
@@ -341,8 +340,7 @@ pub fn dial_handshake<S: Read + Write + Timeouts>(
     io.write(&answer)?;
     let mut proof = [0u8; TAG_LEN];
     io.read(&mut proof)?;
-    me.finish(&proof)?;
-    io.done()
+    me.finish(&proof)
 }
 
 #[cfg(test)]
@@ -366,11 +364,11 @@ mod tests {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         let (ls, lc) = (secret(listener_secret), listener_context.to_vec());
         let listener = std::thread::spawn(move || {
-            let r = listen_handshake(&mut a, &ls, &lc, T);
+            let r = handshake(&mut a, Role::Listener, &ls, &lc, T);
             drop(a); // a refused dialer sees the connection close
             r
         });
-        let dialed = dial_handshake(&mut b, &secret(dialer_secret), dialer_context, T);
+        let dialed = handshake(&mut b, Role::Dialer, &secret(dialer_secret), dialer_context, T);
         (listener.join().unwrap(), dialed)
     }
 
@@ -404,7 +402,7 @@ mod tests {
             let dn: Nonce = answer[..32].try_into().unwrap();
             a.write_all(&tag(&wrong, b"ctx", Role::Listener, &ln, &dn)).unwrap();
         });
-        let d = dial_handshake(&mut b, &secret("right"), b"ctx", T);
+        let d = handshake(&mut b, Role::Dialer, &secret("right"), b"ctx", T);
         impostor.join().unwrap();
         assert!(matches!(d, Err(AuthError::PeerUnauthenticated)), "{d:?}");
     }
@@ -420,7 +418,7 @@ mod tests {
     fn not_a_kolo_peer_is_named() {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         a.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n").unwrap();
-        let d = dial_handshake(&mut b, &secret("s"), b"ctx", T);
+        let d = handshake(&mut b, Role::Dialer, &secret("s"), b"ctx", T);
         assert!(matches!(d, Err(AuthError::NotKoloPeer)), "{d:?}");
         assert!(d.unwrap_err().to_string().contains("not a kolo peer"));
     }
@@ -429,7 +427,7 @@ mod tests {
     fn a_silent_peer_times_out() {
         let (_a, mut b) = UnixStream::pair().unwrap();
         let start = Instant::now();
-        let d = dial_handshake(&mut b, &secret("s"), b"ctx", Duration::from_millis(100));
+        let d = handshake(&mut b, Role::Dialer, &secret("s"), b"ctx", Duration::from_millis(100));
         assert!(matches!(d, Err(AuthError::Timeout(_))), "{d:?}");
         assert!(start.elapsed() < Duration::from_secs(2));
         assert!(d.unwrap_err().to_string().contains("timed out"));

@@ -13,7 +13,7 @@ use std::os::unix::net::{SocketAddr as UnixAddr, UnixListener, UnixStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kolo_auth::{dial_handshake, listen_handshake, Secret};
+use kolo_auth::{handshake, Role, Secret};
 use kolo_rendezvous::{BlockingClient, ClientConfig, RendezvousError};
 use kolo_topology::env_names as names;
 
@@ -489,7 +489,8 @@ impl Setup<'_> {
                 let mut stream = dial_tcp(p.addr, self.deadline, &config.interrupt)?
                     .map_err(self.io_err(format!("cannot reach rank {peer} at {}", p.addr)))?;
                 stream.write_all(&claim).map_err(|e| CommError::Io { rank: peer, source: e })?;
-                dial_handshake(&mut stream, &config.secret, &ctx, handshake_limit(self.deadline)).map_err(auth)?;
+                handshake(&mut stream, Role::Dialer, &config.secret, &ctx, handshake_limit(self.deadline))
+                    .map_err(auth)?;
                 self.tcp_link(peer, stream)
             }
             Kind::Unix => {
@@ -498,7 +499,8 @@ impl Setup<'_> {
                 let mut stream = UnixStream::connect_addr(&addr)
                     .map_err(self.io_err(format!("cannot reach rank {peer} on this host (unix socket)")))?;
                 stream.write_all(&claim).map_err(|e| CommError::Io { rank: peer, source: e })?;
-                dial_handshake(&mut stream, &config.secret, &ctx, handshake_limit(self.deadline)).map_err(auth)?;
+                handshake(&mut stream, Role::Dialer, &config.secret, &ctx, handshake_limit(self.deadline))
+                    .map_err(auth)?;
                 self.unix_link(peer, stream)
             }
         }
@@ -525,7 +527,7 @@ impl Setup<'_> {
             return None;
         }
         let ctx = context(kind, &config.job_id, config.rank, peer);
-        match listen_handshake(stream, &config.secret, &ctx, handshake_limit(self.deadline)) {
+        match handshake(stream, Role::Listener, &config.secret, &ctx, handshake_limit(self.deadline)) {
             Ok(()) => Some(peer),
             Err(e) => {
                 tracing::warn!(claimed = peer, "kolo-comm: refused a link: {e}");
