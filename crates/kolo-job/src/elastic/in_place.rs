@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::rounds::{Action, End, Ended as ProcEnded, Rounds};
-use super::work::{BoxFuture, Ends, ProcessEnd};
+use super::work::{BoxFuture, Ends, Launch, ProcessEnd};
 use super::{Discovery, ElasticEvent, ElasticWork};
 use kolo_exec::{ExecError, Executor, Report, SharedJob};
 
@@ -321,7 +321,7 @@ impl<W: ElasticWork> ElasticJob<W> {
             let (elastic, shared) = (cohort.elastic.clone(), cohort.shared.clone());
             let mut executor = factory(cohort).await?;
             executor.join_elastic(elastic, shared);
-            let ends = match work.start(&mut executor, &extra, &reports).await {
+            let ends = match work.start(Launch { executor: &mut executor, env: &extra, reports: &reports }).await {
                 Ok(ends) => ends,
                 Err(e) => {
                     executor.shutdown().await;

@@ -26,7 +26,7 @@ use serde::de::DeserializeOwned;
 pub use discovery::{Discovery, HostSource};
 pub use in_place::{Cohort, CohortFactory, ElasticJob, ElasticOutcome, StopCause};
 pub use restart::{CallWork, RestartJob, RestartOutcome, RestartWork, WorldEnd, WorldFailure};
-pub use work::{CommandWork, ElasticWork, Ends, FunctionWork, OnStarted, ProcessEnd, TaskWork};
+pub use work::{CommandWork, ElasticWork, Ends, FunctionWork, Launch, OnStarted, ProcessEnd, TaskWork};
 
 /// What the driver of an elastic job tells its caller as it goes.
 #[derive(Clone, Debug, PartialEq)]

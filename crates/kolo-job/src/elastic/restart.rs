@@ -13,10 +13,10 @@ use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
 
 use super::in_place::{Cohort, CohortFactory};
-use super::work::{CommandWork, ElasticWork, FunctionWork, ProcessEnd, TaskWork};
+use super::work::{CommandWork, ElasticWork, FunctionWork, Launch, ProcessEnd, TaskWork};
 use super::{Discovery, ElasticEvent};
 use kolo_exec::Cause;
-use kolo_exec::{ExecError, Executable, Executor, Function, JobOutcome, Report, Task};
+use kolo_exec::{ExecError, Executable, Function, JobOutcome, Report, Task};
 
 /// The rank of a world that failed first.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,15 +49,12 @@ pub struct WorldEnd<O> {
 pub trait RestartWork: Send + Sync {
     /// What one rank returns when it succeeds.
     type Output: Send;
-    /// Starts the work in `executor`'s workers and runs the world until it
-    /// ends or `stop` resolves (then the world is torn down). What ranks
-    /// report goes to `reports`.
+    /// Starts the work where `at` says and runs the world until it ends or
+    /// `stop` resolves (then the world is torn down).
     #[allow(async_fn_in_trait)]
     async fn run_world(
         &self,
-        executor: &mut Executor,
-        env: &[(String, String)],
-        reports: &mpsc::Sender<Report>,
+        at: Launch<'_>,
         stop: impl Future<Output = Signal> + Send,
     ) -> Result<WorldEnd<Self::Output>, ExecError>;
 }
@@ -66,12 +63,11 @@ impl RestartWork for CommandWork {
     type Output = ();
     async fn run_world(
         &self,
-        executor: &mut Executor,
-        env: &[(String, String)],
-        _reports: &mpsc::Sender<Report>,
+        at: Launch<'_>,
         stop: impl Future<Output = Signal> + Send,
     ) -> Result<WorldEnd<()>, ExecError> {
-        self.start_command(executor, env).await?;
+        let executor = at.executor;
+        self.start_command(executor, at.env).await?;
         let nodes: Vec<String> = executor.plan().await?.workers.iter().map(|w| w.host.node_id.clone()).collect();
         let outcome = executor.wait_command(stop).await?;
         let failure = outcome.failure.as_ref().map(|f| WorldFailure {
@@ -100,61 +96,49 @@ impl<F: Function> CallWork for FunctionWork<F> where FunctionWork<F>: ElasticWor
 
 impl<W: CallWork> RestartWork for W {
     type Output = W::Output;
+    /// A world of calls: every rank's result, or the first that failed.
     async fn run_world(
         &self,
-        executor: &mut Executor,
-        env: &[(String, String)],
-        reports: &mpsc::Sender<Report>,
+        at: Launch<'_>,
         stop: impl Future<Output = Signal> + Send,
     ) -> Result<WorldEnd<W::Output>, ExecError> {
-        run_calls(self, executor, env, reports, stop).await
-    }
-}
-
-/// A world of calls: every rank's result, or the first that failed.
-async fn run_calls<W: ElasticWork>(
-    work: &W,
-    executor: &mut Executor,
-    env: &[(String, String)],
-    reports: &mpsc::Sender<Report>,
-    stop: impl Future<Output = Signal>,
-) -> Result<WorldEnd<W::Output>, ExecError> {
-    tokio::pin!(stop);
-    let mut ends = work.start(executor, env, reports).await?;
-    let workers = executor.workers();
-    let mut results: Vec<Option<W::Output>> = workers.iter().map(|_| None).collect();
-    let mut left = workers.len();
-    let mut end = WorldEnd { results: Vec::new(), failure: None, interrupted_by: None, command: None };
-    while left > 0 {
-        tokio::select! {
-            next = ends.recv() => {
-                let Some((rank, process_end)) = next else { break };
-                let host = workers.get(rank as usize).map(|w| w.node_id.clone()).unwrap_or_default();
-                let (lost, reason) = match process_end {
-                    ProcessEnd::Succeeded(output) => {
-                        if let Some(slot) = results.get_mut(rank as usize) {
-                            if slot.replace(output).is_none() {
-                                left -= 1;
+        tokio::pin!(stop);
+        let mut ends = self.start(Launch { executor: &mut *at.executor, env: at.env, reports: at.reports }).await?;
+        let workers = at.executor.workers();
+        let mut results: Vec<Option<W::Output>> = workers.iter().map(|_| None).collect();
+        let mut left = workers.len();
+        let mut end = WorldEnd { results: Vec::new(), failure: None, interrupted_by: None, command: None };
+        while left > 0 {
+            tokio::select! {
+                next = ends.recv() => {
+                    let Some((rank, process_end)) = next else { break };
+                    let host = workers.get(rank as usize).map(|w| w.node_id.clone()).unwrap_or_default();
+                    let (lost, reason) = match process_end {
+                        ProcessEnd::Succeeded(output) => {
+                            if let Some(slot) = results.get_mut(rank as usize) {
+                                if slot.replace(output).is_none() {
+                                    left -= 1;
+                                }
                             }
+                            continue;
                         }
-                        continue;
-                    }
-                    ProcessEnd::Failed(reason) => (false, reason),
-                    ProcessEnd::Lost(reason) => (true, format!("was lost: {reason}")),
-                };
-                end.failure = Some(WorldFailure { rank, host, lost, reason });
-                break;
-            }
-            signal = &mut stop => {
-                end.interrupted_by = Some(signal);
-                break;
+                        ProcessEnd::Failed(reason) => (false, reason),
+                        ProcessEnd::Lost(reason) => (true, format!("was lost: {reason}")),
+                    };
+                    end.failure = Some(WorldFailure { rank, host, lost, reason });
+                    break;
+                }
+                signal = &mut stop => {
+                    end.interrupted_by = Some(signal);
+                    break;
+                }
             }
         }
+        if left == 0 {
+            end.results = results.into_iter().flatten().collect();
+        }
+        Ok(end)
     }
-    if left == 0 {
-        end.results = results.into_iter().flatten().collect();
-    }
-    Ok(end)
 }
 
 /// How a restarted job ended: its last world's end, and why it stopped.
@@ -263,7 +247,8 @@ impl RestartJob {
                 }
             };
             let ended = {
-                let run = work.run_world(&mut executor, &extra_env, &reports_tx, stop);
+                let run =
+                    work.run_world(Launch { executor: &mut executor, env: &extra_env, reports: &reports_tx }, stop);
                 tokio::pin!(run);
                 // reports are heard while the world runs
                 loop {

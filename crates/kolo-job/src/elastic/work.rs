@@ -25,19 +25,25 @@ pub type Ends<O> = mpsc::UnboundedReceiver<(u32, ProcessEnd<O>)>;
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Where work starts: a world's or cohort's executor, what is added to
+/// every process's environment, and where what the processes report
+/// (`WorkerContext::report`) goes.
+pub struct Launch<'a> {
+    /// The executor whose workers run the work.
+    pub executor: &'a mut Executor,
+    /// Added to every process's environment.
+    pub env: &'a [(String, String)],
+    /// Where the processes' reports go.
+    pub reports: &'a mpsc::Sender<Report>,
+}
+
 /// What every process of an elastic job runs: started in each cohort's
 /// executor, its processes' ends reported.
 pub trait ElasticWork: Send + Sync + 'static {
     /// What one process returns when it succeeds.
     type Output: Send + 'static;
-    /// Starts the work; what its processes report (`WorkerContext::report`)
-    /// goes to `reports`.
-    fn start<'a>(
-        &'a self,
-        executor: &'a mut Executor,
-        env: &'a [(String, String)],
-        reports: &'a mpsc::Sender<Report>,
-    ) -> BoxFuture<'a, Result<Ends<Self::Output>, ExecError>>;
+    /// Starts the work where `at` says.
+    fn start<'a>(&'a self, at: Launch<'a>) -> BoxFuture<'a, Result<Ends<Self::Output>, ExecError>>;
 }
 
 /// Called with each executor whose command has just started (`kolo run`
@@ -74,15 +80,10 @@ impl CommandWork {
 
 impl ElasticWork for CommandWork {
     type Output = ();
-    fn start<'a>(
-        &'a self,
-        executor: &'a mut Executor,
-        env: &'a [(String, String)],
-        _reports: &'a mpsc::Sender<Report>,
-    ) -> BoxFuture<'a, Result<Ends<()>, ExecError>> {
+    fn start<'a>(&'a self, at: Launch<'a>) -> BoxFuture<'a, Result<Ends<()>, ExecError>> {
         Box::pin(async move {
-            self.start_command(executor, env).await?;
-            let mut events = executor.take_rank_events().ok_or(ExecError::NotStarted)?;
+            self.start_command(at.executor, at.env).await?;
+            let mut events = at.executor.take_rank_events().ok_or(ExecError::NotStarted)?;
             let (tx, ends) = mpsc::unbounded_channel();
             tokio::spawn(async move {
                 while let Some(event) = events.recv().await {
@@ -118,15 +119,10 @@ where
     T::Output: DeserializeOwned + Send + 'static,
 {
     type Output = T::Output;
-    fn start<'a>(
-        &'a self,
-        executor: &'a mut Executor,
-        env: &'a [(String, String)],
-        reports: &'a mpsc::Sender<Report>,
-    ) -> BoxFuture<'a, Result<Ends<T::Output>, ExecError>> {
+    fn start<'a>(&'a self, at: Launch<'a>) -> BoxFuture<'a, Result<Ends<T::Output>, ExecError>> {
         Box::pin(async move {
-            executor.start::<E>(&self.args, env).await?;
-            Ok(ends_of(executor.run_remote_reporting::<E, T>(&self.task, reports).await?))
+            at.executor.start::<E>(&self.args, at.env).await?;
+            Ok(ends_of(at.executor.run_remote_reporting::<E, T>(&self.task, at.reports).await?))
         })
     }
 }
@@ -143,15 +139,10 @@ where
     F::Output: DeserializeOwned + Send + 'static,
 {
     type Output = F::Output;
-    fn start<'a>(
-        &'a self,
-        executor: &'a mut Executor,
-        env: &'a [(String, String)],
-        reports: &'a mpsc::Sender<Report>,
-    ) -> BoxFuture<'a, Result<Ends<F::Output>, ExecError>> {
+    fn start<'a>(&'a self, at: Launch<'a>) -> BoxFuture<'a, Result<Ends<F::Output>, ExecError>> {
         Box::pin(async move {
-            executor.start_workers(env).await?;
-            Ok(ends_of(executor.run_remote_function_reporting(&self.function, reports).await?))
+            at.executor.start_workers(at.env).await?;
+            Ok(ends_of(at.executor.run_remote_function_reporting(&self.function, at.reports).await?))
         })
     }
 }
