@@ -17,7 +17,8 @@ pub const HOST_EXECUTOR_DEVICE_ID: i32 = -2;
 pub const JOIN_TENSOR_NAME: &str = "join.noname";
 
 /// What a request asks for (upstream's numbering).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr)]
+#[strum(serialize_all = "SCREAMING_SNAKE_CASE")]
 pub enum RequestType {
     /// Reduce across the ranks; every rank gets the result.
     Allreduce = 0,
@@ -45,18 +46,7 @@ pub enum RequestType {
 impl RequestType {
     /// Upstream's `RequestType_Name`: what its messages print.
     pub fn name(self) -> &'static str {
-        match self {
-            RequestType::Allreduce => "ALLREDUCE",
-            RequestType::Allgather => "ALLGATHER",
-            RequestType::Broadcast => "BROADCAST",
-            RequestType::Join => "JOIN",
-            RequestType::Adasum => "ADASUM",
-            RequestType::Alltoall => "ALLTOALL",
-            RequestType::Barrier => "BARRIER",
-            RequestType::Reducescatter => "REDUCESCATTER",
-            RequestType::AddProcessSet => "ADD_PROCESS_SET",
-            RequestType::RemoveProcessSet => "REMOVE_PROCESS_SET",
-        }
+        self.into()
     }
 }
 
@@ -116,7 +106,8 @@ impl ResponseType {
 }
 
 /// Element types, upstream's numbering and names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum DataType {
     /// Unsigned byte.
     Uint8 = 0,
@@ -145,19 +136,7 @@ pub enum DataType {
 impl DataType {
     /// Upstream's `DataType_Name`.
     pub fn name(self) -> &'static str {
-        match self {
-            DataType::Uint8 => "uint8",
-            DataType::Int8 => "int8",
-            DataType::Uint16 => "uint16",
-            DataType::Int16 => "int16",
-            DataType::Int32 => "int32",
-            DataType::Int64 => "int64",
-            DataType::Float16 => "float16",
-            DataType::Float32 => "float32",
-            DataType::Float64 => "float64",
-            DataType::Bool => "bool",
-            DataType::Bfloat16 => "bfloat16",
-        }
+        self.into()
     }
 
     /// Bytes per element.
@@ -379,6 +358,43 @@ mod tests {
             (0.0, "0"),
         ] {
             assert_eq!(double_text(x), text, "{x}");
+        }
+    }
+
+    #[test]
+    fn names_are_upstreams() {
+        use DataType as D;
+        use RequestType as R;
+        let requests = [
+            (R::Allreduce, "ALLREDUCE"),
+            (R::Allgather, "ALLGATHER"),
+            (R::Broadcast, "BROADCAST"),
+            (R::Join, "JOIN"),
+            (R::Adasum, "ADASUM"),
+            (R::Alltoall, "ALLTOALL"),
+            (R::Barrier, "BARRIER"),
+            (R::Reducescatter, "REDUCESCATTER"),
+            (R::AddProcessSet, "ADD_PROCESS_SET"),
+            (R::RemoveProcessSet, "REMOVE_PROCESS_SET"),
+        ];
+        for (kind, name) in requests {
+            assert_eq!(kind.name(), name);
+        }
+        let dtypes = [
+            (D::Uint8, "uint8"),
+            (D::Int8, "int8"),
+            (D::Uint16, "uint16"),
+            (D::Int16, "int16"),
+            (D::Int32, "int32"),
+            (D::Int64, "int64"),
+            (D::Float16, "float16"),
+            (D::Float32, "float32"),
+            (D::Float64, "float64"),
+            (D::Bool, "bool"),
+            (D::Bfloat16, "bfloat16"),
+        ];
+        for (dtype, name) in dtypes {
+            assert_eq!(dtype.name(), name);
         }
     }
 
