@@ -12,7 +12,8 @@ use kolo_comm::{CommError, Communicator};
 use kolo_exec::lock;
 use pyo3::prelude::*;
 
-type Run = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
+/// A call, on the communicator.
+pub(crate) type Run = Box<dyn FnOnce(&mut Communicator) -> Result<(), CommError> + Send>;
 
 struct Job {
     run: Run,

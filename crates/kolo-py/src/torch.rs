@@ -6,10 +6,11 @@
 //! of contiguous memory it keeps alive for the call; the collectives run
 //! with the GIL released.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kolo_comm::{AddressBook, CommError, Communicator, Config, DType, ReduceOp};
+use kolo_comm::{with_element_type, AddressBook, CommError, Communicator, Config, DType, ReduceOp};
+use kolo_exec::lock;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
@@ -17,7 +18,7 @@ use pyo3::types::PyBytes;
 
 use crate::book::LocalBook;
 use crate::errors::CollectiveError;
-use crate::ordered::{Done, Failure, Ordered};
+use crate::ordered::{Done, Failure, Ordered, Run};
 
 /// A membership change (a peer lost, the round over) is a
 /// `MembershipError`, a subclass: elastic loops go on after it.
@@ -71,27 +72,63 @@ unsafe fn view<'a, T>(addr: usize, count: usize) -> &'a mut [T] {
 }
 
 /// `count` elements at `send` that do not alias the `recv_count` at
-/// `recv`: torch has in-place forms (an all_gather's input inside its
-/// output, FSDP's habit), whose input is copied into `owned` first.
+/// `recv`, and a view of those: torch has in-place forms (an all_gather's
+/// input inside its output, FSDP's habit), whose input is copied into
+/// `owned` first.
 ///
 /// # Safety
 /// As for [`view`], for both ranges.
-unsafe fn input<'a, T: Copy>(
-    send: usize,
-    count: usize,
-    recv: usize,
-    recv_count: usize,
+unsafe fn operands<'a, T: Copy>(
+    (send, count): (usize, usize),
+    (recv, recv_count): (usize, usize),
     owned: &'a mut Vec<T>,
-) -> &'a [T] {
+) -> (&'a [T], &'a mut [T]) {
     let size = std::mem::size_of::<T>();
     let overlap = count > 0 && recv_count > 0 && send < recv + recv_count * size && recv < send + count * size;
+    // SAFETY: as the caller promised; an overlapping input is copied before
+    // the output's view is made, so the two never alias.
+    let input: &'a [T] = unsafe { view::<T>(send, count) };
+    let input = if overlap {
+        *owned = input.to_vec();
+        owned
+    } else {
+        input
+    };
     // SAFETY: as the caller promised
-    let slice: &'a [T] = unsafe { view::<T>(send, count) };
-    if overlap {
-        *owned = slice.to_vec();
-        return owned;
-    }
-    slice
+    (input, unsafe { view::<T>(recv, recv_count) })
+}
+
+/// A call of one buffer, `$buf` as `(address, count)`, handed to `$run` as
+/// a slice of `$dtype`'s elements.
+macro_rules! one_buffer {
+    ($dtype:expr, $buf:expr, |$c:ident, $slice:ident| $run:expr) => {
+        Call::of(move |$c| {
+            let (addr, count) = $buf;
+            with_element_type!($dtype, T => {
+                // SAFETY: `addr` holds `count` elements per the memory
+                // contract above; the view is the call's only reference to
+                // them.
+                let $slice = unsafe { view::<T>(addr, count) };
+                $run
+            })
+        })
+    };
+}
+
+/// A call of two buffers of one element type: the input `$send` and the
+/// output `$recv`, each `(address, count)`, handed to `$run` as slices.
+macro_rules! two_buffers {
+    ($dtype:expr, $send:expr, $recv:expr, |$c:ident, $input:ident, $output:ident| $run:expr) => {
+        Call::of(move |$c| {
+            kolo_comm::with_element_type!($dtype, T => {
+                let mut owned = Vec::new();
+                // SAFETY: both ranges hold their elements per the memory
+                // contract above.
+                let ($input, $output) = unsafe { operands::<T>($send, $recv, &mut owned) };
+                $run
+            })
+        })
+    };
 }
 
 /// One torch process group's communicator, behind its queue.
@@ -131,44 +168,48 @@ impl TorchComm {
         Ok(TorchComm { ordered, rank, size })
     }
 
-    /// Runs `run` now (GIL released), or queues it when `later` (or a
-    /// `then` callback) is given: the caller goes on, `then(error or
-    /// None)` is called once it ended.
-    fn issue(
-        &self,
-        py: Python<'_>,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
-    ) -> PyResult<Option<Pending>> {
-        if later || then.is_some() {
-            if keep.is_none() {
-                return Err(PyValueError::new_err(
-                    "a queued call needs keep=: what owns the memory it uses, held until it ends",
-                ));
-            }
-            return Ok(Some(Pending { done: self.ordered.later(run, then, keep) }));
-        }
-        let ordered = self.ordered.clone();
-        py.allow_threads(move || ordered.now(run)).map_err(queued_failed)?;
-        Ok(None)
+    /// This rank's part and, at the root, the whole of a gather or scatter
+    /// (elsewhere the whole is not touched: 0).
+    fn rooted(&self, counts: &[usize], root: usize) -> (usize, usize) {
+        let whole = if self.rank == root { counts.iter().sum() } else { 0 };
+        (counts.get(self.rank).copied().unwrap_or(0), whole)
+    }
+
+    /// This rank's part and the whole of an allgather or reduce-scatter.
+    fn mine_of(&self, counts: &[usize]) -> (usize, usize) {
+        (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum())
     }
 }
 
-// The memory contract of the collectives below, on which every `view` and
-// `input` in them rests. Rust cannot check it: the addresses come from
+/// A collective made with its memory (a `TorchComm` method), to run once:
+/// now (`TorchComm.run`) or queued (`TorchComm.queue`).
+#[pyclass(module = "kolo._kolo")]
+pub struct Call {
+    run: Mutex<Option<Run>>,
+}
+
+impl Call {
+    fn of(run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static) -> Call {
+        Call { run: Mutex::new(Some(Box::new(run))) }
+    }
+
+    fn take(&self) -> PyResult<Run> {
+        lock(&self.run).take().ok_or_else(|| PyValueError::new_err("this call has already been run or queued"))
+    }
+}
+
+// The memory contract of the calls below, on which every `view` and
+// `operands` in them rests. Rust cannot check it: the addresses come from
 // Python as integers. Their one caller, kolo.torch's process group
 // (python/kolo/torch/__init__.py), passes `data_ptr()` and `numel()` of
 // contiguous CPU tensors of the dtype it names (or their uint8 byte views),
-// aligned for that type as torch allocates them, and the tensors stay alive
-// and untouched until the call ends: a blocking call holds the caller in
-// this method until `Ordered::now` returns, and a queued one (`later=` or
-// `then=`) cannot be issued without `keep=`, which kolo.torch fills with
-// those tensors and `Done` holds until the call has run. Calls run one at a
-// time (`Ordered`), so no two calls' views of the same tensor are live
-// together. Every `T` of `with_element_type!` is a plain number type for
-// which any bit pattern is a valid value.
+// aligned for that type as torch allocates them, and runs or queues each
+// call at once, keeping the tensors alive and untouched until it ends: `run`
+// holds the caller until `Ordered::now` returns, and `queue` takes `keep`,
+// which kolo.torch fills with those tensors and `Done` holds until the call
+// has run. Calls run one at a time (`Ordered`), so no two calls' views of
+// the same tensor are live together. Every `T` of `with_element_type!` is a
+// plain number type for which any bit pattern is a valid value.
 #[pymethods]
 impl TorchComm {
     /// Joins rank `rank` of `size` through `book` (collective: every rank
@@ -229,50 +270,33 @@ impl TorchComm {
         TorchComm::started(comm)
     }
 
+    /// Runs `call` now (GIL released), after any queued before it.
+    fn run(&self, py: Python<'_>, call: &Call) -> PyResult<()> {
+        let (run, ordered) = (call.take()?, self.ordered.clone());
+        py.allow_threads(move || ordered.now(run)).map_err(queued_failed)
+    }
+
+    /// Queues `call`: the caller goes on; `keep` (what owns the memory the
+    /// call uses) is held until it ended, then `then(error or None,
+    /// membership)` is called.
+    #[pyo3(signature = (call, keep, then=None))]
+    fn queue(&self, call: &Call, keep: Py<PyAny>, then: Option<Py<PyAny>>) -> PyResult<Pending> {
+        Ok(Pending { done: self.ordered.later(call.take()?, then, Some(keep)) })
+    }
+
     /// In place: `count` elements at `addr` reduced over every rank.
-    #[pyo3(signature = (addr, count, dtype, op, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn allreduce(
-        &self,
-        py: Python<'_>,
-        addr: usize,
-        count: usize,
-        dtype: &str,
-        op: &str,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    fn allreduce(&self, addr: usize, count: usize, dtype: &str, op: &str) -> PyResult<Call> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        self.issue(
-            py,
-            later,
-            then,
-            keep,
-            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
-            // contract above; the view is the call's only reference to them.
-            move |c| kolo_comm::with_element_type!(dtype, T => c.allreduce_in_place(unsafe { view::<T>(addr, count) }, op)),
-        )
+        Ok(one_buffer!(dtype, (addr, count), |c, buf| c.allreduce_in_place(buf, op)))
     }
 
     /// In place: several tensors of one type, `(addr, count)` each, reduced
     /// over every rank as one call (Horovod's tensor fusion): copied into
     /// one buffer, reduced, copied back, with no Python step per tensor.
-    #[pyo3(signature = (parts, dtype, op, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn allreduce_fused(
-        &self,
-        py: Python<'_>,
-        parts: Vec<(usize, usize)>,
-        dtype: &str,
-        op: &str,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    fn allreduce_fused(&self, parts: Vec<(usize, usize)>, dtype: &str, op: &str) -> PyResult<Call> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
+        Ok(Call::of(move |c| {
+            with_element_type!(dtype, T => {
                 let mut fused: Vec<T> = Vec::with_capacity(parts.iter().map(|&(_, count)| count).sum());
                 for &(addr, count) in &parts {
                     // SAFETY: each `(addr, count)` is a tensor per the memory
@@ -293,272 +317,80 @@ impl TorchComm {
                     }
                 })
             })
-        })
+        }))
     }
 
     /// In place: rank `root`'s elements, on every rank.
-    #[pyo3(signature = (addr, count, dtype, root, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn broadcast(
-        &self,
-        py: Python<'_>,
-        addr: usize,
-        count: usize,
-        dtype: &str,
-        root: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    fn broadcast(&self, addr: usize, count: usize, dtype: &str, root: usize) -> PyResult<Call> {
         let dtype = dtype_of(dtype)?;
-        self.issue(
-            py,
-            later,
-            then,
-            keep,
-            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
-            // contract above; the view is the call's only reference to them.
-            move |c| kolo_comm::with_element_type!(dtype, T => c.broadcast(unsafe { view::<T>(addr, count) }, root)),
-        )
+        Ok(one_buffer!(dtype, (addr, count), |c, buf| c.broadcast(buf, root)))
     }
 
     /// `counts[p]` elements from rank p, in rank order, into `recv`.
-    #[pyo3(signature = (send, recv, counts, dtype, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn allgather(
-        &self,
-        py: Python<'_>,
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        dtype: &str,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        let dtype = dtype_of(dtype)?;
-        let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                let mut owned = Vec::new();
-                // SAFETY: `send` holds `mine` and `recv` `total` elements per
-                // the memory contract above; `input` is evaluated first and
-                // copies `send` if it overlaps `recv`, so the two never alias.
-                c.allgatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts)
-            })
-        })
+    fn allgather(&self, send: usize, recv: usize, counts: Vec<usize>, dtype: &str) -> PyResult<Call> {
+        let (dtype, (mine, total)) = (dtype_of(dtype)?, self.mine_of(&counts));
+        Ok(two_buffers!(dtype, (send, mine), (recv, total), |c, input, out| c.allgatherv(input, out, &counts)))
     }
 
     /// This rank's part (`counts[rank]` elements) of the reduction of
     /// every rank's `send` (`sum(counts)` elements).
-    #[pyo3(signature = (send, recv, counts, dtype, op, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
-        &self,
-        py: Python<'_>,
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        dtype: &str,
-        op: &str,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        let (mine, total) = (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum());
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                let mut owned = Vec::new();
-                // SAFETY: `send` holds `total` and `recv` `mine` elements per
-                // the memory contract above; `input` is evaluated first and
-                // copies `send` if it overlaps `recv`, so the two never alias.
-                c.reduce_scatter_counts(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, op)
-            })
-        })
+    fn reduce_scatter(&self, send: usize, recv: usize, counts: Vec<usize>, dtype: &str, op: &str) -> PyResult<Call> {
+        let (dtype, op, (mine, total)) = (dtype_of(dtype)?, op_of(op)?, self.mine_of(&counts));
+        Ok(two_buffers!(dtype, (send, total), (recv, mine), |c, input, out| c
+            .reduce_scatter_counts(input, out, &counts, op)))
     }
 
-    #[pyo3(signature = (send, send_counts, recv, recv_counts, dtype, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// `send_counts[p]` elements to rank p, `recv_counts[p]` from it.
     fn alltoall(
         &self,
-        py: Python<'_>,
         send: usize,
         send_counts: Vec<usize>,
         recv: usize,
         recv_counts: Vec<usize>,
         dtype: &str,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        let dtype = dtype_of(dtype)?;
-        let (sn, rn) = (send_counts.iter().sum(), recv_counts.iter().sum());
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                let mut owned = Vec::new();
-                // SAFETY: `send` holds `sn` and `recv` `rn` elements per the
-                // memory contract above; `input` is evaluated first and
-                // copies `send` if it overlaps `recv`, so the two never alias.
-                c.alltoallv(unsafe { input::<T>(send, sn, recv, rn, &mut owned) }, &send_counts, unsafe { view::<T>(recv, rn) }, &recv_counts)
-            })
-        })
+    ) -> PyResult<Call> {
+        let (dtype, sent, received) = (dtype_of(dtype)?, send_counts.iter().sum(), recv_counts.iter().sum());
+        Ok(two_buffers!(dtype, (send, sent), (recv, received), |c, input, out| {
+            c.alltoallv(input, &send_counts, out, &recv_counts)
+        }))
     }
 
     /// At `root`: `recv` = op over every rank's `send` (`count` elements
     /// each; `send` may be `recv`).
-    #[pyo3(signature = (send, recv, count, dtype, op, root, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce(
-        &self,
-        py: Python<'_>,
-        send: usize,
-        recv: usize,
-        count: usize,
-        dtype: &str,
-        op: &str,
-        root: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    fn reduce(&self, send: usize, recv: usize, count: usize, dtype: &str, op: &str, root: usize) -> PyResult<Call> {
         let (dtype, op) = (dtype_of(dtype)?, op_of(op)?);
-        let is_root = self.rank == root;
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                // in place: the input is copied first, as the two may not alias
-                // SAFETY: `send` holds `count` elements per the memory contract
-                // above; the view ends with this copy, before `recv`'s is made.
-                let input: Vec<T> = unsafe { view::<T>(send, count) }.to_vec();
-                // SAFETY: at the root `recv` holds `count` elements per the
-                // memory contract above, and `send`'s view is gone; elsewhere
-                // `recv` is not touched.
-                let out = if is_root { unsafe { view::<T>(recv, count) } } else { &mut [] };
-                c.reduce(&input, out, op, root)
-            })
-        })
+        // elsewhere than at the root `recv` is not touched
+        let recv_count = if self.rank == root { count } else { 0 };
+        Ok(two_buffers!(dtype, (send, count), (recv, recv_count), |c, input, out| c.reduce(input, out, op, root)))
     }
 
     /// At `root`: `counts[p]` elements from rank p, in rank order.
-    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        dtype: &str,
-        root: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        let dtype = dtype_of(dtype)?;
-        let mine = counts.get(self.rank).copied().unwrap_or(0);
-        let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                let mut owned = Vec::new();
-                // SAFETY: `send` holds `mine` and, at the root, `recv` `total`
-                // elements per the memory contract above (elsewhere `total` is
-                // 0 and `view` does not touch `recv`, which kolo.torch passes
-                // as 0); `input` copies `send` if it overlaps `recv`.
-                c.gatherv(unsafe { input::<T>(send, mine, recv, total, &mut owned) }, unsafe { view::<T>(recv, total) }, &counts, root)
-            })
-        })
+    fn gather(&self, send: usize, recv: usize, counts: Vec<usize>, dtype: &str, root: usize) -> PyResult<Call> {
+        let (dtype, (mine, whole)) = (dtype_of(dtype)?, self.rooted(&counts, root));
+        Ok(two_buffers!(dtype, (send, mine), (recv, whole), |c, input, out| c.gatherv(input, out, &counts, root)))
     }
 
     /// From `root`'s `send`: `counts[rank]` elements into this rank's `recv`.
-    #[pyo3(signature = (send, recv, counts, dtype, root, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn scatter(
-        &self,
-        py: Python<'_>,
-        send: usize,
-        recv: usize,
-        counts: Vec<usize>,
-        dtype: &str,
-        root: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        let dtype = dtype_of(dtype)?;
-        let mine = counts.get(self.rank).copied().unwrap_or(0);
-        let total = if self.rank == root { counts.iter().sum() } else { 0 };
-        self.issue(py, later, then, keep, move |c| {
-            kolo_comm::with_element_type!(dtype, T => {
-                let mut owned = Vec::new();
-                // SAFETY: `recv` holds `mine` and, at the root, `send` `total`
-                // elements per the memory contract above (elsewhere `total` is
-                // 0 and `view` does not touch `send`, which kolo.torch passes
-                // as 0); `input` copies `send` if it overlaps `recv`.
-                c.scatterv(unsafe { input::<T>(send, total, recv, mine, &mut owned) }, unsafe { view::<T>(recv, mine) }, &counts, root)
-            })
-        })
+    fn scatter(&self, send: usize, recv: usize, counts: Vec<usize>, dtype: &str, root: usize) -> PyResult<Call> {
+        let (dtype, (mine, whole)) = (dtype_of(dtype)?, self.rooted(&counts, root));
+        Ok(two_buffers!(dtype, (send, whole), (recv, mine), |c, input, out| c.scatterv(input, out, &counts, root)))
     }
 
-    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn send(
-        &self,
-        py: Python<'_>,
-        addr: usize,
-        count: usize,
-        dtype: &str,
-        peer: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    /// `count` elements at `addr` to rank `peer`.
+    fn send(&self, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<Call> {
         let dtype = dtype_of(dtype)?;
-        self.issue(
-            py,
-            later,
-            then,
-            keep,
-            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
-            // contract above; the view is the call's only reference to them.
-            move |c| kolo_comm::with_element_type!(dtype, T => c.send(unsafe { view::<T>(addr, count) }, peer)),
-        )
+        Ok(one_buffer!(dtype, (addr, count), |c, buf| c.send(buf, peer)))
     }
 
-    #[pyo3(signature = (addr, count, dtype, peer, later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn recv(
-        &self,
-        py: Python<'_>,
-        addr: usize,
-        count: usize,
-        dtype: &str,
-        peer: usize,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
+    /// `count` elements from rank `peer` into `addr`.
+    fn recv(&self, addr: usize, count: usize, dtype: &str, peer: usize) -> PyResult<Call> {
         let dtype = dtype_of(dtype)?;
-        self.issue(
-            py,
-            later,
-            then,
-            keep,
-            // SAFETY: `addr` holds `count` elements of `dtype` per the memory
-            // contract above; the view is the call's only reference to them.
-            move |c| kolo_comm::with_element_type!(dtype, T => c.recv(unsafe { view::<T>(addr, count) }, peer)),
-        )
+        Ok(one_buffer!(dtype, (addr, count), |c, buf| c.recv(buf, peer)))
     }
 
-    #[pyo3(signature = (later=false, then=None, keep=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn barrier(
-        &self,
-        py: Python<'_>,
-        later: bool,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> PyResult<Option<Pending>> {
-        self.issue(py, later, then, keep, |c| c.barrier())
+    /// Every rank waits for every other.
+    fn barrier(&self) -> Call {
+        Call::of(|c| c.barrier())
     }
 
     /// Closes the links (peers still in a collective with this rank fail
@@ -572,6 +404,7 @@ impl TorchComm {
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TorchComm>()?;
     m.add_class::<Pending>()?;
+    m.add_class::<Call>()?;
     m.add("CollectiveError", m.py().get_type::<CollectiveError>())?;
     Ok(())
 }

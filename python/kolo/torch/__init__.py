@@ -243,9 +243,10 @@ class ProcessGroupKolo(dist.ProcessGroup):
     # backward goes on computing while they move.
 
     def _run(self, opts, calls, result, finish=None, keep=()):
+        comm = self._comm
         if not getattr(opts, "asyncOp", False):
-            for method, args in calls:
-                method(*args)
+            for call in calls:
+                comm.run(call)
             if finish is not None:
                 finish()
             return _done(result)
@@ -274,11 +275,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
             then(None)
         # kolo holds `hold` until each call ends: the memory they use
         hold = (keep, result)
-        for i, (method, args) in enumerate(calls):
-            if i + 1 < len(calls):
-                method(*args, later=True, keep=hold)
-            else:
-                method(*args, then=then, keep=hold)
+        for i, call in enumerate(calls):
+            comm.queue(call, hold, then if i + 1 == len(calls) else None)
         return _Work(future)
 
     def allreduce(self, tensors, opts=None):
@@ -293,12 +291,12 @@ class ProcessGroupKolo(dist.ProcessGroup):
             t = tensors[0]
             dtype = _DTYPES.get(t.dtype)
             if dtype is not None and t.is_contiguous() and t.is_cpu:
-                comm.allreduce(t.data_ptr(), t.numel(), dtype, op)
+                comm.run(comm.allreduce(t.data_ptr(), t.numel(), dtype, op))
                 return _done(tensors)
         calls, copies = [], []
         for t in tensors:
             c = _Contiguous(t)
-            calls.append((comm.allreduce, (c.work.data_ptr(), c.work.numel(), _dtype(t), op)))
+            calls.append(comm.allreduce(c.work.data_ptr(), c.work.numel(), _dtype(t), op))
             copies.append(c)
         return self._run(opts, calls, tensors, lambda: [c.done() for c in copies], copies)
 
@@ -312,7 +310,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             c = _Contiguous(t)
             addr, n, dtype = _raw(_typed(c.work))
-            calls.append((self._comm.broadcast, (addr, n, dtype, opts.rootRank)))
+            calls.append(self._comm.broadcast(addr, n, dtype, opts.rootRank))
             copies.append(c)
         return self._run(opts, calls, tensors, lambda: [c.done() for c in copies], copies)
 
@@ -330,7 +328,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
             src = _bytes(t.contiguous())
             counts = [o.numel() * o.element_size() for o in outs]
             flat = torch.empty(sum(counts), dtype=torch.uint8)
-            calls.append((self._comm.allgather, (src.data_ptr(), flat.data_ptr(), counts, "u8")))
+            calls.append(self._comm.allgather(src.data_ptr(), flat.data_ptr(), counts, "u8"))
             keep += [src, flat]
             outs_flat.append((outs, flat, counts))
 
@@ -356,7 +354,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         _check(input)
         out = _Contiguous(output, read=False)
         src, dst = _bytes(input.contiguous()), _bytes(out.work)
-        call = (self._comm.allgather, (src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8"))
+        call = self._comm.allgather(src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8")
         return self._run(opts, [call], [output], out.done, (out, src))
 
     _allgather_base = all_gather_single
@@ -383,7 +381,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         out = _Contiguous(output, read=False)
         src = input.contiguous()
         counts = [output.numel()] * self.size()
-        call = (self._comm.reduce_scatter, (src.data_ptr(), out.work.data_ptr(), counts, _dtype(input), op))
+        call = self._comm.reduce_scatter(src.data_ptr(), out.work.data_ptr(), counts, _dtype(input), op)
         return self._run(opts, [call], [output], out.done, (out, src))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -411,7 +409,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
                 )
             flat = torch.cat([i.reshape(-1) for i in inputs])
             out = _Contiguous(output, read=False)
-            calls.append((self._comm.reduce_scatter, (flat.data_ptr(), out.work.data_ptr(), counts, _dtype(output), op)))
+            calls.append(self._comm.reduce_scatter(flat.data_ptr(), out.work.data_ptr(), counts, _dtype(output), op))
             copies.append(out)
             keep.append(flat)
         return self._run(opts, calls, outputs, lambda: [c.done() for c in copies], (copies, keep))
@@ -430,9 +428,8 @@ class ProcessGroupKolo(dist.ProcessGroup):
         out = _Contiguous(output, read=False)
         src, dst = _bytes(input.contiguous()), _bytes(out.work)
         size = input.element_size()
-        call = (
-            self._comm.alltoall,
-            (src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"),
+        call = self._comm.alltoall(
+            src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"
         )
         return self._run(opts, [call], [output], out.done, (out, src))
 
@@ -453,7 +450,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         send = torch.cat(parts)
         recv_counts = [o.numel() * o.element_size() for o in outputs]
         flat = torch.empty(sum(recv_counts), dtype=torch.uint8)
-        call = (self._comm.alltoall, (send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "u8"))
+        call = self._comm.alltoall(send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "u8")
 
         def finish():
             _unpack(flat, recv_counts, outputs)
@@ -468,7 +465,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             c = _Contiguous(t)
             addr = c.work.data_ptr()
-            calls.append((self._comm.reduce, (addr, addr, c.work.numel(), _dtype(t), op, opts.rootRank)))
+            calls.append(self._comm.reduce(addr, addr, c.work.numel(), _dtype(t), op, opts.rootRank))
             copies.append(c)
         is_root = self.rank() == opts.rootRank
         return self._run(opts, calls, tensors, (lambda: [c.done() for c in copies]) if is_root else None, copies)
@@ -482,7 +479,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         src = _bytes(t.contiguous())
         counts = [src.numel()] * self.size()
         if self.rank() != root:
-            return self._run(opts, [(self._comm.gather, (src.data_ptr(), 0, counts, "u8", root))], output_lists, None, src)
+            return self._run(opts, [self._comm.gather(src.data_ptr(), 0, counts, "u8", root)], output_lists, None, src)
         (outs,) = output_lists
         if len(outs) != self.size():
             raise ValueError(f"gather needs one output tensor per rank ({self.size()}) at the root, got {len(outs)}")
@@ -491,7 +488,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         def finish():
             _unpack(flat, counts, outs)
 
-        call = (self._comm.gather, (src.data_ptr(), flat.data_ptr(), counts, "u8", root))
+        call = self._comm.gather(src.data_ptr(), flat.data_ptr(), counts, "u8", root)
         return self._run(opts, [call], output_lists, finish, (src, flat))
 
     def scatter(self, outputs, input_lists, opts):
@@ -508,11 +505,11 @@ class ProcessGroupKolo(dist.ProcessGroup):
             if len(ins) != self.size():
                 raise ValueError(f"scatter needs one input tensor per rank ({self.size()}) at the root, got {len(ins)}")
             flat = torch.cat([_bytes(i.contiguous()) for i in ins])
-        call = (self._comm.scatter, (0 if flat is None else flat.data_ptr(), dst.data_ptr(), counts, "u8", root))
+        call = self._comm.scatter(0 if flat is None else flat.data_ptr(), dst.data_ptr(), counts, "u8", root)
         return self._run(opts, [call], outputs, c.done, (c, flat))
 
     def barrier(self, opts=None):
-        return self._run(opts, [(self._comm.barrier, ())], [])
+        return self._run(opts, [self._comm.barrier()], [])
 
     def send(self, tensors, dst, tag=0):
         if _on_cuda(tensors):
@@ -520,7 +517,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             _check(t)
             src = _bytes(t.contiguous())
-            self._comm.send(src.data_ptr(), src.numel(), "u8", dst)
+            self._comm.run(self._comm.send(src.data_ptr(), src.numel(), "u8", dst))
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
@@ -529,7 +526,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             c = _Contiguous(t, read=False)
             dst = _bytes(c.work)
-            self._comm.recv(dst.data_ptr(), dst.numel(), "u8", src)
+            self._comm.run(self._comm.recv(dst.data_ptr(), dst.numel(), "u8", src))
             c.done()
         return _done(tensors)
 
@@ -581,14 +578,14 @@ def broadcast_object(comm, obj, root):
 
     data = cloudpickle.dumps(obj) if comm.rank == root else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
-    comm.broadcast(length.data_ptr(), 1, "i64", root)
+    comm.run(comm.broadcast(length.data_ptr(), 1, "i64", root))
     n = int(length)
     if comm.rank == root:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
     else:
         buf = torch.empty(n, dtype=torch.uint8)
     if n:
-        comm.broadcast(buf.data_ptr(), n, "u8", root)
+        comm.run(comm.broadcast(buf.data_ptr(), n, "u8", root))
     return obj if comm.rank == root else cloudpickle.loads(buf.numpy().tobytes())
 
 
