@@ -207,14 +207,7 @@ impl Elastic {
             };
             let watch = Arc::new(self.watch(round));
             self.watch = Some(watch.clone());
-            let config = Config {
-                rank: a.rank,
-                size: a.size,
-                job_id: format!("{}-r{round}", self.base.job_id),
-                ..self.base.clone()
-            }
-            .with_interrupt(Interrupt::new(move || watch.newer()));
-            match Communicator::connect(config) {
+            match Communicator::connect(self.round_config(a, format!("r{round}"), watch)) {
                 Ok(comm) => {
                     self.assignment = Some(a);
                     // the driver ends a finishing job once this round's members are done
@@ -237,14 +230,15 @@ impl Elastic {
         let (Some(round), Some(a), Some(watch)) = (self.joined, self.assignment, self.watch.clone()) else {
             return Err(CommError::Bootstrap("no round joined yet: join one first".into()));
         };
-        let config = Config {
-            rank: a.rank,
-            size: a.size,
-            job_id: format!("{}-r{round}-{tag}", self.base.job_id),
-            ..self.base.clone()
-        }
-        .with_interrupt(Interrupt::new(move || watch.newer()));
-        Communicator::connect(config)
+        Communicator::connect(self.round_config(a, format!("r{round}-{tag}"), watch))
+    }
+
+    /// A communicator's config for `a`'s ranks, named `suffix` in the job,
+    /// interrupted once `watch` sees a newer round.
+    fn round_config(&self, a: Assignment, suffix: String, watch: Arc<RoundWatch>) -> Config {
+        let job_id = format!("{}-{suffix}", self.base.job_id);
+        Config { rank: a.rank, size: a.size, job_id, ..self.base.clone() }
+            .with_interrupt(Interrupt::new(move || watch.newer()))
     }
 
     /// The next round and this process's place in it, read so that both

@@ -526,17 +526,17 @@ impl Communicator {
         })
     }
 
-    /// A gather's or scatter's arguments: `root` a member, a count per
-    /// member, this rank's part `part` elements long and, at the root, the
-    /// whole buffer `whole` long.
-    fn check_rooted(
+    /// A gather's or scatter's arguments checked (`root` a member, a count
+    /// per member, this rank's part `part` elements long and, at the root,
+    /// the whole buffer `whole` long), and each member's byte offset in the
+    /// whole, of elements of `T`.
+    fn rooted_offsets<T>(
         &self,
         what: &str,
         root: usize,
         counts: &[usize],
-        part: usize,
-        whole: usize,
-    ) -> Result<(), CommError> {
+        (part, whole): (usize, usize),
+    ) -> Result<Vec<usize>, CommError> {
         let (n, r) = (self.size(), self.rank);
         if root >= n || counts.len() != n || counts[r] != part {
             return Err(self.bad(format!(
@@ -548,7 +548,7 @@ impl Communicator {
                 self.bad(format!("{what}: counts {counts:?} must sum to the root's whole buffer ({whole} elements)"))
             );
         }
-        Ok(())
+        Ok(offsets(counts, std::mem::size_of::<T>()))
     }
 
     /// Rank `root` gets every rank's `send` in rank order (`counts[p]`
@@ -560,10 +560,8 @@ impl Communicator {
         counts: &[usize],
         root: usize,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        self.check_rooted("gather", root, counts, send.len(), recv.len())?;
-        let at = offsets(counts, std::mem::size_of::<T>());
-        let send = as_bytes(send);
+        let at = self.rooted_offsets::<T>("gather", root, counts, (send.len(), recv.len()))?;
+        let (n, r, send) = (self.size(), self.rank, as_bytes(send));
         let call = Call::of(Kind::Gather, T::DTYPE, 0).root(root);
         if r != root {
             return self.collective(call, |c, io| c.send_recv(io, Some((root, send)), None));
@@ -589,10 +587,8 @@ impl Communicator {
         counts: &[usize],
         root: usize,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.size(), self.rank);
-        self.check_rooted("scatter", root, counts, recv.len(), send.len())?;
-        let at = offsets(counts, std::mem::size_of::<T>());
-        let recv = as_bytes_mut(recv);
+        let at = self.rooted_offsets::<T>("scatter", root, counts, (recv.len(), send.len()))?;
+        let (n, r, recv) = (self.size(), self.rank, as_bytes_mut(recv));
         let call = Call::of(Kind::Scatter, T::DTYPE, 0).root(root);
         if r != root {
             let len = recv.len();
