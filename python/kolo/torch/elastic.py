@@ -82,10 +82,10 @@ def _broadcast_tensors(tensors, root):
         if staged.device.type != "cpu" or not staged.is_contiguous():
             staged = staged.to("cpu", copy=True).contiguous()
         if staged.dtype in _WIRE:
-            comm.broadcast(staged.data_ptr(), staged.numel(), _WIRE[staged.dtype], root)
+            comm.run(comm.broadcast(staged.data_ptr(), staged.numel(), _WIRE[staged.dtype], root))
         else:
             raw = staged.view(torch.uint8) if staged.dim() else staged.reshape(1).view(torch.uint8)
-            comm.broadcast(raw.data_ptr(), raw.numel(), "u8", root)
+            comm.run(comm.broadcast(raw.data_ptr(), raw.numel(), "u8", root))
         if staged is not t:
             with torch.no_grad():
                 t.copy_(staged)
@@ -111,12 +111,13 @@ class State(_rounds.State):
         comm = current().comm
         mine = torch.tensor([int(value)], dtype=torch.int64)
         every = torch.empty(comm.size, dtype=torch.int64)
-        comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64")
+        comm.run(comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64"))
         return every.tolist()
 
     def _broadcast_int(self, value, root):
         flag = torch.tensor([int(value)], dtype=torch.int64)
-        current().comm.broadcast(flag.data_ptr(), 1, "i64", root)
+        comm = current().comm
+        comm.run(comm.broadcast(flag.data_ptr(), 1, "i64", root))
         return int(flag[0])
 
 
@@ -164,9 +165,12 @@ class ObjectState(State):
             setattr(self, name, value)
 
 
-class _ModuleHandler:
-    def __init__(self, module):
-        self.value = module
+class _Handler:
+    """What `TorchState` keeps of an object with `state_dict()` and
+    `load_state_dict()`: a copy of its state dict."""
+
+    def __init__(self, value):
+        self.value = value
 
     def save(self):
         return copy.deepcopy(self.value.state_dict())
@@ -174,43 +178,29 @@ class _ModuleHandler:
     def restore(self, saved):
         self.value.load_state_dict(saved)
 
+    def _roots_state(self, root):
+        return _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
+
+
+class _ModuleHandler(_Handler):
     def sync_from(self, root):
         # parameters and buffers, in place; by name so every rank agrees
         state = self.value.state_dict()
         _broadcast_tensors([state[k] for k in sorted(state) if torch.is_tensor(state[k])], root)
 
 
-class _OptimizerHandler:
-    def __init__(self, optimizer):
-        self.value = optimizer
-
-    def save(self):
-        return copy.deepcopy(self.value.state_dict())
-
-    def restore(self, saved):
-        self.value.load_state_dict(saved)
-
+class _OptimizerHandler(_Handler):
     def sync_from(self, root):
         # the whole state dict: a new process's optimizer has no state yet
-        state = _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
+        state = self._roots_state(root)
         if current().rank != root:
             self.value.load_state_dict(state)
 
 
-class _SamplerHandler:
-    def __init__(self, sampler):
-        self.value = sampler
-
-    def save(self):
-        return self.value.state_dict()
-
-    def restore(self, saved):
-        self.value.load_state_dict(saved)
-
+class _SamplerHandler(_Handler):
     def sync_from(self, root):
-        state = _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
         # every rank reshards for the round's ranks, the root too
-        self.value.load_state_dict(state)
+        self.value.load_state_dict(self._roots_state(root))
 
 
 def _handler(value):
