@@ -35,39 +35,21 @@ def passed(out, n, scenario):
     assert len(oks) == n, out.stdout
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_op_matches_a_single_process_reference(n):
-    passed(kolo_run(n, RANKS, "ops"), n, "ops")
+# hvd_ranks.py's scenarios that need nothing but their rank count
+SCENARIOS = [
+    ("ops", [2, 4]),  # every op matches a single-process reference
+    ("optimizer", [2, 4]),  # DistributedOptimizer trains the weights of one process on the whole batch
+    ("fusion", [2, 3]),  # grouped reductions are fused up to the fusion threshold
+    ("syncbn", [2, 4]),  # SyncBatchNorm on CPU equals BatchNorm on the whole batch
+    ("names", [2, 3]),  # tensors meet by name in any order; a cached loop stays off the coordinator
+    ("goes_on", [2, 3]),  # a mismatch fails alike on every rank and the job goes on
+    ("join", [2, 3]),  # join lets ranks with more data reduce against zeros
+]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_distributed_optimizer_trains_the_weights_of_one_process_on_the_whole_batch(n):
-    passed(kolo_run(n, RANKS, "optimizer"), n, "optimizer")
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_grouped_reductions_are_fused_up_to_the_fusion_threshold(n):
-    passed(kolo_run(n, RANKS, "fusion"), n, "fusion")
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_sync_batch_norm_on_cpu_equals_batch_norm_on_the_whole_batch(n):
-    passed(kolo_run(n, RANKS, "syncbn"), n, "syncbn")
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_tensors_meet_by_name_in_any_order_and_a_cached_loop_stays_off_the_coordinator(n):
-    passed(kolo_run(n, RANKS, "names"), n, "names")
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_a_mismatch_fails_alike_on_every_rank_and_the_job_goes_on(n):
-    passed(kolo_run(n, RANKS, "goes_on"), n, "goes_on")
-
-
-@pytest.mark.parametrize("n", [2, 3])
-def test_join_lets_ranks_with_more_data_reduce_against_zeros(n):
-    passed(kolo_run(n, RANKS, "join"), n, "join")
+@pytest.mark.parametrize("scenario,n", [pytest.param(s, n, id=f"{s}-{n}") for s, sizes in SCENARIOS for n in sizes])
+def test_a_scenario_passes_on_every_rank(scenario, n):
+    passed(kolo_run(n, RANKS, scenario), n, scenario)
 
 
 def test_process_sets_static_and_dynamic_run_among_their_members():

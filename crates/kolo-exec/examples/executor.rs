@@ -6,16 +6,14 @@
 use kolo_exec::{Executable, Executor, Function, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
 use serde::{Deserialize, Serialize};
 
-/// Lives in every worker between calls.
-struct Accumulator {
-    total: f64,
-}
+/// Lives in every worker between calls: a running total.
+struct Accumulator(f64);
 
 impl Executable for Accumulator {
     const NAME: &'static str = "accumulator";
     type Args = f64;
     fn create(start: f64, _ctx: &WorkerContext) -> Result<Self, UserError> {
-        Ok(Accumulator { total: start })
+        Ok(Accumulator(start))
     }
 }
 
@@ -27,8 +25,8 @@ impl Task<Accumulator> for AddScaled {
     const NAME: &'static str = "add-scaled";
     type Output = f64;
     fn run(self, acc: &mut Accumulator, ctx: &WorkerContext) -> Result<f64, UserError> {
-        acc.total += self.0 * f64::from(ctx.rank() + 1);
-        Ok(acc.total)
+        acc.0 += self.0 * f64::from(ctx.rank() + 1);
+        Ok(acc.0)
     }
 }
 
