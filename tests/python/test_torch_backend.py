@@ -70,6 +70,20 @@ def test_a_group_formed_again_over_the_same_store_never_reads_the_last_generatio
     assert len(oks(out, "reinit_same")) == 3, out.stdout
 
 
+def test_a_callback_on_an_asynchronous_call_finishes_before_the_process_exits(tmp_path):
+    marker = tmp_path / "callback"
+    out = watch.run(
+        [KOLO, "run", "-np", "2", "--", sys.executable, RANKS, "callback_at_exit"],
+        timeout=240,
+        env={**os.environ, "KOLO_TEST_MARKER": str(marker)},
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(oks(out, "callback_at_exit")) == 2, out.stdout
+    # rank 0's call was pending when the callback was added: it ran on
+    # kolo's thread, and its process waited for it to end
+    assert (tmp_path / "callback.0").read_text() == "finished"
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -240,6 +240,27 @@ def reinit_same():
         dist.init_process_group("kolo")
 
 
+def callback_at_exit():
+    """an asynchronous call's future whose callback still runs, on kolo's
+    thread and without the GIL, as the script ends: the process waits for
+    it instead of finalizing under it. Rank 1 comes late, so that rank 0's
+    call is still pending when the callback is added."""
+    import time
+
+    if dist.get_rank() == 1:
+        time.sleep(1)
+    marker = f"{os.environ['KOLO_TEST_MARKER']}.{dist.get_rank()}"
+    work = dist.all_reduce(torch.ones(1024), async_op=True)
+
+    def slow(_):
+        time.sleep(1)
+        with open(marker, "w") as f:
+            f.write("finished")
+
+    work.get_future().then(slow)
+    work.wait()
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     dist.init_process_group("kolo")

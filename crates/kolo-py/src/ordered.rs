@@ -6,7 +6,7 @@
 //! in the same order; the queue keeps that order.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 
 use kolo_comm::{CommError, Communicator};
 use kolo_exec::lock;
@@ -86,24 +86,49 @@ impl Done {
 
 struct Queue {
     jobs: VecDeque<Job>,
-    /// The thread is running a job.
+    /// The thread is running a job (its callback included).
     busy: bool,
     closed: bool,
+    /// Callers of `wait_idle` waiting: the thread tells them when it is idle.
+    draining: usize,
 }
 
 pub(crate) struct Ordered {
     comm: Mutex<Option<Communicator>>,
     queue: Mutex<Queue>,
     wake: Condvar,
+    idle: Condvar,
+}
+
+/// Every queue started, for `drain_all`.
+static STARTED: Mutex<Vec<Weak<Ordered>>> = Mutex::new(Vec::new());
+
+/// Waits, without the GIL, until no queue has a call queued or running,
+/// callbacks included. Run at the interpreter's exit before it finalizes:
+/// a callback still running then (torch completing an asynchronous call's
+/// future, which lets go of the GIL and takes it again) would find the
+/// interpreter finalizing, and Python ends such a thread by unwinding it
+/// through torch's C++ frames, which aborts the process. Queued calls also
+/// still meet their peers' instead of being cut off.
+pub(crate) fn drain_all() {
+    let started: Vec<Arc<Ordered>> = lock(&STARTED).iter().filter_map(Weak::upgrade).collect();
+    for ordered in started {
+        ordered.wait_idle();
+    }
 }
 
 impl Ordered {
     pub(crate) fn start(comm: Communicator) -> std::io::Result<Arc<Ordered>> {
         let ordered = Arc::new(Ordered {
             comm: Mutex::new(Some(comm)),
-            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false }),
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, draining: 0 }),
             wake: Condvar::new(),
+            idle: Condvar::new(),
         });
+        let mut started = lock(&STARTED);
+        started.retain(|o| o.strong_count() > 0);
+        started.push(Arc::downgrade(&ordered));
+        drop(started);
         let worker = ordered.clone();
         std::thread::Builder::new().name("kolo-collectives".into()).spawn(move || worker.work())?;
         Ok(ordered)
@@ -114,6 +139,9 @@ impl Ordered {
             let job = {
                 let mut q = lock(&self.queue);
                 q.busy = false;
+                if q.draining > 0 && q.jobs.is_empty() {
+                    self.idle.notify_all();
+                }
                 loop {
                     if let Some(job) = q.jobs.pop_front() {
                         q.busy = true;
@@ -178,6 +206,17 @@ impl Ordered {
         drop(q);
         self.wake.notify_one();
         done
+    }
+
+    /// Blocks until nothing is queued or running, callbacks included.
+    /// Call without the GIL.
+    fn wait_idle(&self) {
+        let mut q = lock(&self.queue);
+        q.draining += 1;
+        while q.busy || !q.jobs.is_empty() {
+            q = self.idle.wait(q).unwrap_or_else(|p| p.into_inner());
+        }
+        q.draining -= 1;
     }
 
     /// Ends the queue (queued calls fail) and closes the links.

@@ -401,7 +401,16 @@ impl TorchComm {
     }
 }
 
+/// Waits until every communicator's queued calls and their callbacks are
+/// done (registered with `atexit`; see `ordered::drain_all`).
+#[pyfunction]
+fn _drain_collectives(py: Python<'_>) {
+    py.allow_threads(crate::ordered::drain_all);
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_drain_collectives, m)?)?;
+    m.py().import("atexit")?.call_method1("register", (m.getattr("_drain_collectives")?,))?;
     m.add_class::<TorchComm>()?;
     m.add_class::<Pending>()?;
     m.add_class::<Call>()?;
