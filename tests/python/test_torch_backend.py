@@ -84,6 +84,13 @@ def test_a_callback_on_an_asynchronous_call_finishes_before_the_process_exits(tm
     assert (tmp_path / "callback.0").read_text() == "finished"
 
 
+def test_an_exit_waits_only_so_long_for_a_call_no_peer_makes():
+    out = kolo_run(2, "unmet_at_exit")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(oks(out, "unmet_at_exit")) == 2, out.stdout
+    assert "[0]<stderr>:kolo: exiting with 1 torch collective call(s) still queued or running: none ended in 10 s" in out.stderr, out.stderr
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

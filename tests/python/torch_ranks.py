@@ -241,9 +241,9 @@ def reinit_same():
 
 
 def callback_at_exit():
-    """an asynchronous call's future whose callback still runs, on kolo's
-    thread and without the GIL, as the script ends: the process waits for
-    it instead of finalizing under it. Rank 1 comes late, so that rank 0's
+    """an asynchronous call's future whose callback still runs on kolo's
+    thread (asleep, the GIL let go) as the script ends: the process waits
+    for it instead of finalizing under it. Rank 1 comes late, so that rank 0's
     call is still pending when the callback is added."""
     import time
 
@@ -261,10 +261,22 @@ def callback_at_exit():
     work.wait()
 
 
+def unmet_at_exit():
+    """rank 0 queues a call that rank 1 never makes, and ends (without
+    destroying the group, which would wait for the call): its exit waits
+    for the call only so long, and says so."""
+    import time
+
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(4), async_op=True)
+    else:
+        time.sleep(15)
+
+
 if __name__ == "__main__":
     scenario = sys.argv[1]
     dist.init_process_group("kolo")
     globals()[scenario]()
-    if scenario not in ("die",):
+    if scenario not in ("die", "unmet_at_exit"):
         dist.destroy_process_group()
     print(f"ok {scenario}", flush=True)

@@ -7,6 +7,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
 
 use kolo_comm::{CommError, Communicator};
 use kolo_exec::lock;
@@ -89,8 +90,16 @@ struct Queue {
     /// The thread is running a job (its callback included).
     busy: bool,
     closed: bool,
+    /// Jobs the thread has ended, callbacks included: a drain's progress.
+    ended: u64,
     /// Callers of `wait_idle` waiting: the thread tells them when it is idle.
     draining: usize,
+}
+
+impl Queue {
+    fn idle(&self) -> bool {
+        !self.busy && self.jobs.is_empty()
+    }
 }
 
 pub(crate) struct Ordered {
@@ -98,32 +107,60 @@ pub(crate) struct Ordered {
     queue: Mutex<Queue>,
     wake: Condvar,
     idle: Condvar,
+    /// The process that started the thread: a forked child has none.
+    pid: u32,
 }
 
 /// Every queue started, for `drain_all`.
 static STARTED: Mutex<Vec<Weak<Ordered>>> = Mutex::new(Vec::new());
 
-/// Waits, without the GIL, until no queue has a call queued or running,
-/// callbacks included. Run at the interpreter's exit before it finalizes:
-/// a callback still running then (torch completing an asynchronous call's
-/// future, which lets go of the GIL and takes it again) would find the
-/// interpreter finalizing, and Python ends such a thread by unwinding it
-/// through torch's C++ frames, which aborts the process. Queued calls also
-/// still meet their peers' instead of being cut off.
-pub(crate) fn drain_all() {
-    let started: Vec<Arc<Ordered>> = lock(&STARTED).iter().filter_map(Weak::upgrade).collect();
+/// How long a drain waits for a queue in which no call ends.
+const DRAIN_PATIENCE: Duration = Duration::from_secs(10);
+/// How often a drain lets Python see a signal (Ctrl-C).
+const DRAIN_SLICE: Duration = Duration::from_millis(100);
+
+/// Waits, without the GIL, until no queue of this process has a call
+/// queued or running, callbacks included. Run at the interpreter's exit
+/// before it finalizes: a callback still running then (torch completing an
+/// asynchronous call's future, which lets go of the GIL and takes it
+/// again) would find the interpreter finalizing, and Python ends such a
+/// thread by unwinding it through torch's C++ frames, which aborts the
+/// process. Queued calls also still meet their peers' instead of being cut
+/// off. A queue in which no call ends for `DRAIN_PATIENCE` (a peer that
+/// never makes its call) is left, saying so; a signal ends the wait.
+pub(crate) fn drain_all(py: Python<'_>) -> PyResult<()> {
+    let me = std::process::id();
+    let started: Vec<Arc<Ordered>> = lock(&STARTED).iter().filter_map(Weak::upgrade).filter(|o| o.pid == me).collect();
     for ordered in started {
-        ordered.wait_idle();
+        let mut progress = (u64::MAX, Instant::now());
+        loop {
+            let (idle, ended, left) = py.allow_threads(|| ordered.wait_idle(DRAIN_SLICE));
+            if idle {
+                break;
+            }
+            py.check_signals()?;
+            if ended != progress.0 {
+                progress = (ended, Instant::now());
+            } else if progress.1.elapsed() >= DRAIN_PATIENCE {
+                eprintln!(
+                    "kolo: exiting with {left} torch collective call(s) still queued or running: none ended in {} s (a peer that never made them?)",
+                    DRAIN_PATIENCE.as_secs()
+                );
+                break;
+            }
+        }
     }
+    Ok(())
 }
 
 impl Ordered {
     pub(crate) fn start(comm: Communicator) -> std::io::Result<Arc<Ordered>> {
         let ordered = Arc::new(Ordered {
             comm: Mutex::new(Some(comm)),
-            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, draining: 0 }),
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), busy: false, closed: false, ended: 0, draining: 0 }),
             wake: Condvar::new(),
             idle: Condvar::new(),
+            pid: std::process::id(),
         });
         let mut started = lock(&STARTED);
         started.retain(|o| o.strong_count() > 0);
@@ -138,7 +175,10 @@ impl Ordered {
         loop {
             let job = {
                 let mut q = lock(&self.queue);
-                q.busy = false;
+                if q.busy {
+                    q.busy = false;
+                    q.ended += 1;
+                }
                 if q.draining > 0 && q.jobs.is_empty() {
                     self.idle.notify_all();
                 }
@@ -154,7 +194,6 @@ impl Ordered {
                 }
             };
             let result = self.run_now(job.run);
-            // the next job may start while this one's callback runs
             job.done.finish(result.map_err(Failure::from));
         }
     }
@@ -167,10 +206,7 @@ impl Ordered {
 
     /// Runs `run` in order: on this thread when nothing is queued or
     /// running, else after what is. Call without the GIL.
-    pub(crate) fn now(
-        &self,
-        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
-    ) -> Result<(), Failure> {
+    pub(crate) fn now(&self, run: Run) -> Result<(), Failure> {
         let q = lock(&self.queue);
         if q.jobs.is_empty() && !q.busy {
             // holding the comm before letting go of the queue: a job queued
@@ -181,20 +217,11 @@ impl Ordered {
             return run(comm).map_err(Failure::from);
         }
         drop(q);
-        self.queued(Box::new(run), None, None).wait()
+        self.later(run, None, None).wait()
     }
 
     /// Queues `run`; `then` is called once it has ended.
-    pub(crate) fn later(
-        &self,
-        run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static,
-        then: Option<Py<PyAny>>,
-        keep: Option<Py<PyAny>>,
-    ) -> Arc<Done> {
-        self.queued(Box::new(run), then, keep)
-    }
-
-    fn queued(&self, run: Run, then: Option<Py<PyAny>>, keep: Option<Py<PyAny>>) -> Arc<Done> {
+    pub(crate) fn later(&self, run: Run, then: Option<Py<PyAny>>, keep: Option<Py<PyAny>>) -> Arc<Done> {
         let done = Arc::new(Done { result: Mutex::new(None), ready: Condvar::new(), then, keep: Mutex::new(keep) });
         let mut q = lock(&self.queue);
         if q.closed {
@@ -208,15 +235,22 @@ impl Ordered {
         done
     }
 
-    /// Blocks until nothing is queued or running, callbacks included.
-    /// Call without the GIL.
-    fn wait_idle(&self) {
+    /// Blocks until nothing is queued or running, callbacks included, or
+    /// `limit` passed: (idle, jobs ended so far, jobs left). Call without
+    /// the GIL.
+    fn wait_idle(&self, limit: Duration) -> (bool, u64, usize) {
         let mut q = lock(&self.queue);
         q.draining += 1;
-        while q.busy || !q.jobs.is_empty() {
-            q = self.idle.wait(q).unwrap_or_else(|p| p.into_inner());
+        let deadline = Instant::now() + limit;
+        while !q.idle() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            q = self.idle.wait_timeout(q, left).unwrap_or_else(|p| p.into_inner()).0;
         }
         q.draining -= 1;
+        (q.idle(), q.ended, q.jobs.len() + usize::from(q.busy))
     }
 
     /// Ends the queue (queued calls fail) and closes the links.
@@ -230,6 +264,7 @@ impl Ordered {
         for job in dropped {
             job.done.finish(Err(shut_down()));
         }
+        self.idle.notify_all();
         drop(lock(&self.comm).take());
     }
 }

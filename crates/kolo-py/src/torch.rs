@@ -120,7 +120,7 @@ macro_rules! one_buffer {
 macro_rules! two_buffers {
     ($dtype:expr, $send:expr, $recv:expr, |$c:ident, $input:ident, $output:ident| $run:expr) => {
         Call::of(move |$c| {
-            kolo_comm::with_element_type!($dtype, T => {
+            with_element_type!($dtype, T => {
                 let mut owned = Vec::new();
                 // SAFETY: both ranges hold their elements per the memory
                 // contract above.
@@ -141,7 +141,7 @@ pub struct TorchComm {
     size: usize,
 }
 
-/// A call queued with `later=True`: wait for it, or ask if it ended.
+/// A call queued with `TorchComm.queue`: wait for it, or ask if it ended.
 #[pyclass(module = "kolo._kolo")]
 pub struct Pending {
     done: Arc<Done>,
@@ -183,7 +183,7 @@ impl TorchComm {
 
 /// A collective made with its memory (a `TorchComm` method), to run once:
 /// now (`TorchComm.run`) or queued (`TorchComm.queue`).
-#[pyclass(module = "kolo._kolo")]
+#[pyclass(module = "kolo._kolo", frozen)]
 pub struct Call {
     run: Mutex<Option<Run>>,
 }
@@ -200,8 +200,9 @@ impl Call {
 
 // The memory contract of the calls below, on which every `view` and
 // `operands` in them rests. Rust cannot check it: the addresses come from
-// Python as integers. Their one caller, kolo.torch's process group
-// (python/kolo/torch/__init__.py), passes `data_ptr()` and `numel()` of
+// Python as integers. Their callers, kolo.torch's process group
+// (python/kolo/torch/__init__.py) and kolo.torch.elastic's state sync
+// (python/kolo/torch/elastic.py), pass `data_ptr()` and `numel()` of
 // contiguous CPU tensors of the dtype it names (or their uint8 byte views),
 // aligned for that type as torch allocates them, and runs or queues each
 // call at once, keeping the tensors alive and untouched until it ends: `run`
@@ -404,8 +405,8 @@ impl TorchComm {
 /// Waits until every communicator's queued calls and their callbacks are
 /// done (registered with `atexit`; see `ordered::drain_all`).
 #[pyfunction]
-fn _drain_collectives(py: Python<'_>) {
-    py.allow_threads(crate::ordered::drain_all);
+fn _drain_collectives(py: Python<'_>) -> PyResult<()> {
+    crate::ordered::drain_all(py)
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
