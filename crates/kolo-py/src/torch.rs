@@ -168,16 +168,16 @@ impl TorchComm {
         Ok(TorchComm { ordered, rank, size })
     }
 
-    /// This rank's part and, at the root, the whole of a gather or scatter
-    /// (elsewhere the whole is not touched: 0).
-    fn rooted(&self, counts: &[usize], root: usize) -> (usize, usize) {
-        let whole = if self.rank == root { counts.iter().sum() } else { 0 };
-        (counts.get(self.rank).copied().unwrap_or(0), whole)
-    }
-
     /// This rank's part and the whole of an allgather or reduce-scatter.
     fn mine_of(&self, counts: &[usize]) -> (usize, usize) {
         (counts.get(self.rank).copied().unwrap_or(0), counts.iter().sum())
+    }
+
+    /// This rank's part and, at the root, the whole of a gather or scatter
+    /// (elsewhere the whole is not touched: 0).
+    fn rooted(&self, counts: &[usize], root: usize) -> (usize, usize) {
+        let (mine, whole) = self.mine_of(counts);
+        (mine, if self.rank == root { whole } else { 0 })
     }
 }
 
