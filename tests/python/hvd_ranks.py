@@ -187,6 +187,79 @@ def goes_on():
     check(hvd.synchronize(h), torch.ones(2), "the first of the duplicates")
 
 
+def duplicates():
+    """A name stays taken until its handle is seen done, even when its
+    collective ran at once because every peer's submission was already
+    there (upstream's duplicate-name tests on a fast machine): for each
+    op, rank 1 submits first; rank 0's submission then runs at once, and
+    its second under the name is refused all the same. Seen done, the name
+    is free."""
+    r, n = hvd.rank(), hvd.size()
+    text = "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor"
+    submit = {
+        "allreduce": lambda t, name: hvd.allreduce_async(t, name=name),
+        "allgather": lambda t, name: hvd.allgather_async(t, name=name),
+        "broadcast": lambda t, name: hvd.broadcast_async(t, root_rank=0, name=name),
+        "reducescatter": lambda t, name: hvd.reducescatter_async(t, name=name),
+    }
+    for op, call in submit.items():
+        t = torch.ones(2 * n)
+        if r != 0:
+            first = call(t, "dup")
+        # queued after the peers' "dup": once done, the coordinator has it
+        hvd.allreduce(torch.ones(1), name=f"{op}.sync")
+        if r == 0:
+            first = call(t, "dup")
+        # responses run in order: once this is done here, so is "dup"
+        hvd.allreduce(torch.ones(1), name=f"{op}.after")
+        expect(lambda: call(t, "dup"), ValueError, text)
+        # seen done (polled on rank 0, waited for elsewhere), it is free
+        if r == 0:
+            assert hvd.poll(first), f"{op}: done but not polled done"
+        else:
+            hvd.synchronize(first)
+        hvd.synchronize(call(t, "dup"))
+
+
+def orphan():
+    """Rank 1 leaves a collective no other rank makes (a failed step):
+    every other collective of every rank still runs; the stall inspector
+    names the tensor and the missing ranks (HOROVOD_STALL_CHECK_TIME_SECONDS=1);
+    the shutdown at the end fails the orphan, saying who shut down."""
+    import time
+
+    r, n = hvd.rank(), hvd.size()
+    left = hvd.allreduce_async(torch.ones(3), name="orphan") if r == 1 else None
+    deadline = time.monotonic() + 60
+    steps = 0
+    while True:
+        check(hvd.allreduce(torch.ones(4), op=hvd.Sum, name=f"step{steps}"), torch.full((4,), float(n)), "a step")
+        steps += 1
+        warned = r == 0 and "\n0: [allreduce.orphan]" in (hvd.ops._state.core.stats()["stall"] or "")
+        assert time.monotonic() < deadline, "no stall warning naming the orphan"
+        # rank 0 says when to stop: a few steps after the warning
+        if hvd.broadcast_object(warned and steps >= 3, root_rank=0, name=f"done{steps}"):
+            break
+    hvd.barrier()
+    if r == 1:
+        # rank 0 shuts down first: the orphan fails, naming it
+        hvd.broadcast_object(None, root_rank=0, name="shutting")
+        core = hvd.ops._state.core
+        while not core.stopped_by_shutdown:
+            assert time.monotonic() < deadline + 60, "rank 0's shutdown never stopped this core"
+            time.sleep(0.01)
+        expect(lambda: hvd.synchronize(left), hvd.HorovodInternalError,
+               "Horovod has been shut down. This was caused by an exception on one of the ranks")
+        expect(lambda: hvd.allreduce(torch.ones(1)), hvd.HorovodInternalError, "(kolo: shut down by rank 0 "
+               "(hvd.shutdown() was called).)")
+    else:
+        hvd.broadcast_object(None, root_rank=0, name="shutting")
+        hvd.shutdown()
+    # a new core after a shutdown the job agreed on, on every rank
+    hvd.init()
+    check(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="again"), torch.full((2,), float(n)), "after the restart")
+
+
 def join():
     """join with uneven data: rank r has r + 1 batches; the ranks that
     joined add zeros to the others' allreduces; every rank learns the last

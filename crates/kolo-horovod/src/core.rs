@@ -11,7 +11,7 @@
 //! waits on no timer.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use kolo_comm::{CommError, Communicator};
@@ -143,6 +143,11 @@ struct SetShared {
     queue: VecDeque<Request>,
     /// Tensors in flight, by name: from submission until their response runs.
     table: HashMap<String, Entry>,
+    /// Every name submitted, with its handle: a name stays taken until its
+    /// caller has seen the handle done or dropped it (see `Handle`).
+    held: HashMap<String, Weak<Handle>>,
+    /// `held` is swept of freed names when it grows past this.
+    sweep_at: usize,
     joined: bool,
 }
 
@@ -150,9 +155,13 @@ struct SetShared {
 struct State {
     sets: BTreeMap<u32, SetShared>,
     ids: SetTable,
-    shutdown_asked: bool,
+    /// This process asked the job to shut down, and why.
+    shutdown_asked: Option<String>,
     /// The loop has stopped; why, for what comes after.
     stopped: Option<Failure>,
+    /// It stopped because the ranks agreed to shut down (this one or a
+    /// peer asked, or a stall passed its shutdown time), not on a failure.
+    agreed_shutdown: bool,
 }
 
 #[derive(Debug)]
@@ -244,7 +253,13 @@ impl Core {
             rank,
             size,
             settings: settings.clone(),
-            state: Mutex::new(State { sets: shared_sets, ids, shutdown_asked: false, stopped: None }),
+            state: Mutex::new(State {
+                sets: shared_sets,
+                ids,
+                shutdown_asked: None,
+                stopped: None,
+                agreed_shutdown: false,
+            }),
             wake: Condvar::new(),
             stats: Mutex::new(Stats::default()),
             device: Mutex::new(None),
@@ -272,7 +287,7 @@ impl Core {
         if let Some(stopped) = &state.stopped {
             return Err(Refused { kind: FailureKind::Internal, message: stopped.message.clone() });
         }
-        if state.shutdown_asked {
+        if state.shutdown_asked.is_some() {
             return Err(Refused::internal(SHUT_DOWN));
         }
         let global_rank = self.shared.rank;
@@ -340,11 +355,12 @@ impl Core {
         let mut names = std::collections::HashSet::with_capacity(tensors.len());
         for t in &tensors {
             let name = table_name(t);
-            if shared.table.contains_key(&name) || !names.insert(name) {
+            if shared.table.contains_key(&name) || shared.is_held(&name) || !names.insert(name) {
                 return Err(Refused::invalid(DUPLICATE_NAME));
             }
         }
         let handle = Handle::new(tensors.len());
+        shared.hold(names, &handle);
         for (index, (t, request)) in tensors.into_iter().zip(requests).enumerate() {
             let name = table_name(&t);
             let mut submit = t;
@@ -434,9 +450,15 @@ impl Core {
     /// Asks every rank to stop (through the next cycle) and waits for this
     /// rank's loop; what is pending fails with `SHUT_DOWN`.
     pub fn shutdown(&self) {
+        self.shutdown_because("its core was shut down");
+    }
+
+    /// As [`shutdown`](Self::shutdown), saying why: every rank's pending
+    /// work fails with `SHUT_DOWN` followed by this rank and `reason`.
+    pub fn shutdown_because(&self, reason: &str) {
         {
             let mut state = self.shared.lock();
-            state.shutdown_asked = true;
+            state.shutdown_asked.get_or_insert_with(|| reason.to_string());
         }
         self.shared.wake.notify_all();
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -450,7 +472,7 @@ impl Core {
             } else {
                 // a peer is frozen or cut off: this rank stops waiting
                 tracing::warn!("Horovod's background thread did not stop within {SHUTDOWN_WAIT:?}; leaving it");
-                fail_all(&self.shared, Failure::internal(SHUT_DOWN));
+                fail_all(&self.shared, Failure::internal(SHUT_DOWN), false);
             }
         }
     }
@@ -470,6 +492,13 @@ impl Core {
     pub fn stopped(&self) -> Option<Failure> {
         self.shared.lock().stopped.clone()
     }
+
+    /// Whether the loop stopped because the ranks agreed to shut down (this
+    /// rank or a peer asked, or a stall passed its shutdown time): every
+    /// rank's loop ended at the same cycle, so all may start anew.
+    pub fn stopped_by_shutdown(&self) -> bool {
+        self.shared.lock().agreed_shutdown
+    }
 }
 
 impl Drop for Core {
@@ -481,9 +510,38 @@ impl Drop for Core {
 impl SetShared {
     fn new(ranks: Vec<u32>, global_rank: u32) -> SetShared {
         let my_rank = ranks.iter().position(|&r| r == global_rank).map(|p| p as u32);
-        SetShared { ranks, my_rank, queue: VecDeque::new(), table: HashMap::new(), joined: false }
+        SetShared {
+            ranks,
+            my_rank,
+            queue: VecDeque::new(),
+            table: HashMap::new(),
+            held: HashMap::new(),
+            sweep_at: HELD_SWEEP_MIN,
+            joined: false,
+        }
+    }
+
+    /// Whether `name`'s last submission is one its caller has not yet seen done.
+    fn is_held(&self, name: &str) -> bool {
+        self.held.get(name).and_then(Weak::upgrade).is_some_and(|h| !h.seen())
+    }
+
+    /// Takes `names` for `handle`; sweeps out the freed names now and then
+    /// (unnamed tensors get a new name each), so that the map stays the
+    /// size of what is unseen, amortised.
+    fn hold(&mut self, names: std::collections::HashSet<String>, handle: &Arc<Handle>) {
+        for name in names {
+            self.held.insert(name, Arc::downgrade(handle));
+        }
+        if self.held.len() >= self.sweep_at {
+            self.held.retain(|_, h| h.upgrade().is_some_and(|h| !h.seen()));
+            self.sweep_at = (self.held.len() * 2).max(HELD_SWEEP_MIN);
+        }
     }
 }
+
+/// The smallest size at which the held names are swept.
+const HELD_SWEEP_MIN: usize = 1024;
 
 /// "Allreduce", "Allgather", ...: how upstream's submission errors name ops.
 fn op_title(kind: RequestType) -> &'static str {
@@ -535,12 +593,14 @@ fn write_stall(file: &std::path::Path, text: &str) {
     }
 }
 
-/// Fails everything pending with `failure` and marks the core stopped.
-fn fail_all(shared: &Shared, failure: Failure) {
+/// Fails everything pending with `failure` and marks the core stopped
+/// (`agreed`: by a shutdown every rank took part in).
+fn fail_all(shared: &Shared, failure: Failure, agreed: bool) {
     let entries: Vec<Entry> = {
         let mut state = shared.lock();
         if state.stopped.is_none() {
             state.stopped = Some(failure.clone());
+            state.agreed_shutdown = agreed;
         }
         state
             .sets
@@ -586,15 +646,16 @@ const QUIET_SLOWDOWN: u32 = 10;
 
 /// How one set's cycle ended.
 struct CycleEnd {
-    /// The job shuts down after this cycle.
-    shutdown: bool,
+    /// The job shuts down after this cycle: who asked, and why.
+    shutdown: Option<String>,
     /// No rank of the set had anything in flight (known with the cache on).
     quiet: bool,
 }
 
 /// What ended the loop.
 enum Stop {
-    ShutDown,
+    /// Every rank agreed to stop; who asked and why.
+    ShutDown(String),
     Failed(Failure),
 }
 
@@ -621,7 +682,7 @@ impl Background {
         // a bug here must fail the waiters, not leave them waiting
         let cycles = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_cycles(static_sets)));
         let stop = match cycles {
-            Ok(Ok(())) => Stop::ShutDown,
+            Ok(Ok(cause)) => Stop::ShutDown(cause),
             Ok(Err(stop)) => stop,
             Err(panic) => {
                 let what = panic
@@ -632,14 +693,15 @@ impl Background {
                 Stop::Failed(Failure::internal(format!("the Horovod core's background thread failed: {what}")))
             }
         };
-        let failure = match stop {
-            Stop::ShutDown => Failure::internal(SHUT_DOWN),
-            Stop::Failed(f) => f,
+        let (failure, agreed) = match stop {
+            Stop::ShutDown(cause) => (Failure::internal(format!("{SHUT_DOWN} {cause}")), true),
+            Stop::Failed(f) => (f, false),
         };
-        fail_all(&self.shared, failure);
+        fail_all(&self.shared, failure, agreed);
     }
 
-    fn run_cycles(&mut self, static_sets: Vec<(u32, Vec<u32>)>) -> Result<(), Stop> {
+    /// Cycles until the ranks agree to shut down: who asked, and why.
+    fn run_cycles(&mut self, static_sets: Vec<(u32, Vec<u32>)>) -> Result<String, Stop> {
         let global = self.global.take().expect("the global communicator");
         let ranks: Vec<u32> = (0..self.shared.size).collect();
         let set = self.set_loop(global, ranks);
@@ -668,20 +730,20 @@ impl Background {
             let ids: Vec<(u32, u64)> = self.sets.iter().map(|(&id, s)| (id, s.serial)).collect();
             // read once a cycle: the global set, which every rank cycles
             // first, then carries it to all, and all stop after this cycle
-            let asked = self.shared.lock().shutdown_asked;
-            let mut shutdown = false;
+            let asked = self.shared.lock().shutdown_asked.clone();
+            let mut shutdown = None;
             for (id, serial) in ids {
                 if self.sets.get(&id).is_some_and(|s| s.serial == serial) {
-                    let ended = self.cycle(id, asked)?;
-                    shutdown |= ended.shutdown;
+                    let ended = self.cycle(id, asked.as_deref())?;
+                    shutdown = shutdown.or(ended.shutdown);
                     // the global set's cycle speaks for every rank's sets
                     if id == 0 {
                         quiet_cycles = if ended.quiet { quiet_cycles.saturating_add(1) } else { 0 };
                     }
                 }
             }
-            if shutdown {
-                return Ok(());
+            if let Some(cause) = shutdown {
+                return Ok(cause);
             }
         }
     }
@@ -720,7 +782,7 @@ impl Background {
         loop {
             let queued = state.sets.values().any(|s| !s.queue.is_empty());
             let now = Instant::now();
-            if queued || state.shutdown_asked || now >= due {
+            if queued || state.shutdown_asked.is_some() || now >= due {
                 return;
             }
             state = self.shared.wake.wait_timeout(state, due - now).unwrap_or_else(|p| p.into_inner()).0;
@@ -732,7 +794,7 @@ impl Background {
     }
 
     /// One set's part of a cycle.
-    fn cycle(&mut self, id: u32, shutdown_asked: bool) -> Result<CycleEnd, Stop> {
+    fn cycle(&mut self, id: u32, shutdown_asked: Option<&str>) -> Result<CycleEnd, Stop> {
         let now = self.now();
         let (mut popped, joined, in_flight) = {
             let mut state = self.shared.lock();
@@ -745,7 +807,9 @@ impl Background {
         let size = set.comm.size();
         let capacity = set.cache.capacity();
         let mut coord = CacheCoordinator::new(set.cache.num_active_bits());
-        coord.shut_down = shutdown_asked;
+        // why this rank stops the job: it goes to the coordinator (so the
+        // cycle is negotiated), and from there to every rank's errors
+        let mut stopping = shutdown_asked.map(str::to_string);
         coord.busy = in_flight || !popped.is_empty();
         for r in &popped {
             if matches!(r.kind, RequestType::Join | RequestType::Barrier)
@@ -790,7 +854,6 @@ impl Background {
             }
         }
         // the stall check: the coordinator's, at most once per interval
-        let mut stall_shutdown = false;
         if set.stall.check_due(now) {
             if set.coordinator.is_some() {
                 if let Some(stall) = set.stall.check(&set.global_ranks, now) {
@@ -804,7 +867,12 @@ impl Background {
                             write_stall(file, &stall.message);
                         }
                     }
-                    stall_shutdown = stall.shut_down;
+                    if stall.shut_down {
+                        stopping = Some(format!(
+                            "its stall inspector found tensors waiting past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: {}",
+                            stall.message
+                        ));
+                    }
                     stats.stall = Some(stall.message);
                 }
             }
@@ -818,7 +886,8 @@ impl Background {
             }
             set.stall.checked(now);
         }
-        coord.shut_down |= stall_shutdown;
+        coord.shut_down = stopping.is_some();
+        coord.uncached |= stopping.is_some();
         let mut send = popped.drain(..).collect::<Vec<_>>();
         if capacity > 0 {
             let mut and = coord.and_vector();
@@ -867,12 +936,11 @@ impl Background {
         let list = if fast {
             let responses: Vec<Response> = coord.hits.iter().map(|&bit| set.cache.get(bit)).collect();
             let rows = row_bytes_of(&self.shared, id);
-            ResponseList {
-                responses: fuse(responses, self.settings.fusion_threshold as i64, &rows),
-                shutdown: coord.shut_down,
-            }
+            // a rank that stops makes the cycle a negotiated one: not here
+            ResponseList { responses: fuse(responses, self.settings.fusion_threshold as i64, &rows), shutdown: None }
         } else {
-            let list = negotiate(set, &self.shared, id, send, &coord, now, self.settings.fusion_threshold)?;
+            let mine = RequestList { requests: send, shutdown: stopping };
+            let list = negotiate(set, &self.shared, id, &mine, &coord, now, self.settings.fusion_threshold)?;
             // every rank caches what was negotiated, in list order
             if capacity > 0 {
                 put_in_cache(set, &self.shared, id, &list, joined, size);
@@ -880,7 +948,7 @@ impl Background {
             list
         };
         set.cache.update_bits();
-        let shutdown = list.shutdown;
+        let shutdown = list.shutdown.clone();
         {
             let mut stats = self.shared.stats.lock().unwrap_or_else(|p| p.into_inner());
             stats.responses += list.responses.len() as u64;
@@ -1060,13 +1128,13 @@ fn negotiate(
     set: &mut SetLoop,
     shared: &Shared,
     id: u32,
-    requests: Vec<Request>,
+    mine: &RequestList,
     coord: &CacheCoordinator,
     now: Duration,
     threshold: u64,
 ) -> Result<ResponseList, Stop> {
     let size = set.comm.size();
-    let mine = postcard::to_stdvec(&RequestList { requests, shutdown: coord.shut_down })
+    let mine = postcard::to_stdvec(mine)
         .map_err(|e| Stop::Failed(Failure::internal(format!("cannot encode a request list: {e}"))))?;
     let mut lengths = vec![0i64; size];
     set.comm.allgather(&[mine.len() as i64], &mut lengths)?;
@@ -1077,14 +1145,17 @@ fn negotiate(
     if let Some(coordinator) = set.coordinator.as_mut() {
         let mut lists = Vec::with_capacity(size);
         let mut at = 0;
-        let mut shutdown = coord.shut_down;
-        for &len in &counts {
+        let mut stopping = Vec::new();
+        for (set_rank, &len) in counts.iter().enumerate() {
             let list: RequestList = postcard::from_bytes(&all[at..at + len])
                 .map_err(|e| Stop::Failed(Failure::internal(format!("a request list did not decode: {e}"))))?;
-            shutdown |= list.shutdown;
+            if let Some(reason) = list.shutdown {
+                stopping.push((set.global_ranks[set_rank], reason));
+            }
             lists.push(list.requests);
             at += len;
         }
+        let shutdown = (!stopping.is_empty()).then(|| shutdown_cause(&stopping));
         let mut responses = Vec::new();
         // the common cache hits first; not once everyone joined, this
         // cycle's joins counted (they would only reduce zeros everywhere)
@@ -1102,6 +1173,27 @@ fn negotiate(
     let list: ResponseList = postcard::from_bytes(&bytes)
         .map_err(|e| Stop::Failed(Failure::internal(format!("the response list did not decode: {e}"))))?;
     Ok(list)
+}
+
+/// Who stopped the job and why, for every rank's errors: `(global rank,
+/// reason)` in rank order; ranks with the same reason are named together.
+fn shutdown_cause(stopping: &[(u32, String)]) -> String {
+    let mut by_reason: Vec<(&str, Vec<u32>)> = Vec::new();
+    for (rank, reason) in stopping {
+        match by_reason.iter_mut().find(|(r, _)| r == reason) {
+            Some((_, ranks)) => ranks.push(*rank),
+            None => by_reason.push((reason, vec![*rank])),
+        }
+    }
+    let parts: Vec<String> = by_reason
+        .iter()
+        .map(|(reason, ranks)| {
+            let list: Vec<String> = ranks.iter().map(u32::to_string).collect();
+            let who = if ranks.len() == 1 { "rank" } else { "ranks" };
+            format!("{who} {} ({reason})", list.join(", "))
+        })
+        .collect();
+    format!("(kolo: shut down by {}.)", parts.join("; "))
 }
 
 /// Every rank caches the cacheable responses of a negotiated list, in order.
@@ -1154,6 +1246,46 @@ mod tests {
         };
         let first = Communicator::connect(config(0)).unwrap();
         (first, other.join().unwrap(), runtime, server)
+    }
+
+    #[test]
+    fn the_shutdown_cause_names_each_rank_with_its_reason() {
+        let one = shutdown_cause(&[(1, "hvd.shutdown() was called".into())]);
+        assert_eq!(one, "(kolo: shut down by rank 1 (hvd.shutdown() was called).)");
+        let many = shutdown_cause(&[
+            (0, "its process is exiting".into()),
+            (1, "hvd.shutdown() was called".into()),
+            (3, "its process is exiting".into()),
+        ]);
+        assert_eq!(
+            many,
+            "(kolo: shut down by ranks 0, 3 (its process is exiting); rank 1 (hvd.shutdown() was called).)"
+        );
+    }
+
+    #[test]
+    fn a_name_is_held_until_its_handle_is_seen_done_or_dropped_and_the_held_names_stay_few() {
+        let mut set = SetShared::new(vec![0, 1], 0);
+        let names = |n: &str| std::iter::once(n.to_string()).collect();
+        let unseen = Handle::new(1);
+        set.hold(names("a"), &unseen);
+        assert!(set.is_held("a"));
+        unseen.finish(0, Ok(Output::default()));
+        assert!(set.is_held("a"), "done, but its caller has not seen it");
+        assert!(unseen.is_done());
+        assert!(!set.is_held("a"), "seen done");
+        let dropped = Handle::new(1);
+        set.hold(names("b"), &dropped);
+        drop(dropped);
+        assert!(!set.is_held("b"), "its handle is gone");
+        // unnamed tensors: a new name each; seen ones are swept out
+        for i in 0..10 * HELD_SWEEP_MIN {
+            let h = Handle::new(1);
+            set.hold(names(&format!("noname.{i}")), &h);
+            h.finish(0, Ok(Output::default()));
+            assert!(h.wait_for(Duration::ZERO));
+        }
+        assert!(set.held.len() <= HELD_SWEEP_MIN, "{} names held", set.held.len());
     }
 
     #[test]

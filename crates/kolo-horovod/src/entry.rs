@@ -2,6 +2,7 @@
 //! them), and the handle through which it learns the outcome: upstream's
 //! `TensorTableEntry` and `HandleManager`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -146,10 +147,19 @@ impl std::fmt::Display for Failure {
 pub type Outcome = Result<Output, Failure>;
 
 /// The outcome of one submission (one tensor, or a group of them).
+///
+/// Its names stay taken (a second submission under one of them is a
+/// duplicate) until the caller has seen it done: `is_done` or `wait_for`
+/// answering yes, `outcomes` answering, or the handle dropped. Upstream's
+/// names are free once the op ran, which its cycle timer keeps from
+/// happening within a millisecond of the submission; kolo's loop can run a
+/// ready op within microseconds, so a name is held as long as its caller
+/// cannot tell whether it ran.
 #[derive(Debug)]
 pub struct Handle {
     slots: Mutex<Slots>,
     done: Condvar,
+    seen: AtomicBool,
 }
 
 struct Slots {
@@ -171,6 +181,7 @@ impl Handle {
         Arc::new(Handle {
             slots: Mutex::new(Slots { outcomes: vec![None; tensors], left: tensors, then: None }),
             done: Condvar::new(),
+            seen: AtomicBool::new(false),
         })
     }
 
@@ -208,26 +219,47 @@ impl Handle {
         }
     }
 
-    /// Whether every tensor is done.
+    /// Whether every tensor is done (a yes frees its names).
     pub fn is_done(&self) -> bool {
-        self.lock().left == 0
+        let done = self.lock().left == 0;
+        self.saw(done)
     }
 
-    /// Waits up to `limit` for every tensor; whether they are done.
+    /// Waits up to `limit` for every tensor; whether they are done (a yes
+    /// frees its names).
     pub fn wait_for(&self, limit: Duration) -> bool {
         let slots = self.lock();
         let (slots, _) = self.done.wait_timeout_while(slots, limit, |s| s.left > 0).unwrap_or_else(|p| p.into_inner());
-        slots.left == 0
+        let done = slots.left == 0;
+        drop(slots);
+        self.saw(done)
     }
 
-    /// Every tensor's outcome, once done; a grouped handle fails with its
-    /// last tensor's failure, as upstream's does.
+    /// Every tensor's outcome, once done (which frees its names); a
+    /// grouped handle fails with its last tensor's failure, as upstream's
+    /// does.
     pub fn outcomes(&self) -> Option<Vec<Outcome>> {
         let slots = self.lock();
         if slots.left > 0 {
             return None;
         }
-        Some(slots.outcomes.iter().map(|o| o.clone().expect("done")).collect())
+        let outcomes = slots.outcomes.iter().map(|o| o.clone().expect("done")).collect();
+        drop(slots);
+        self.saw(true);
+        Some(outcomes)
+    }
+
+    fn saw(&self, done: bool) -> bool {
+        if done {
+            self.seen.store(true, Ordering::Release);
+        }
+        done
+    }
+
+    /// Whether its caller has seen it done: until then its names are in
+    /// flight for the duplicate check.
+    pub(crate) fn seen(&self) -> bool {
+        self.seen.load(Ordering::Acquire)
     }
 }
 

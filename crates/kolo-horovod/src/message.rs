@@ -280,8 +280,9 @@ impl Response {
 pub struct RequestList {
     /// The requests this rank took from its queue this cycle, in order.
     pub requests: Vec<Request>,
-    /// This rank wants the core to shut down.
-    pub shutdown: bool,
+    /// This rank wants the core to shut down, and why (`hvd.shutdown()`,
+    /// its process exiting, a stall past its shutdown time).
+    pub shutdown: Option<String>,
 }
 
 /// The coordinator's answer to a cycle: every rank runs exactly these, in
@@ -291,8 +292,8 @@ pub struct ResponseList {
     /// What to run, in order.
     pub responses: Vec<Response>,
     /// Some rank wants to shut down (or a stall passed its shutdown time):
-    /// every rank stops after this cycle.
-    pub shutdown: bool,
+    /// every rank stops after this cycle; the text says who and why.
+    pub shutdown: Option<String>,
 }
 
 /// `[a, b]`: upstream's `TensorShape::DebugString`.
@@ -408,7 +409,7 @@ mod tests {
     fn lists_go_over_the_wire_and_back() {
         let mut r = Request::new(1, RequestType::Allgather, DataType::Float32, "allgather.x", vec![3, 4]);
         r.prescale = 0.5;
-        let list = RequestList { requests: vec![r], shutdown: true };
+        let list = RequestList { requests: vec![r], shutdown: Some("asked".into()) };
         let bytes = postcard::to_stdvec(&list).unwrap();
         assert_eq!(postcard::from_bytes::<RequestList>(&bytes).unwrap(), list);
     }

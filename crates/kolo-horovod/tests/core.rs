@@ -49,7 +49,8 @@ impl Job {
                     // every rank's loop ended with the shutdown every rank
                     // agreed on, not with a peer that stopped cycling first
                     let stopped = core.stopped().expect("stopped").message;
-                    assert_eq!(stopped, kolo_horovod::SHUT_DOWN, "rank {r}");
+                    assert!(stopped.starts_with(kolo_horovod::SHUT_DOWN), "rank {r}: {stopped}");
+                    assert!(core.stopped_by_shutdown(), "rank {r}");
                     result
                 })
             })
@@ -226,6 +227,125 @@ fn a_name_in_flight_is_refused_as_a_duplicate_and_free_once_done() {
     assert_eq!((results[0].1, results[1].1), (2.0, 2.0));
 }
 
+#[test]
+fn a_name_stays_taken_until_its_handle_is_seen_done_even_when_its_collective_already_ran() {
+    // the fast case upstream's cycle timer never shows: the peer's
+    // submission is already with the coordinator, so the op runs at once
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |rank, core| {
+        let (mut d, mut again, mut sync, mut after) = (vec![1.0f32; 4], vec![1.0f32; 4], vec![0.0f32; 1], [0.0f32; 1]);
+        if rank == 1 {
+            let first = core.submit(0, vec![allreduce_submit("allreduce.d", &mut d, ReduceOp::Sum)]).unwrap();
+            // queued after "d": once it is done, the coordinator has "d"
+            allreduce(core, 0, "allreduce.sync", &mut sync, ReduceOp::Sum).unwrap();
+            wait(&first);
+            allreduce(core, 0, "allreduce.after", &mut after, ReduceOp::Sum).unwrap();
+            wait_until(|| RESUBMITTED.load(Ordering::SeqCst));
+            allreduce(core, 0, "allreduce.d", &mut again, ReduceOp::Sum).unwrap();
+            return (None, d[0]);
+        }
+        allreduce(core, 0, "allreduce.sync", &mut sync, ReduceOp::Sum).unwrap();
+        let first = core.submit(0, vec![allreduce_submit("allreduce.d", &mut d, ReduceOp::Sum)]).unwrap();
+        // responses run in order: once "after" is done here, so is "d"
+        allreduce(core, 0, "allreduce.after", &mut after, ReduceOp::Sum).unwrap();
+        let refused = core.submit(0, vec![allreduce_submit("allreduce.d", &mut again, ReduceOp::Sum)]).unwrap_err();
+        // seen done, the name is free
+        assert!(first.is_done());
+        let second = core.submit(0, vec![allreduce_submit("allreduce.d", &mut again, ReduceOp::Sum)]).unwrap();
+        RESUBMITTED.store(true, Ordering::SeqCst);
+        wait(&second);
+        (Some((refused.kind, refused.message)), d[0])
+    });
+    assert_eq!(results[0].0, Some((FailureKind::Invalid, kolo_horovod::DUPLICATE_NAME.to_string())));
+    assert_eq!((results[0].1, results[1].1), (2.0, 2.0));
+}
+
+#[test]
+fn a_dropped_handle_frees_its_names() {
+    let job = Job::new();
+    let results = job.run(2, settings(), vec![], |_, core| {
+        let mut v = vec![1.0f32; 4];
+        let handle = core.submit(0, vec![allreduce_submit("allreduce.dropped", &mut v, ReduceOp::Sum)]).unwrap();
+        let mut after = [0.0f32; 1];
+        allreduce(core, 0, "allreduce.after", &mut after, ReduceOp::Sum).unwrap();
+        drop(handle);
+        allreduce(core, 0, "allreduce.dropped", &mut v, ReduceOp::Sum).map(|_| v[0])
+    });
+    assert_eq!(results, vec![Ok(4.0), Ok(4.0)]);
+}
+
+#[test]
+fn a_tensor_one_rank_leaves_unmatched_stalls_alone_while_every_other_collective_runs() {
+    let job = Job::new();
+    let mut s = settings();
+    s.stall.warning = Duration::from_secs(1);
+    let results = job.run(2, s, vec![], |rank, core| {
+        // a failed step on rank 1 left this behind; its memory stays valid
+        // until the handle is done (it never runs)
+        let orphan = (rank == 1).then(|| {
+            let memory: &'static mut [f32] = Box::leak(vec![1.0f32; 4].into_boxed_slice());
+            core.submit(0, vec![allreduce_submit("allreduce.orphan", memory, ReduceOp::Sum)]).unwrap()
+        });
+        let mut sums = Vec::new();
+        let mut step = 0;
+        // the other collectives go on, before the warning and after it
+        loop {
+            let mut v = vec![(rank + 1) as f32; 8];
+            allreduce(core, 0, &format!("allreduce.step{step}"), &mut v, ReduceOp::Sum).unwrap();
+            sums.push(v[0]);
+            step += 1;
+            let warned = if rank == 0 { core.stats().stall.is_some() } else { STALL_WARNED.load(Ordering::SeqCst) };
+            if rank == 0 && warned {
+                STALL_WARNED.store(true, Ordering::SeqCst);
+            }
+            // rank 0 decides when to stop: a step both ranks take
+            let mut more = [f32::from(!warned || step < 3)];
+            allreduce(core, 0, &format!("allreduce.more{step}"), &mut more, ReduceOp::Max).unwrap();
+            if more[0] == 0.0 {
+                break;
+            }
+        }
+        (sums, core.stats().stall, orphan)
+    });
+    for (rank, (sums, _, _)) in results.iter().enumerate() {
+        assert!(sums.iter().all(|&x| x == 3.0), "rank {rank}: {sums:?}");
+    }
+    let warning = results[0].1.clone().expect("rank 0 warned");
+    assert!(warning.ends_with("Missing ranks:\n0: [allreduce.orphan]"), "{warning}");
+    // the shutdown at the end fails it, naming who shut down
+    let orphan = results[1].2.as_ref().unwrap();
+    let failure = orphan.outcomes().unwrap().remove(0).unwrap_err();
+    assert!(failure.message.starts_with(kolo_horovod::SHUT_DOWN), "{}", failure.message);
+    // both ranks shut down at the end: one of them, or both, in one cycle
+    assert!(failure.message.contains("(kolo: shut down by rank"), "{}", failure.message);
+    assert!(failure.message.ends_with("(its core was shut down).)"), "{}", failure.message);
+}
+
+#[test]
+fn a_stall_past_its_shutdown_time_stops_every_rank_naming_the_tensor_and_the_missing_rank() {
+    let job = Job::new();
+    let mut s = settings();
+    s.stall.warning = Duration::from_secs(1);
+    s.stall.shutdown = Duration::from_secs(2);
+    let results = job.run(2, s, vec![], |rank, core| {
+        let mut v = vec![1.0f32; 4];
+        if rank == 1 {
+            let handle = core.submit(0, vec![allreduce_submit("allreduce.alone", &mut v, ReduceOp::Sum)]).unwrap();
+            wait(&handle);
+            return handle.outcomes().unwrap().remove(0).unwrap_err().message;
+        }
+        wait_until(|| core.stopped().is_some());
+        core.stopped().unwrap().message
+    });
+    for message in &results {
+        assert!(message.starts_with(kolo_horovod::SHUT_DOWN), "{message}");
+        assert!(message.contains("shut down by rank 0 (its stall inspector found tensors waiting past"), "{message}");
+        assert!(message.contains("0!: [allreduce.alone]"), "{message}");
+    }
+}
+
+static RESUBMITTED: AtomicBool = AtomicBool::new(false);
+static STALL_WARNED: AtomicBool = AtomicBool::new(false);
 static DUPLICATE_TRIED: AtomicBool = AtomicBool::new(false);
 static STALL_SEEN: AtomicBool = AtomicBool::new(false);
 
@@ -438,7 +558,10 @@ fn after_one_rank_shuts_down_the_others_pending_work_fails_with_upstreams_messag
             }
         }
     });
-    assert_eq!(results[1].as_deref(), Some(kolo_horovod::SHUT_DOWN));
+    // upstream's text, then who stopped the job and why
+    let message = results[1].clone().unwrap();
+    assert!(message.starts_with(kolo_horovod::SHUT_DOWN), "{message}");
+    assert!(message.ends_with("(kolo: shut down by rank 0 (its core was shut down).)"), "{message}");
 }
 
 fn allgather_submit(name: &str, rows: &mut [i32]) -> Submit {

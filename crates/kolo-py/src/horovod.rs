@@ -257,11 +257,21 @@ impl HorovodCore {
         crate::tensorflow::serve(Some(self.core.clone()), local_rank, local_size);
     }
 
-    /// Stops the core with every rank (waiting for this rank's loop).
-    fn shutdown(&self, py: Python<'_>) {
+    /// Stops the core with every rank (waiting for this rank's loop);
+    /// `reason` goes into every rank's errors for what was pending.
+    #[pyo3(signature = (reason="hvd.shutdown() was called"))]
+    fn shutdown(&self, py: Python<'_>, reason: &str) {
         crate::tensorflow::stop_serving(&self.core);
         let core = self.core.clone();
-        py.allow_threads(move || core.shutdown());
+        py.allow_threads(move || core.shutdown_because(reason));
+    }
+
+    /// Whether the loop stopped because the ranks agreed to shut down (a
+    /// peer's `hvd.shutdown()`, a stall past its shutdown time), after which
+    /// every rank may start a new core.
+    #[getter]
+    fn stopped_by_shutdown(&self) -> bool {
+        self.core.stopped_by_shutdown()
     }
 
     /// What the loop has done: cycles, negotiated cycles, requests sent to

@@ -204,7 +204,12 @@ def init(comm=None, process_sets=None):
     a rendezvous. `process_sets`: sets registered now (a list of
     `ProcessSet`s or rank lists), or "dynamic" to add them later."""
     if _state.core is not None:
-        return
+        if not _state.core.stopped_by_shutdown:
+            return
+        # the job shut this core down (a peer's shutdown, a stall past its
+        # shutdown time): a new one starts with the ranks that init again,
+        # as after this rank's own shutdown
+        shutdown()
     if comm is not None:
         raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
     sets, ranks = _static_sets(process_sets)
@@ -234,7 +239,7 @@ def init(comm=None, process_sets=None):
     for ps in sets:
         ps.process_set_id = core.process_set_id(ps.ranks)
     if not _state.atexit:
-        atexit.register(shutdown)
+        atexit.register(_stop, "its process is exiting")
         _state.atexit = True
 
 
@@ -259,13 +264,18 @@ def _join_job(sets):
 
 def shutdown():
     """Stops the core with every rank; `init()` may be called again."""
+    _stop("hvd.shutdown() was called")
+
+
+def _stop(reason):
+    """`shutdown`, saying why in every rank's errors for pending work."""
     core, _state.core = _state.core, None
     _state.ranks = None
     _state.handles.clear()
     _state.last_handle = 0
     global_process_set.ranks = []
     if core is not None:
-        core.shutdown()
+        core.shutdown(reason)
         for stop in _stops:
             stop(core)
     comm, _state.comm = _state.comm, None
