@@ -249,7 +249,7 @@ def orphan():
             assert time.monotonic() < deadline + 60, "rank 0's shutdown never stopped this core"
             time.sleep(0.01)
         expect(lambda: hvd.synchronize(left), hvd.HorovodInternalError,
-               "Horovod has been shut down. This was caused by an exception on one of the ranks")
+               "(kolo: shut down by rank 0 (hvd.shutdown() was called) while allreduce.orphan was pending here.)")
         expect(lambda: hvd.allreduce(torch.ones(1)), hvd.HorovodInternalError, "(kolo: shut down by rank 0 "
                "(hvd.shutdown() was called).)")
     else:

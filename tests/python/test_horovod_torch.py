@@ -98,7 +98,7 @@ def test_a_test_failing_on_one_rank_with_a_collective_left_unmatched_leaves_the_
     # it pass everywhere
     for r in range(n):
         assert any(l.startswith(f"[{r}]<stdout>:1 failed, 2 passed") for l in lines), out.stdout
-        cause = "rank 1 fails here" if r == 1 else "(kolo: shut down by rank 1 (hvd.shutdown() was called).)"
+        cause = "rank 1 fails here" if r == 1 else "(kolo: shut down by rank 1 (hvd.shutdown() was called)"
         assert any(l.startswith(f"[{r}]<stdout>:") and cause in l for l in lines), out.stdout
 
 

@@ -472,7 +472,7 @@ impl Core {
             } else {
                 // a peer is frozen or cut off: this rank stops waiting
                 tracing::warn!("Horovod's background thread did not stop within {SHUTDOWN_WAIT:?}; leaving it");
-                fail_all(&self.shared, Failure::internal(SHUT_DOWN), false);
+                fail_all(&self.shared, Failure::internal(SHUT_DOWN), None);
             }
         }
     }
@@ -593,14 +593,15 @@ fn write_stall(file: &std::path::Path, text: &str) {
     }
 }
 
-/// Fails everything pending with `failure` and marks the core stopped
-/// (`agreed`: by a shutdown every rank took part in).
-fn fail_all(shared: &Shared, failure: Failure, agreed: bool) {
+/// Fails everything pending with `failure` and marks the core stopped;
+/// after a shutdown every rank agreed on (`shut_down_by`: who asked, and
+/// why) each pending tensor's error names it too.
+fn fail_all(shared: &Shared, failure: Failure, shut_down_by: Option<&str>) {
     let entries: Vec<Entry> = {
         let mut state = shared.lock();
         if state.stopped.is_none() {
             state.stopped = Some(failure.clone());
-            state.agreed_shutdown = agreed;
+            state.agreed_shutdown = shut_down_by.is_some();
         }
         state
             .sets
@@ -612,7 +613,14 @@ fn fail_all(shared: &Shared, failure: Failure, agreed: bool) {
             .collect()
     };
     for entry in entries {
-        entry.finish(Err(failure.clone()));
+        let failure = match shut_down_by {
+            Some(cause) => Failure::internal(format!(
+                "{SHUT_DOWN} (kolo: shut down by {cause} while {} was pending here.)",
+                entry.submit.name
+            )),
+            None => failure.clone(),
+        };
+        entry.finish(Err(failure));
     }
 }
 
@@ -693,11 +701,13 @@ impl Background {
                 Stop::Failed(Failure::internal(format!("the Horovod core's background thread failed: {what}")))
             }
         };
-        let (failure, agreed) = match stop {
-            Stop::ShutDown(cause) => (Failure::internal(format!("{SHUT_DOWN} {cause}")), true),
-            Stop::Failed(f) => (f, false),
-        };
-        fail_all(&self.shared, failure, agreed);
+        match stop {
+            Stop::ShutDown(cause) => {
+                let failure = Failure::internal(format!("{SHUT_DOWN} (kolo: shut down by {cause}.)"));
+                fail_all(&self.shared, failure, Some(&cause));
+            }
+            Stop::Failed(failure) => fail_all(&self.shared, failure, None),
+        }
     }
 
     /// Cycles until the ranks agree to shut down: who asked, and why.
@@ -1176,7 +1186,8 @@ fn negotiate(
 }
 
 /// Who stopped the job and why, for every rank's errors: `(global rank,
-/// reason)` in rank order; ranks with the same reason are named together.
+/// reason)` in rank order; ranks with the same reason are named together
+/// ("rank 1 (hvd.shutdown() was called)").
 fn shutdown_cause(stopping: &[(u32, String)]) -> String {
     let mut by_reason: Vec<(&str, Vec<u32>)> = Vec::new();
     for (rank, reason) in stopping {
@@ -1193,7 +1204,7 @@ fn shutdown_cause(stopping: &[(u32, String)]) -> String {
             format!("{who} {} ({reason})", list.join(", "))
         })
         .collect();
-    format!("(kolo: shut down by {}.)", parts.join("; "))
+    parts.join("; ")
 }
 
 /// Every rank caches the cacheable responses of a negotiated list, in order.
@@ -1251,16 +1262,13 @@ mod tests {
     #[test]
     fn the_shutdown_cause_names_each_rank_with_its_reason() {
         let one = shutdown_cause(&[(1, "hvd.shutdown() was called".into())]);
-        assert_eq!(one, "(kolo: shut down by rank 1 (hvd.shutdown() was called).)");
+        assert_eq!(one, "rank 1 (hvd.shutdown() was called)");
         let many = shutdown_cause(&[
             (0, "its process is exiting".into()),
             (1, "hvd.shutdown() was called".into()),
             (3, "its process is exiting".into()),
         ]);
-        assert_eq!(
-            many,
-            "(kolo: shut down by ranks 0, 3 (its process is exiting); rank 1 (hvd.shutdown() was called).)"
-        );
+        assert_eq!(many, "ranks 0, 3 (its process is exiting); rank 1 (hvd.shutdown() was called)");
     }
 
     #[test]
