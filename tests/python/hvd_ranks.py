@@ -212,7 +212,7 @@ def duplicates():
             first = call(t, "dup")
         # responses run in order: once this is done here, so is "dup"
         hvd.allreduce(torch.ones(1), name=f"{op}.after")
-        expect(lambda: call(t, "dup"), ValueError, text)
+        expect(lambda call=call, t=t: call(t, "dup"), ValueError, text)
         # seen done (polled on rank 0, waited for elsewhere), it is free
         if r == 0:
             assert hvd.poll(first), f"{op}: done but not polled done"

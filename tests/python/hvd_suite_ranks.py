@@ -6,9 +6,8 @@ the other ranks wait at. The tests after it must pass on every rank."""
 
 import unittest
 
-import torch
-
 import horovod.torch as hvd
+import torch
 
 
 class Suite(unittest.TestCase):
