@@ -245,7 +245,7 @@ def orphan():
         # rank 0 shuts down first: the orphan fails, naming it
         hvd.broadcast_object(None, root_rank=0, name="shutting")
         core = hvd.ops._state.core
-        while not core.stopped_by_shutdown:
+        while not core.restartable:
             assert time.monotonic() < deadline + 60, "rank 0's shutdown never stopped this core"
             time.sleep(0.01)
         expect(lambda: hvd.synchronize(left), hvd.HorovodInternalError,

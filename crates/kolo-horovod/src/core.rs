@@ -21,7 +21,9 @@ use crate::device::{self, DeviceExecutor, DeviceWork};
 use crate::entry::{Entry, Failure, FailureKind, Handle, Output, Submit};
 use crate::exec::{self, Aligned};
 use crate::fusion::fuse;
-use crate::message::{Request, RequestList, RequestType, Response, ResponseList, ResponseType, JOIN_TENSOR_NAME};
+use crate::message::{
+    Request, RequestList, RequestType, Response, ResponseList, ResponseType, Stopping, JOIN_TENSOR_NAME,
+};
 use crate::negotiate::Coordinator;
 use crate::process_sets::{checked_ranks, SetError, SetTable};
 use crate::stall::{StallInspector, StallSettings};
@@ -156,12 +158,13 @@ struct State {
     sets: BTreeMap<u32, SetShared>,
     ids: SetTable,
     /// This process asked the job to shut down, and why.
-    shutdown_asked: Option<String>,
+    shutdown_asked: Option<Stopping>,
     /// The loop has stopped; why, for what comes after.
     stopped: Option<Failure>,
     /// It stopped because the ranks agreed to shut down (this one or a
-    /// peer asked, or a stall passed its shutdown time), not on a failure.
-    agreed_shutdown: bool,
+    /// peer asked, or a stall passed its shutdown time), not on a failure,
+    /// and no rank that asked is exiting: every rank may start anew.
+    restartable: bool,
 }
 
 #[derive(Debug)]
@@ -258,7 +261,7 @@ impl Core {
                 ids,
                 shutdown_asked: None,
                 stopped: None,
-                agreed_shutdown: false,
+                restartable: false,
             }),
             wake: Condvar::new(),
             stats: Mutex::new(Stats::default()),
@@ -450,15 +453,17 @@ impl Core {
     /// Asks every rank to stop (through the next cycle) and waits for this
     /// rank's loop; what is pending fails with `SHUT_DOWN`.
     pub fn shutdown(&self) {
-        self.shutdown_because("its core was shut down");
+        self.shutdown_because("its core was shut down", false);
     }
 
     /// As [`shutdown`](Self::shutdown), saying why: every rank's pending
     /// work fails with `SHUT_DOWN` followed by this rank and `reason`.
-    pub fn shutdown_because(&self, reason: &str) {
+    /// `exiting`: this process ends, so its peers must not wait for it to
+    /// start a core again (see [`restartable`](Self::restartable)).
+    pub fn shutdown_because(&self, reason: &str, exiting: bool) {
         {
             let mut state = self.shared.lock();
-            state.shutdown_asked.get_or_insert_with(|| reason.to_string());
+            state.shutdown_asked.get_or_insert_with(|| Stopping { reason: reason.to_string(), exiting });
         }
         self.shared.wake.notify_all();
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -494,10 +499,11 @@ impl Core {
     }
 
     /// Whether the loop stopped because the ranks agreed to shut down (this
-    /// rank or a peer asked, or a stall passed its shutdown time): every
-    /// rank's loop ended at the same cycle, so all may start anew.
-    pub fn stopped_by_shutdown(&self) -> bool {
-        self.shared.lock().agreed_shutdown
+    /// rank or a peer asked, or a stall passed its shutdown time), with no
+    /// rank that asked exiting: every rank's loop ended at the same cycle
+    /// and every rank is still there, so all may start a core anew.
+    pub fn restartable(&self) -> bool {
+        self.shared.lock().restartable
     }
 }
 
@@ -596,12 +602,12 @@ fn write_stall(file: &std::path::Path, text: &str) {
 /// Fails everything pending with `failure` and marks the core stopped;
 /// after a shutdown every rank agreed on (`shut_down_by`: who asked, and
 /// why) each pending tensor's error names it too.
-fn fail_all(shared: &Shared, failure: Failure, shut_down_by: Option<&str>) {
+fn fail_all(shared: &Shared, failure: Failure, shut_down_by: Option<&Stopping>) {
     let entries: Vec<Entry> = {
         let mut state = shared.lock();
         if state.stopped.is_none() {
             state.stopped = Some(failure.clone());
-            state.agreed_shutdown = shut_down_by.is_some();
+            state.restartable = shut_down_by.is_some_and(|s| !s.exiting);
         }
         state
             .sets
@@ -614,9 +620,9 @@ fn fail_all(shared: &Shared, failure: Failure, shut_down_by: Option<&str>) {
     };
     for entry in entries {
         let failure = match shut_down_by {
-            Some(cause) => Failure::internal(format!(
-                "{SHUT_DOWN} (kolo: shut down by {cause} while {} was pending here.)",
-                entry.submit.name
+            Some(by) => Failure::internal(format!(
+                "{SHUT_DOWN} (kolo: shut down by {} while {} was pending here.)",
+                by.reason, entry.submit.name
             )),
             None => failure.clone(),
         };
@@ -645,6 +651,9 @@ struct Background {
     fusion: Aligned,
     started: Instant,
     sets_made: u64,
+    /// A stall past its shutdown time found here as some set's
+    /// coordinator: asked of every rank through the next global cycle.
+    stall_stop: Option<Stopping>,
 }
 
 /// After this many cycles with nothing in flight anywhere, the loop
@@ -655,7 +664,7 @@ const QUIET_SLOWDOWN: u32 = 10;
 /// How one set's cycle ended.
 struct CycleEnd {
     /// The job shuts down after this cycle: who asked, and why.
-    shutdown: Option<String>,
+    shutdown: Option<Stopping>,
     /// No rank of the set had anything in flight (known with the cache on).
     quiet: bool,
 }
@@ -663,7 +672,7 @@ struct CycleEnd {
 /// What ended the loop.
 enum Stop {
     /// Every rank agreed to stop; who asked and why.
-    ShutDown(String),
+    ShutDown(Stopping),
     Failed(Failure),
 }
 
@@ -683,6 +692,7 @@ impl Background {
             fusion: Aligned::default(),
             started: Instant::now(),
             sets_made: 0,
+            stall_stop: None,
         }
     }
 
@@ -702,16 +712,16 @@ impl Background {
             }
         };
         match stop {
-            Stop::ShutDown(cause) => {
-                let failure = Failure::internal(format!("{SHUT_DOWN} (kolo: shut down by {cause}.)"));
-                fail_all(&self.shared, failure, Some(&cause));
+            Stop::ShutDown(by) => {
+                let failure = Failure::internal(format!("{SHUT_DOWN} (kolo: shut down by {}.)", by.reason));
+                fail_all(&self.shared, failure, Some(&by));
             }
             Stop::Failed(failure) => fail_all(&self.shared, failure, None),
         }
     }
 
     /// Cycles until the ranks agree to shut down: who asked, and why.
-    fn run_cycles(&mut self, static_sets: Vec<(u32, Vec<u32>)>) -> Result<String, Stop> {
+    fn run_cycles(&mut self, static_sets: Vec<(u32, Vec<u32>)>) -> Result<Stopping, Stop> {
         let global = self.global.take().expect("the global communicator");
         let ranks: Vec<u32> = (0..self.shared.size).collect();
         let set = self.set_loop(global, ranks);
@@ -740,14 +750,17 @@ impl Background {
             let ids: Vec<(u32, u64)> = self.sets.iter().map(|(&id, s)| (id, s.serial)).collect();
             // read once a cycle: the global set, which every rank cycles
             // first, then carries it to all, and all stop after this cycle
-            let asked = self.shared.lock().shutdown_asked.clone();
+            // (a stall past its shutdown time found by the coordinator of
+            // any set goes the same way, a cycle later: a set's own verdict
+            // would stop its members only)
+            let asked = self.shared.lock().shutdown_asked.clone().or_else(|| self.stall_stop.clone());
             let mut shutdown = None;
             for (id, serial) in ids {
                 if self.sets.get(&id).is_some_and(|s| s.serial == serial) {
-                    let ended = self.cycle(id, asked.as_deref())?;
-                    shutdown = shutdown.or(ended.shutdown);
+                    let ended = self.cycle(id, asked.as_ref())?;
                     // the global set's cycle speaks for every rank's sets
                     if id == 0 {
+                        shutdown = ended.shutdown;
                         quiet_cycles = if ended.quiet { quiet_cycles.saturating_add(1) } else { 0 };
                     }
                 }
@@ -804,7 +817,7 @@ impl Background {
     }
 
     /// One set's part of a cycle.
-    fn cycle(&mut self, id: u32, shutdown_asked: Option<&str>) -> Result<CycleEnd, Stop> {
+    fn cycle(&mut self, id: u32, shutdown_asked: Option<&Stopping>) -> Result<CycleEnd, Stop> {
         let now = self.now();
         let (mut popped, joined, in_flight) = {
             let mut state = self.shared.lock();
@@ -819,7 +832,7 @@ impl Background {
         let mut coord = CacheCoordinator::new(set.cache.num_active_bits());
         // why this rank stops the job: it goes to the coordinator (so the
         // cycle is negotiated), and from there to every rank's errors
-        let mut stopping = shutdown_asked.map(str::to_string);
+        let stopping = shutdown_asked.cloned();
         coord.busy = in_flight || !popped.is_empty();
         for r in &popped {
             if matches!(r.kind, RequestType::Join | RequestType::Barrier)
@@ -877,11 +890,12 @@ impl Background {
                             write_stall(file, &stall.message);
                         }
                     }
-                    if stall.shut_down {
-                        stopping = Some(format!(
+                    if stall.shut_down && self.stall_stop.is_none() {
+                        let reason = format!(
                             "its stall inspector found tensors waiting past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: {}",
                             stall.message
-                        ));
+                        );
+                        self.stall_stop = Some(Stopping { reason, exiting: false });
                     }
                     stats.stall = Some(stall.message);
                 }
@@ -1156,16 +1170,18 @@ fn negotiate(
         let mut lists = Vec::with_capacity(size);
         let mut at = 0;
         let mut stopping = Vec::new();
+        let mut exiting = false;
         for (set_rank, &len) in counts.iter().enumerate() {
             let list: RequestList = postcard::from_bytes(&all[at..at + len])
                 .map_err(|e| Stop::Failed(Failure::internal(format!("a request list did not decode: {e}"))))?;
-            if let Some(reason) = list.shutdown {
-                stopping.push((set.global_ranks[set_rank], reason));
+            if let Some(asked) = list.shutdown {
+                exiting |= asked.exiting;
+                stopping.push((set.global_ranks[set_rank], asked.reason));
             }
             lists.push(list.requests);
             at += len;
         }
-        let shutdown = (!stopping.is_empty()).then(|| shutdown_cause(&stopping));
+        let shutdown = (!stopping.is_empty()).then(|| Stopping { reason: shutdown_cause(&stopping), exiting });
         let mut responses = Vec::new();
         // the common cache hits first; not once everyone joined, this
         // cycle's joins counted (they would only reduce zeros everywhere)

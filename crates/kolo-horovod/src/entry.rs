@@ -225,6 +225,12 @@ impl Handle {
         self.saw(done)
     }
 
+    /// Whether every tensor is done, for the machinery around the caller
+    /// (the caller itself has not seen it: its names stay taken).
+    pub fn is_complete(&self) -> bool {
+        self.lock().left == 0
+    }
+
     /// Waits up to `limit` for every tensor; whether they are done (a yes
     /// frees its names).
     pub fn wait_for(&self, limit: Duration) -> bool {

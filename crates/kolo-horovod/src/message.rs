@@ -282,7 +282,17 @@ pub struct RequestList {
     pub requests: Vec<Request>,
     /// This rank wants the core to shut down, and why (`hvd.shutdown()`,
     /// its process exiting, a stall past its shutdown time).
-    pub shutdown: Option<String>,
+    pub shutdown: Option<Stopping>,
+}
+
+/// Why a rank stops the job's core (or, in a response list, why the ranks
+/// that stop it do).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stopping {
+    /// Who and why, as every rank's errors say it.
+    pub reason: String,
+    /// A rank that stops is exiting: it will not start a core again.
+    pub exiting: bool,
 }
 
 /// The coordinator's answer to a cycle: every rank runs exactly these, in
@@ -293,7 +303,7 @@ pub struct ResponseList {
     pub responses: Vec<Response>,
     /// Some rank wants to shut down (or a stall passed its shutdown time):
     /// every rank stops after this cycle; the text says who and why.
-    pub shutdown: Option<String>,
+    pub shutdown: Option<Stopping>,
 }
 
 /// `[a, b]`: upstream's `TensorShape::DebugString`.
@@ -409,7 +419,8 @@ mod tests {
     fn lists_go_over_the_wire_and_back() {
         let mut r = Request::new(1, RequestType::Allgather, DataType::Float32, "allgather.x", vec![3, 4]);
         r.prescale = 0.5;
-        let list = RequestList { requests: vec![r], shutdown: Some("asked".into()) };
+        let list =
+            RequestList { requests: vec![r], shutdown: Some(Stopping { reason: "asked".into(), exiting: true }) };
         let bytes = postcard::to_stdvec(&list).unwrap();
         assert_eq!(postcard::from_bytes::<RequestList>(&bytes).unwrap(), list);
     }

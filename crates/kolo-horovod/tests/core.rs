@@ -50,7 +50,6 @@ impl Job {
                     // agreed on, not with a peer that stopped cycling first
                     let stopped = core.stopped().expect("stopped").message;
                     assert!(stopped.starts_with(kolo_horovod::SHUT_DOWN), "rank {r}: {stopped}");
-                    assert!(core.stopped_by_shutdown(), "rank {r}");
                     result
                 })
             })
@@ -566,6 +565,47 @@ fn after_one_rank_shuts_down_the_others_pending_work_fails_with_upstreams_messag
     let message = results[1].clone().unwrap();
     assert!(message.starts_with(kolo_horovod::SHUT_DOWN), "{message}");
     assert!(message.contains("(kolo: shut down by rank 0 (its core was shut down)"), "{message}");
+}
+
+#[test]
+fn a_shutdown_every_rank_agreed_on_may_be_followed_by_a_new_core_unless_a_rank_that_asked_is_exiting() {
+    let job = Job::new();
+    for exiting in [false, true] {
+        let results = job.run(2, settings(), vec![], move |rank, core| {
+            if rank == 0 {
+                core.shutdown_because("its process is exiting", exiting);
+            } else {
+                wait_until(|| core.stopped().is_some());
+            }
+            (core.restartable(), core.stopped().unwrap().message)
+        });
+        for (rank, (restartable, message)) in results.iter().enumerate() {
+            assert_eq!(*restartable, !exiting, "rank {rank}, exiting {exiting}: {message}");
+            assert!(message.ends_with("(kolo: shut down by rank 0 (its process is exiting).)"), "{message}");
+        }
+    }
+}
+
+#[test]
+fn a_stall_past_its_shutdown_time_in_a_process_set_stops_every_rank_of_the_job() {
+    // rank 1 coordinates the set {1, 2}; rank 0, outside it, stops too
+    let job = Job::new();
+    let mut s = settings();
+    s.stall.warning = Duration::from_secs(1);
+    s.stall.shutdown = Duration::from_secs(2);
+    let results = job.run(3, s, vec![vec![1, 2]], |rank, core| {
+        if rank == 1 {
+            let memory: &'static mut [f32] = Box::leak(vec![1.0f32; 4].into_boxed_slice());
+            core.submit(1, vec![allreduce_submit("allreduce.in_set", memory, ReduceOp::Sum)]).unwrap();
+        }
+        wait_until(|| core.stopped().is_some());
+        (core.restartable(), core.stopped().unwrap().message)
+    });
+    for (rank, (restartable, message)) in results.iter().enumerate() {
+        assert!(restartable, "rank {rank}");
+        assert!(message.contains("shut down by rank 1 (its stall inspector found tensors waiting past"), "{message}");
+        assert!(message.contains("2!: [allreduce.in_set]"), "rank {rank}: {message}");
+    }
 }
 
 fn allgather_submit(name: &str, rows: &mut [i32]) -> Submit {

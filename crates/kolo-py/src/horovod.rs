@@ -258,20 +258,21 @@ impl HorovodCore {
     }
 
     /// Stops the core with every rank (waiting for this rank's loop);
-    /// `reason` goes into every rank's errors for what was pending.
-    #[pyo3(signature = (reason="hvd.shutdown() was called"))]
-    fn shutdown(&self, py: Python<'_>, reason: &str) {
+    /// `reason` goes into every rank's errors for what was pending;
+    /// `exiting`: this process ends (its peers will not wait for it).
+    #[pyo3(signature = (reason="hvd.shutdown() was called", exiting=false))]
+    fn shutdown(&self, py: Python<'_>, reason: &str, exiting: bool) {
         crate::tensorflow::stop_serving(&self.core);
         let core = self.core.clone();
-        py.allow_threads(move || core.shutdown_because(reason));
+        py.allow_threads(move || core.shutdown_because(reason, exiting));
     }
 
     /// Whether the loop stopped because the ranks agreed to shut down (a
-    /// peer's `hvd.shutdown()`, a stall past its shutdown time), after which
-    /// every rank may start a new core.
+    /// peer's `hvd.shutdown()`, a stall past its shutdown time) and no rank
+    /// that asked is exiting: every rank may start a new core.
     #[getter]
-    fn stopped_by_shutdown(&self) -> bool {
-        self.core.stopped_by_shutdown()
+    fn restartable(&self) -> bool {
+        self.core.restartable()
     }
 
     /// What the loop has done: cycles, negotiated cycles, requests sent to
@@ -336,8 +337,16 @@ const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
 #[pymethods]
 impl HorovodHandle {
+    /// Whether it is done; a yes frees its names for a new submission.
     fn poll(&self) -> bool {
         self.handle.is_done()
+    }
+
+    /// Whether it is done, leaving its names taken (the caller has not
+    /// looked): for kolo's own bookkeeping.
+    #[getter]
+    fn complete(&self) -> bool {
+        self.handle.is_complete()
     }
 
     /// Waits until every tensor is done (Ctrl-C interrupts the wait).

@@ -204,7 +204,7 @@ def init(comm=None, process_sets=None):
     a rendezvous. `process_sets`: sets registered now (a list of
     `ProcessSet`s or rank lists), or "dynamic" to add them later."""
     if _state.core is not None:
-        if not _state.core.stopped_by_shutdown:
+        if not _state.core.restartable:
             return
         # the job shut this core down (a peer's shutdown, a stall past its
         # shutdown time): a new one starts with the ranks that init again,
@@ -239,7 +239,7 @@ def init(comm=None, process_sets=None):
     for ps in sets:
         ps.process_set_id = core.process_set_id(ps.ranks)
     if not _state.atexit:
-        atexit.register(_stop, "its process is exiting")
+        atexit.register(_stop, "its process is exiting", exiting=True)
         _state.atexit = True
 
 
@@ -267,15 +267,16 @@ def shutdown():
     _stop("hvd.shutdown() was called")
 
 
-def _stop(reason):
-    """`shutdown`, saying why in every rank's errors for pending work."""
+def _stop(reason, exiting=False):
+    """`shutdown`, saying why in every rank's errors for pending work
+    (`exiting`: this process ends, so no peer waits for it to init again)."""
     core, _state.core = _state.core, None
     _state.ranks = None
     _state.handles.clear()
     _state.last_handle = 0
     global_process_set.ranks = []
     if core is not None:
-        core.shutdown(reason)
+        core.shutdown(reason, exiting)
         for stop in _stops:
             stop(core)
     comm, _state.comm = _state.comm, None

@@ -128,7 +128,7 @@ class Executor:
     def register(self, set_id, name, record):
         key = (set_id, name, record.tensor.data_ptr())
         there = self.records.get(key)
-        if there is not None and not (there.handle is not None and there.handle.poll()):
+        if there is not None and not (there.handle is not None and there.handle.complete):
             return
         self.records[key] = record
 
