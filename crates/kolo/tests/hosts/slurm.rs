@@ -115,9 +115,7 @@ fn a_killed_driver_gives_back_its_slurm_allocation_and_leaves_no_file() {
     wait_within(&mut child, JOB_DEADLINE);
     wait_for("the janitor to give the allocation back", Duration::from_secs(30), || slurm_jobs().trim().is_empty());
     wait_for("every rank to end", Duration::from_secs(30), || pids_in(dir.path()).iter().all(|&p| !alive(p)));
-    // as long as the other waits here: 10 s was missed once under the
-    // whole suite's load (2 s alone)
-    wait_for("the janitor to remove its files", Duration::from_secs(30), || {
+    wait_for("the janitor to remove its files", Duration::from_secs(10), || {
         std::fs::read_dir(tmp.path()).unwrap().next().is_none()
     });
     assert_nothing_left();
