@@ -263,8 +263,6 @@ pub struct CacheCoordinator {
     /// Bits whose entries must be erased on every rank (cached with other
     /// parameters, stalled, or not runnable beside a join).
     pub invalid: BTreeSet<u32>,
-    /// This rank wants to shut down (after the AND: some rank does).
-    pub shut_down: bool,
     /// This rank has requests the cache cannot answer, so the cycle must
     /// negotiate (after the AND: some rank has).
     pub uncached: bool,
@@ -273,7 +271,7 @@ pub struct CacheCoordinator {
 }
 
 /// Status bytes in front of the hit bits.
-const STATUS: usize = 4;
+const STATUS: usize = 3;
 
 impl CacheCoordinator {
     /// Nothing set yet, for a cache with `num_bits` bits in use.
@@ -290,24 +288,22 @@ impl CacheCoordinator {
     /// condition is false, then 1 per hit.
     pub fn and_vector(&self) -> Vec<u8> {
         let mut v = vec![0u8; STATUS + self.num_bits];
-        v[0] = u8::from(!self.shut_down);
-        v[1] = u8::from(!self.uncached);
-        v[2] = u8::from(!self.invalid_in_queue());
-        v[3] = u8::from(!self.busy);
+        v[0] = u8::from(!self.uncached);
+        v[1] = u8::from(!self.invalid_in_queue());
+        v[2] = u8::from(!self.busy);
         for &bit in &self.hits {
             v[STATUS + bit as usize] = 1;
         }
         v
     }
 
-    /// After the AND: what holds for the set (any rank wants shutdown, has
-    /// uncached requests, has invalid ones, has work in flight) and the
-    /// common hits.
+    /// After the AND: what holds for the set (any rank has uncached
+    /// requests, which a rank that shuts down counts as, has invalid ones,
+    /// has work in flight) and the common hits.
     pub fn take_and(&mut self, v: &[u8]) {
-        self.shut_down = v[0] == 0;
-        self.uncached = v[1] == 0;
-        let any_invalid = v[2] == 0;
-        self.busy = v[3] == 0;
+        self.uncached = v[0] == 0;
+        let any_invalid = v[1] == 0;
+        self.busy = v[2] == 0;
         self.hits = (0..self.num_bits as u32).filter(|&b| v[STATUS + b as usize] == 1).collect();
         if !any_invalid {
             self.invalid.clear();
@@ -316,7 +312,7 @@ impl CacheCoordinator {
 
     /// Whether the OR of invalid bits is needed (some rank has one).
     pub fn needs_or(&self, v_and: &[u8]) -> bool {
-        v_and[2] == 0
+        v_and[1] == 0
     }
 
     /// This rank's vector for the OR: 1 per bit to erase.
@@ -428,7 +424,7 @@ mod tests {
         let and: Vec<u8> = a.and_vector().iter().zip(b.and_vector()).map(|(x, y)| (*x).min(y)).collect();
         for c in [&mut a, &mut b] {
             c.take_and(&and);
-            assert!(c.uncached && !c.shut_down);
+            assert!(c.uncached);
             assert_eq!(c.hits, [1, 3].into());
         }
         assert!(a.needs_or(&and));

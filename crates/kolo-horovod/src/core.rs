@@ -910,7 +910,7 @@ impl Background {
             }
             set.stall.checked(now);
         }
-        coord.shut_down = stopping.is_some();
+        // a rank that stops makes every rank negotiate this cycle
         coord.uncached |= stopping.is_some();
         let mut send = popped.drain(..).collect::<Vec<_>>();
         if capacity > 0 {

@@ -221,8 +221,7 @@ impl Handle {
 
     /// Whether every tensor is done (a yes frees its names).
     pub fn is_done(&self) -> bool {
-        let done = self.lock().left == 0;
-        self.saw(done)
+        self.saw(self.is_complete())
     }
 
     /// Whether every tensor is done, for the machinery around the caller
