@@ -151,6 +151,15 @@ pub enum ExecError {
     /// The Ray engine could not place or run workers (the message).
     #[error("ray: {0}")]
     Ray(String),
+    /// The engine could not get the resources the job asked for within
+    /// the placement timeout (horovod.ray raises `TimeoutError` for it).
+    #[error("{engine}: {detail}")]
+    PlacementTimeout {
+        /// The engine that waited.
+        engine: &'static str,
+        /// What was asked for and what there is.
+        detail: String,
+    },
     /// Finding the network interfaces every host can use failed.
     #[error("network interface detection: {message}")]
     Nics {

@@ -231,6 +231,9 @@ impl Bridge {
             }
         };
         match answer.get("error").and_then(Value::as_str) {
+            Some(error) if answer.get("timed_out").and_then(Value::as_bool) == Some(true) => {
+                Err(ExecError::PlacementTimeout { engine: "ray", detail: error.to_string() })
+            }
             Some(error) => Err(ray_err(error)),
             None => Ok(answer),
         }

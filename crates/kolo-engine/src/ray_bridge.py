@@ -207,7 +207,7 @@ class Bridge:
             self.pg = placement_group(bundles, strategy=request["strategy"])
             self.made_pg = True
         if not self._ready([self.pg.ready()], timeout):
-            return self._gone_or({"error": self._infeasible(bundles, request["strategy"], timeout)})
+            return self._gone_or({"error": self._infeasible(bundles, request["strategy"], timeout), "timed_out": True})
         # The bridge itself starts the agents of the bundles on its own node,
         # and a launcher actor those of each other node, in the node's first
         # bundle: Ray starts a process per actor, which is most of a
@@ -261,12 +261,17 @@ class Bridge:
         resources there while it lives (kolo asks for a bundle per node, or
         per worker with GPUs)."""
         launcher = ray.remote(Launcher)
+        node_ids = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for b, node in zip(bundles, nodes):
+            # a host a discovery object of the caller's named is found as
+            # horovod.ray finds it: by the node's `node:<name>` resource
+            where = (dict(scheduling_strategy=affinity(node_id=node, soft=False)) if node in node_ids
+                     else dict(resources={f"node:{node}": 0.01}))
             actor = launcher.options(
                 num_cpus=b.get("CPU", 0),
                 num_gpus=b.get("GPU", 0),
                 max_concurrency=1000,
-                scheduling_strategy=affinity(node_id=node, soft=False),
+                **where,
             ).remote()
             self.actors.append(actor)
             self.launcher_of.append(actor)

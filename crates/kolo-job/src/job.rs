@@ -129,6 +129,7 @@ impl OptionNames {
                  hosts, or lower {}",
                 self.min_np, self.cooldown, self.discovery, self.min_np
             ),
+            StopReason::AllHostsFailed { .. } => format!("{reason}: the job failed"),
         }
     }
 }
@@ -189,9 +190,12 @@ pub struct ElasticOptions {
     pub elastic_timeout: Duration,
     /// Blacklisted hosts come back after MIN..MAX; none: never.
     pub cooldown: Option<(Duration, Duration)>,
-    /// A program printing the available hosts; none: the host list (or,
-    /// on Ray, the cluster's alive nodes).
+    /// A program printing the available hosts; none: `host_source`, else
+    /// the host list (or, on Ray, the cluster's alive nodes).
     pub discovery_script: Option<PathBuf>,
+    /// Hosts from the caller's own source (horovod.ray's discovery
+    /// object), asked every `discovery_interval` when there is no script.
+    pub host_source: Option<std::sync::Arc<dyn kolo_exec::HostSource>>,
     /// How often the hosts are discovered again.
     pub discovery_interval: Duration,
     /// Slots of a host the script prints without `:slots`.
@@ -211,6 +215,7 @@ impl ElasticOptions {
             elastic_timeout: Duration::from_secs(600),
             cooldown: None,
             discovery_script: None,
+            host_source: None,
             discovery_interval: Duration::from_secs(1),
             slots_per_host: 1,
         }
@@ -506,6 +511,11 @@ impl Job {
         if let Some((lo, hi)) = elastic.cooldown {
             config.cooldown = Some(Cooldown::new(lo, hi)?);
         }
+        // the cooldowns' jitter differs from job to job, as Horovod's
+        config.jitter_seed = {
+            use std::hash::{BuildHasher, Hasher};
+            std::collections::hash_map::RandomState::new().build_hasher().finish()
+        };
         // in place nothing else bounds failures: Horovod's rule
         config.blacklist_failed_hosts = elastic.mode == ElasticMode::InPlace;
         config.fixed_hosts = self.discovery()?.is_fixed();
@@ -519,9 +529,10 @@ impl Job {
             return Err(bad("the job is not elastic"));
         };
         let choice = self.spec.engine;
-        let source = match &elastic.discovery_script {
-            None => choice.host_source(&self.spec.engine_options, self.request.resources),
-            Some(_) => None,
+        let source = match (&elastic.discovery_script, &elastic.host_source) {
+            (Some(_), _) => None,
+            (None, Some(source)) => Some(source.clone()),
+            (None, None) => choice.host_source(&self.spec.engine_options, self.request.resources),
         };
         let fixed = match (&self.spec.hosts, self.hosts.is_empty(), choice) {
             (_, false, _) => self.hosts.clone(),

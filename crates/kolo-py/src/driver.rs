@@ -13,7 +13,7 @@ use pyo3::types::PyBytes;
 use tokio::sync::watch;
 
 use kolo_exec::{
-    lock, BridgeHost, EngineOptions, Executor, RayOptions, RunsBridge, Settings, SshOptions, WorkerRequest,
+    lock, BridgeHost, EngineOptions, Executor, HostSource, RayOptions, RunsBridge, Settings, SshOptions, WorkerRequest,
 };
 use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
 use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, StartOptions, Workers};
@@ -53,7 +53,7 @@ impl Job {
     /// elastic ones); raises ValueError naming a bad one and the fix.
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (num_workers=None, num_hosts=None, num_workers_per_host=1, cpus_per_worker=1, use_gpu=false, gpus_per_worker=None, hosts=None, engine=None, timeout_s=30.0, placement_group_timeout_s=100.0, nics=None, ssh_config_file=None, min_workers=None, max_workers=None, max_restarts=None, reset_limit=None, cooldown_range=None, elastic_timeout=600.0, host_discovery_script=None, discovery_interval=1.0))]
+    #[pyo3(signature = (num_workers=None, num_hosts=None, num_workers_per_host=1, cpus_per_worker=1, use_gpu=false, gpus_per_worker=None, hosts=None, engine=None, timeout_s=30.0, placement_group_timeout_s=100.0, nics=None, ssh_config_file=None, min_workers=None, max_workers=None, max_restarts=None, reset_limit=None, cooldown_range=None, elastic_timeout=600.0, host_discovery_script=None, discovery_interval=1.0, host_discovery=None))]
     fn new(
         num_workers: Option<i64>,
         num_hosts: Option<i64>,
@@ -75,6 +75,7 @@ impl Job {
         elastic_timeout: f64,
         host_discovery_script: Option<String>,
         discovery_interval: f64,
+        host_discovery: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let (mut num_workers, num_hosts) = (count("num_workers", num_workers)?, count("num_hosts", num_hosts)?);
         let (min_workers, max_workers) = (count("min_workers", min_workers)?, count("max_workers", max_workers)?);
@@ -92,10 +93,13 @@ impl Job {
             (None, Some(_)) => Some(ElasticMode::InPlace),
             (None, None) => None,
         };
-        if mode.is_none() && (max_workers.is_some() || host_discovery_script.is_some()) {
+        if mode.is_none() && (max_workers.is_some() || host_discovery_script.is_some() || host_discovery.is_some()) {
             return Err(value_error(
-                "max_workers and host_discovery_script are for elastic executors: give min_workers too",
+                "max_workers, host_discovery_script and host_discovery are for elastic executors: give min_workers too",
             ));
+        }
+        if host_discovery_script.is_some() && host_discovery.is_some() {
+            return Err(value_error("give host_discovery_script or host_discovery, not both"));
         }
         if mode.is_some() && num_hosts.is_some() {
             return Err(value_error("an elastic executor places workers by host slots: give hosts, not num_hosts"));
@@ -142,6 +146,7 @@ impl Job {
                     options.cooldown = Some((lo, hi));
                 }
                 options.discovery_script = host_discovery_script.map(Into::into);
+                options.host_source = host_discovery.map(|d| Arc::new(PyDiscovery(d)) as Arc<dyn HostSource>);
                 options.discovery_interval =
                     kolo_job::seconds("discovery_interval", discovery_interval).map_err(exec_error)?;
                 Some(options)
@@ -176,6 +181,41 @@ impl Job {
     #[getter]
     fn engine(&self) -> String {
         self.job.spec().engine.to_string()
+    }
+}
+
+/// Hosts from a Python object's `find_available_hosts_and_slots()`
+/// (horovod.ray's and horovodrun's `HostDiscovery`): `{host: slots}`.
+struct PyDiscovery(Py<PyAny>);
+
+impl std::fmt::Debug for PyDiscovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a Python discovery object")
+    }
+}
+
+impl HostSource for PyDiscovery {
+    fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, kolo_exec::ExecError> {
+        let found: PyResult<Vec<(String, i64)>> = Python::with_gil(|py| {
+            let answer = self.0.call_method0(py, "find_available_hosts_and_slots")?;
+            answer.bind(py).call_method0("items")?.try_iter()?.map(|item| item?.extract()).collect()
+        });
+        let found = found.map_err(|e| {
+            kolo_exec::ExecError::Discovery(format!(
+                "the discovery object's find_available_hosts_and_slots() raised {e}"
+            ))
+        })?;
+        let mut hosts = Vec::new();
+        for (name, slots) in found {
+            let slots = u32::try_from(slots).map_err(|_| {
+                kolo_exec::ExecError::Discovery(format!("the discovery object gave host {name} {slots} slots"))
+            })?;
+            // a host without slots is not available (horovod.ray's discovery lists them so)
+            if slots > 0 {
+                hosts.push(kolo_topology::HostSpec::new(name, slots));
+            }
+        }
+        Ok(hosts)
     }
 }
 
@@ -501,15 +541,25 @@ impl Driver {
     /// `on_report(rank, bytes)` gets what workers report meanwhile; if it
     /// raises, it is not called again and its exception is raised once
     /// the call is done.
-    #[pyo3(signature = (payload, on_report=None))]
+    /// With `fail_fast`, the first rank whose function raises ends the
+    /// call with a RuntimeError naming it (the caller shuts the executor
+    /// down: the other ranks' calls are still running), as a failed
+    /// process ends a horovodrun job.
+    #[pyo3(signature = (payload, on_report=None, fail_fast=false))]
     fn execute(
         &self,
         py: Python<'_>,
         payload: PyBackedBytes,
         on_report: Option<Py<PyAny>>,
+        fail_fast: bool,
     ) -> PyResult<Vec<Py<PyBytes>>> {
-        let call = PyCall { payload: payload.to_vec(), elastic: false };
+        let call = PyCall { payload: payload.to_vec(), elastic: fail_fast };
         let answers = self.with(py, |rt, ex| match &on_report {
+            None if fail_fast => {
+                let watch = self.hang_watch(ex);
+                self.interrupts.run(rt, unless_hung(ex.execute_until_failure::<PyWorker, PyCall>(&call), watch))
+            }
+            Some(_) if fail_fast => Err(pyo3::exceptions::PyValueError::new_err("fail_fast takes no on_report")),
             None => {
                 let watch = self.hang_watch(ex);
                 self.interrupts.run(rt, unless_hung(ex.execute::<PyWorker, PyCall>(&call), watch))
@@ -618,13 +668,14 @@ impl Driver {
                     ElasticMode::InPlace => {
                         let run = ElasticJob::run(work, config, discovery, factory, env, listener, interrupt);
                         let (outcome, _) = hurried_by_ctrl_c(run, interrupted).await;
-                        outcome.map(|o| (o.results, o.stopped.map(|c: StopCause| c.explain(&PYTHON_NAMES))))
+                        outcome.map(|o| (o.results, o.stopped.map(|c: StopCause| (c.kind(), c.explain(&PYTHON_NAMES)))))
                     }
                     ElasticMode::Restart => {
                         let run = RestartJob::run(&work, config, discovery, factory, env, listener, interrupt);
                         let (outcome, _) = hurried_by_ctrl_c(run, interrupted).await;
                         outcome.map(|o| {
-                            let stopped = o.stopped.as_ref().map(|reason| PYTHON_NAMES.explain(reason));
+                            let stopped =
+                                o.stopped.as_ref().map(|reason| (reason.kind(), PYTHON_NAMES.explain(reason)));
                             (o.last.map(|l| l.results).unwrap_or_default(), stopped)
                         })
                     }
@@ -635,16 +686,19 @@ impl Driver {
         if let Some(why) = lock(&caught).take() {
             return Err(why.into_err());
         }
-        let (results, stopped): (Vec<Vec<u8>>, Option<String>) = ended.map_err(exec_error)?;
+        let (results, stopped): (Vec<Vec<u8>>, Option<(&str, String)>) = ended.map_err(exec_error)?;
         if let Some(e) = lock(&failed).take() {
             return Err(e);
         }
-        if let Some(reason) = stopped {
+        if let Some((kind, reason)) = stopped {
             let last = match lock(&last_failure).take() {
                 Some(failure) => format!("; the last failure: {failure}"),
                 None => String::new(),
             };
-            return Err(JobStopped::new_err(format!("the elastic job stopped: {reason}{last}")));
+            // `kind` says which limit, for callers that match on it
+            let e = JobStopped::new_err(format!("the elastic job stopped: {reason}{last}"));
+            e.value(py).setattr("kind", kind)?;
+            return Err(e);
         }
         Ok(results.iter().map(|a| PyBytes::new(py, a).unbind()).collect())
     }

@@ -51,6 +51,34 @@ fn own_progress_file() -> PyResult<String> {
     kolo_exec::own_progress_file().map_err(error)
 }
 
+/// One rank's `HOROVOD_*` local and cross ranks, by name.
+type RankRow = Vec<(&'static str, u32)>;
+
+/// horovod.ray's `Coordinator.finalize_registration`: every rank's local
+/// and cross ranks from `(hostname, node_id, world_rank)` registrations,
+/// by kolo-topology's rank math, as `HOROVOD_*` names to values, in rank
+/// order; and the `node:count` string of the nodes in registration order.
+#[pyfunction]
+fn rank_table(registrations: Vec<(String, String, u32)>) -> PyResult<(Vec<RankRow>, String)> {
+    let mut coordinator = kolo_topology::Coordinator::new();
+    for (hostname, node_id, rank) in &registrations {
+        coordinator.register(hostname, node_id, *rank);
+    }
+    let table = coordinator.finalize().map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let rows = table
+        .iter()
+        .map(|r| {
+            vec![
+                ("HOROVOD_CROSS_RANK", r.cross_rank),
+                ("HOROVOD_CROSS_SIZE", r.cross_size),
+                ("HOROVOD_LOCAL_RANK", r.local_rank),
+                ("HOROVOD_LOCAL_SIZE", r.local_size),
+            ]
+        })
+        .collect();
+    Ok((rows, coordinator.node_id_string()))
+}
+
 fn error(e: impl std::fmt::Display) -> PyErr {
     PyRuntimeError::new_err(e.to_string())
 }
@@ -97,7 +125,7 @@ fn exec_error(e: kolo_exec::ExecError) -> PyErr {
             PlacementError::new_err(format!("{e}; {PLACEMENT_HINT}"))
         }
         E::Topology(_) | E::BadSettings(_) | E::NoCommand => PyValueError::new_err(e.to_string()),
-        E::StartTimeout { .. } => PyTimeoutError::new_err(e.to_string()),
+        E::StartTimeout { .. } | E::PlacementTimeout { .. } => PyTimeoutError::new_err(e.to_string()),
         E::WorkerLost { .. } => WorkerLost::new_err(e.to_string()),
         _ => PyRuntimeError::new_err(e.to_string()),
     }
@@ -110,6 +138,7 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve_worker, m)?)?;
     m.add_function(wrap_pyfunction!(worker::report, m)?)?;
     m.add_function(wrap_pyfunction!(own_progress_file, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_table, m)?)?;
     m.add("PYTHON_HOOKS", kolo_exec::PYTHON_HOOKS)?;
     // the names of kolo's variables, from their one table
     let env = pyo3::types::PyDict::new(m.py());

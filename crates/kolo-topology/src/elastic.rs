@@ -31,8 +31,9 @@ use std::time::Duration;
 
 use crate::{HostSpec, TopologyError};
 
-/// How long a blacklisted host stays out: `min` after its first strike,
-/// doubling with each later one, at most `max`.
+/// How long a blacklisted host stays out: Horovod's backoff, `min`·2^n
+/// plus up to `min` of jitter after its n-th strike, kept within
+/// `min..=max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cooldown {
     /// The cooldown after a host's first strike.
@@ -42,11 +43,16 @@ pub struct Cooldown {
 }
 
 impl Cooldown {
-    /// The range `min..=max`; refused unless `0 < min <= max`.
+    /// The shortest cooldown a range may start at (Horovod's bound).
+    pub const LOWEST: Duration = Duration::from_secs(1);
+    /// The longest cooldown a range may end at (Horovod's bound).
+    pub const HIGHEST: Duration = Duration::from_secs(3600);
+
+    /// The range `min..=max`; refused unless `1 s <= min <= max <= 3600 s`.
     pub fn new(min: Duration, max: Duration) -> Result<Self, TopologyError> {
-        if min.is_zero() || min > max {
+        if min < Self::LOWEST || min > max || max > Self::HIGHEST {
             return Err(TopologyError::BadRequest(format!(
-                "cooldown range {}..{} s: give MIN..MAX seconds with 0 < MIN <= MAX",
+                "cooldown range {}..{} s: give MIN..MAX seconds with 1 <= MIN <= MAX <= 3600",
                 min.as_secs_f64(),
                 max.as_secs_f64()
             )));
@@ -54,10 +60,12 @@ impl Cooldown {
         Ok(Cooldown { min, max })
     }
 
-    /// The cooldown after the host's `strikes`-th blacklisting (1-based).
-    pub fn after(&self, strikes: u32) -> Duration {
-        let doublings = strikes.saturating_sub(1).min(32);
-        self.min.saturating_mul(1u32 << doublings.min(31)).min(self.max)
+    /// The cooldown after the host's `strikes`-th blacklisting (1-based),
+    /// with `jitter` in `0.0..1.0` (a fraction of `min` added).
+    pub fn after(&self, strikes: u32, jitter: f64) -> Duration {
+        let doubled = self.min.saturating_mul(1u32 << strikes.min(31));
+        let jitter = self.min.mul_f64(jitter.clamp(0.0, 1.0));
+        doubled.saturating_add(jitter).clamp(self.min, self.max)
     }
 }
 
@@ -83,6 +91,9 @@ pub struct ElasticConfig {
     /// Discovery is a fixed list, so it never adds a host: a wait that no
     /// cooldown can end is pointless and stops the job at once.
     pub fixed_hosts: bool,
+    /// Seeds the cooldowns' jitter (the caller picks it at random; a test,
+    /// to repeat a run).
+    pub jitter_seed: u64,
 }
 
 impl ElasticConfig {
@@ -107,6 +118,7 @@ impl ElasticConfig {
             elastic_timeout: Duration::from_secs(600),
             blacklist_failed_hosts: false,
             fixed_hosts: false,
+            jitter_seed: 0,
         })
     }
 }
@@ -207,6 +219,13 @@ pub enum StopReason {
         /// How long the job waited.
         waited: Duration,
     },
+    /// Every host of the running world failed and was blacklisted
+    /// (Horovod's rule for in-place jobs: the job failed, whatever else
+    /// discovery lists).
+    AllHostsFailed {
+        /// The world's hosts.
+        hosts: Vec<String>,
+    },
     /// Too few slots, and no way for more to come (`fixed_hosts`, and
     /// every blacklisted host out for good).
     NoSlotsLeft {
@@ -215,6 +234,20 @@ pub enum StopReason {
         /// Slots available on hosts not blacklisted.
         available: u32,
     },
+}
+
+impl StopReason {
+    /// The reason's kind, a word programs match on (`kolo run
+    /// --outcome-file`, the `kind` of Python's `JobStopped`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StopReason::ResetLimit { .. } => "reset_limit",
+            StopReason::RestartLimit { .. } => "restart_limit",
+            StopReason::Timeout { .. } => "timeout",
+            StopReason::NoSlotsLeft { .. } => "no_slots_left",
+            StopReason::AllHostsFailed { .. } => "all_hosts_failed",
+        }
+    }
 }
 
 /// Said neutrally: the front ends name the limits as their users gave
@@ -235,6 +268,9 @@ impl std::fmt::Display for StopReason {
                 f,
                 "{available} slots are left on hosts not blacklisted, fewer than the {needed} needed, and no more can come"
             ),
+            StopReason::AllHostsFailed { hosts } => {
+                write!(f, "a process failed on every host of the job ({}), so each was blacklisted", hosts.join(", "))
+            }
         }
     }
 }
@@ -289,6 +325,8 @@ pub struct Membership {
     /// Blacklisted hosts already told (`take_blacklisted_news`).
     blacklist_told: BTreeSet<String>,
     stopped: Option<StopReason>,
+    /// The jitter's generator (xorshift64*, from `jitter_seed`).
+    jitter: u64,
 }
 
 /// A wait that goes on unchanged is announced again after this.
@@ -298,7 +336,6 @@ impl Membership {
     /// A job that has formed no world yet and knows no hosts.
     pub fn new(config: ElasticConfig) -> Self {
         Membership {
-            config,
             discovered: Vec::new(),
             seen: Vec::new(),
             world: None,
@@ -314,7 +351,20 @@ impl Membership {
             wait_announced: None,
             blacklist_told: BTreeSet::new(),
             stopped: None,
+            // xorshift must not start at 0
+            jitter: config.jitter_seed | 1,
+            config,
         }
+    }
+
+    /// The next jitter fraction, in `0.0..1.0`.
+    fn next_jitter(&mut self) -> f64 {
+        let mut x = self.jitter;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.jitter = x;
+        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The rules this membership follows.
@@ -398,7 +448,9 @@ impl Membership {
         }
         let strikes = self.strikes.entry(host.to_string()).or_insert(0);
         *strikes += 1;
-        let until = self.config.cooldown.map(|c| now + c.after(*strikes));
+        let strikes = *strikes;
+        let jitter = self.next_jitter();
+        let until = self.config.cooldown.map(|c| now + c.after(strikes, jitter));
         self.out_until.insert(host.to_string(), until);
     }
 
@@ -428,6 +480,14 @@ impl Membership {
     }
 
     fn decide(&mut self, now: Duration) -> Decision {
+        if self.failure_pending && self.config.blacklist_failed_hosts {
+            let failed_everywhere =
+                self.world.as_ref().filter(|w| w.hosts.iter().all(|(h, _)| self.out_until.contains_key(h)));
+            if let Some(world) = failed_everywhere {
+                let hosts = world.hosts.iter().map(|(h, _)| h.clone()).collect();
+                return self.stop(StopReason::AllHostsFailed { hosts });
+            }
+        }
         if self.failure_pending {
             if let Some(limit) = self.config.max_restarts.filter(|&l| self.restarts >= l) {
                 return self.stop(StopReason::RestartLimit { limit });
@@ -528,19 +588,62 @@ mod tests {
         let mut m = Membership::new(c);
         m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
         assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(1))), [("a", 2)]);
-        assert_eq!(world_of(&m.on(Event::Tick, secs(11))), [("a", 2), ("b", 2)]);
-        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(12))), [("a", 2)]);
-        assert_eq!(m.blacklisted(), [("b", Some(secs(32)))]);
+        // out for 10·2 s and up to 10 s of jitter: back by 31 s, not at 20
+        let back_at = match m.blacklisted()[..] {
+            [("b", Some(until))] => until,
+            ref other => panic!("{other:?}"),
+        };
+        assert!(back_at >= secs(21) && back_at < secs(31), "{back_at:?}");
+        assert_eq!(m.on(Event::Tick, secs(20)), Decision::Continue);
+        assert_eq!(world_of(&m.on(Event::Tick, back_at)), [("a", 2), ("b", 2)]);
+        assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(40))), [("a", 2)]);
+        // then 10·4 s and the jitter
+        let again = m.blacklisted()[0].1.unwrap();
+        assert!(again >= secs(80) && again < secs(90), "{again:?}");
     }
 
     #[test]
-    fn cooldowns_double_from_min_up_to_max() {
-        let c = Cooldown::new(secs(10), secs(60)).unwrap();
-        let got: Vec<u64> = (1..=6).map(|s| c.after(s).as_secs()).collect();
-        assert_eq!(got, [10, 20, 40, 60, 60, 60]);
-        assert_eq!(c.after(u32::MAX), secs(60));
+    fn in_place_a_failure_on_every_host_of_the_world_stops_the_job() {
+        let mut c = ElasticConfig::new(1, 4).unwrap();
+        c.blacklist_failed_hosts = true;
+        c.cooldown = Some(Cooldown::new(secs(10), secs(100)).unwrap());
+        let mut m = Membership::new(c);
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
+        // c is discovered later: not in the world, so it does not save it
+        m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2), ("c", 1)])), secs(0));
+        assert_eq!(world_of(&m.on(Event::RankFailed("a"), secs(1))), [("b", 2), ("c", 1)]);
+        let stopped = m.on(Event::RankFailed("b"), secs(2));
+        assert_eq!(world_of(&stopped), [("c", 1)], "b and c form the world after a: b failing leaves c");
+        let stopped = m.on(Event::RankFailed("c"), secs(3));
+        assert_eq!(stopped, Decision::Stop(StopReason::AllHostsFailed { hosts: vec!["c".into()] }));
+        assert_eq!(StopReason::AllHostsFailed { hosts: vec!["c".into()] }.kind(), "all_hosts_failed");
+    }
+
+    #[test]
+    fn cooldowns_are_horovods_backoff_within_the_range() {
+        let c = Cooldown::new(secs(10), secs(100)).unwrap();
+        // min·2^n, plus up to min of jitter, within min..=max
+        let got: Vec<u64> = (1..=5).map(|s| c.after(s, 0.0).as_secs()).collect();
+        assert_eq!(got, [20, 40, 80, 100, 100]);
+        assert_eq!(c.after(1, 0.5), secs(25));
+        assert_eq!(c.after(3, 0.99), secs(90) - Duration::from_millis(100));
+        assert_eq!(c.after(u32::MAX, 0.5), secs(100));
+        // a range narrower than the first doubling is its max
+        assert_eq!(Cooldown::new(secs(1), secs(2)).unwrap().after(1, 0.7), secs(2));
         assert!(Cooldown::new(secs(0), secs(1)).is_err());
         assert!(Cooldown::new(secs(5), secs(1)).is_err());
+        assert!(Cooldown::new(secs(1), secs(3601)).unwrap_err().to_string().contains("<= 3600"));
+    }
+
+    #[test]
+    fn the_jitter_is_a_fraction_repeated_by_its_seed() {
+        let mut c = ElasticConfig::new(1, 4).unwrap();
+        c.jitter_seed = 42;
+        let (mut a, mut b) = (Membership::new(c.clone()), Membership::new(c));
+        let draws: Vec<f64> = (0..1000).map(|_| a.next_jitter()).collect();
+        assert!(draws.iter().all(|j| (0.0..1.0).contains(j)));
+        assert!(draws.iter().any(|&j| j < 0.1) && draws.iter().any(|&j| j > 0.9));
+        assert_eq!(draws, (0..1000).map(|_| b.next_jitter()).collect::<Vec<_>>());
     }
 
     #[test]
@@ -641,15 +744,17 @@ mod tests {
         m.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(0));
         // one failure: the same hosts again
         assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(1))), [("a", 2), ("b", 2)]);
-        // the next round fails on b too: b is out for 10 s
+        // the next round fails on b too: b is out for 20 s and the jitter
         assert_eq!(world_of(&m.on(Event::RankFailed("b"), secs(2))), [("a", 2)]);
-        assert_eq!(m.blacklisted(), [("b", Some(secs(12)))]);
-        assert_eq!(m.on(Event::Tick, secs(11)), Decision::Continue);
+        let until = m.blacklisted()[0].1.unwrap();
+        assert!(until >= secs(22) && until < secs(32), "{until:?}");
+        assert_eq!(m.on(Event::Tick, secs(21)), Decision::Continue);
         // back after the cooldown, appended
-        assert_eq!(world_of(&m.on(Event::Tick, secs(12))), [("a", 2), ("b", 2)]);
+        assert_eq!(world_of(&m.on(Event::Tick, until)), [("a", 2), ("b", 2)]);
         // lost again: its second strike doubles the cooldown
-        assert_eq!(world_of(&m.on(Event::HostLost("b"), secs(20))), [("a", 2)]);
-        assert_eq!(m.blacklisted(), [("b", Some(secs(40)))]);
+        assert_eq!(world_of(&m.on(Event::HostLost("b"), secs(40))), [("a", 2)]);
+        let until = m.blacklisted()[0].1.unwrap();
+        assert!(until >= secs(80) && until < secs(90), "{until:?}");
         // a failure on a host that a failure in another round does not
         // follow is not a strike
         let mut fresh = Membership::new(config(1, 8));

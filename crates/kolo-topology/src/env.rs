@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::RankInfo;
+use crate::{HostSpec, RankInfo};
 
 /// The names of kolo's own variables, in one place: `rank_env` writes
 /// them, kolo-comm, kolo-horovod and the agent read them, and kolo's
@@ -110,6 +110,11 @@ pub enum ElasticEnv {
         round: u64,
         /// Seconds a process waits for a round.
         timeout_s: u64,
+        /// That round's hosts in rank order, each with its slots: a
+        /// process starts with the ranks it will have in the round
+        /// (Horovod's host assignment), not its rank among the processes
+        /// started with it. Empty: the processes' own plan.
+        world: Vec<HostSpec>,
     },
     /// Restart mode: this world's restarts so far, and the most allowed.
     Restart {
@@ -176,6 +181,15 @@ pub fn rank_env(
     job: &JobEnv,
     cuda_visible_devices: Option<&str>,
 ) -> BTreeMap<String, String> {
+    // in place, a process's ranks are those of the round it starts for
+    let in_round = match &job.elastic {
+        Some(ElasticEnv::InPlace { world, .. }) if !world.is_empty() => crate::host_assignments(world, 0, None)
+            .ok()
+            .and_then(|slots| slots.into_iter().find(|s| s.host == node_id && s.info.local_rank == info.local_rank))
+            .map(|slot| slot.info),
+        _ => None,
+    };
+    let info = in_round.as_ref().unwrap_or(info);
     let mut env = BTreeMap::new();
     let mut set = |k: &str, v: String| {
         env.insert(k.to_string(), v);
@@ -226,7 +240,7 @@ pub fn rank_env(
             set("TORCHELASTIC_RESTART_COUNT", restarts.to_string());
             set("TORCHELASTIC_MAX_RESTARTS", max_restarts.to_string());
         }
-        Some(ElasticEnv::InPlace { round, timeout_s }) => {
+        Some(ElasticEnv::InPlace { round, timeout_s, .. }) => {
             set(names::ELASTIC_ROUND, round.to_string());
             set(names::ELASTIC_TIMEOUT_SECONDS, timeout_s.to_string());
             set("TORCHELASTIC_RESTART_COUNT", "0".into());
@@ -386,11 +400,29 @@ mod tests {
         assert_eq!(elastic.get("KOLO_RESTART_COUNT").map(String::as_str), Some("2"));
         assert_eq!(elastic.get("TORCHELASTIC_RESTART_COUNT").map(String::as_str), Some("2"));
         assert_eq!(elastic.get("TORCHELASTIC_MAX_RESTARTS").map(String::as_str), Some("3"));
-        let in_place = ElasticEnv::InPlace { round: 4, timeout_s: 600 };
+        let in_place = ElasticEnv::InPlace { round: 4, timeout_s: 600, world: Vec::new() };
         let elastic = rank_env(&info, "b", &JobEnv { elastic: Some(in_place), ..job() }, None);
         assert_eq!(elastic.get("HOROVOD_ELASTIC").map(String::as_str), Some("1"));
         assert_eq!(elastic.get(names::ELASTIC_ROUND).map(String::as_str), Some("4"));
         assert_eq!(elastic.get(names::ELASTIC_TIMEOUT_SECONDS).map(String::as_str), Some("600"));
+        // a later cohort's process starts with its ranks in the round it joins
+        let world = vec![HostSpec::new("a", 2), HostSpec::new("b", 2)];
+        let first_on_b = RankInfo {
+            rank: 0,
+            size: 2,
+            local_rank: 0,
+            local_size: 2,
+            cross_rank: 0,
+            cross_size: 1,
+            node_rank: 0,
+            num_nodes: 1,
+        };
+        let joining = ElasticEnv::InPlace { round: 1, timeout_s: 600, world };
+        let joining = rank_env(&first_on_b, "b", &JobEnv { elastic: Some(joining), ..job() }, None);
+        let get = |k: &str| joining.get(k).map(String::as_str);
+        assert_eq!((get("HOROVOD_RANK"), get("HOROVOD_SIZE"), get("RANK")), (Some("2"), Some("4"), Some("2")));
+        assert_eq!((get("HOROVOD_CROSS_RANK"), get("HOROVOD_CROSS_SIZE")), (Some("1"), Some("2")));
+        assert_eq!((get("HOROVOD_LOCAL_RANK"), get("HOROVOD_HOSTNAME")), (Some("0"), Some("b")));
         // every kolo variable a rank gets is in the one table of names
         let mut written: Vec<&String> = [env.keys(), elastic.keys()].into_iter().flatten().collect();
         written.retain(|k| k.starts_with("KOLO_"));

@@ -183,9 +183,9 @@ pub(crate) struct RunArgs {
     /// Elastic: slots of a host the discovery script prints without ':slots'.
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub slots_per_host: u32,
-    /// Elastic: seconds a failing host stays blacklisted, MIN:MAX: MIN after
-    /// its first failure, doubling after each later one, at most MAX
-    /// (default: for good).
+    /// Elastic: seconds a failing host stays blacklisted, MIN:MAX
+    /// (1 <= MIN <= MAX <= 3600): Horovod's backoff, MIN·2^n plus up to MIN
+    /// of jitter after its n-th failure, at most MAX (default: for good).
     #[arg(long, value_name = "MIN:MAX", visible_alias = "blacklist-cooldown-range")]
     pub cooldown_range: Option<String>,
     /// Elastic: seconds to wait for --min-np slots before giving up.
@@ -232,6 +232,11 @@ pub(crate) struct RunArgs {
     /// (only for jobs whose workers all use kolo's clients).
     #[arg(long)]
     pub require_secret: bool,
+    /// Write how the job ended to FILE as JSON (exit code, the first
+    /// failure, why an elastic job stopped): what horovodrun's Python API
+    /// (`horovod.runner.launch._run`) raises its errors from.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub outcome_file: Option<PathBuf>,
     #[arg(short, long)]
     pub verbose: bool,
     /// The command each rank runs.
@@ -273,6 +278,11 @@ pub(crate) struct RendezvousArgs {
     /// Refuse requests without the secret given in $KOLO_SECRET.
     #[arg(long)]
     pub require_secret: bool,
+    /// Write how the job ended to FILE as JSON (exit code, the first
+    /// failure, why an elastic job stopped): what horovodrun's Python API
+    /// (`horovod.runner.launch._run`) raises its errors from.
+    #[arg(long, value_name = "FILE", hide = true)]
+    pub outcome_file: Option<PathBuf>,
     #[arg(short, long)]
     pub verbose: bool,
 }

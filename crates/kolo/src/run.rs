@@ -13,7 +13,35 @@ use crate::out::tell;
 use crate::spec::CLI_NAMES;
 
 pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i32> {
-    let job = crate::spec::job(&args, &worker)?;
+    let mut ended = Ended::default();
+    let code = run_to_end(&args, worker, &mut ended).await;
+    if let Some(path) = &args.outcome_file {
+        ended.exit_code = *code.as_ref().unwrap_or(&2);
+        if let Err(e) = &code {
+            ended.error = Some(format!("{e:#}"));
+        }
+        std::fs::write(path, serde_json::to_vec(&ended)?)
+            .map_err(|e| anyhow::anyhow!("cannot write --outcome-file {}: {e}", path.display()))?;
+    }
+    code
+}
+
+/// How a job ended, for `--outcome-file`.
+#[derive(Default, serde::Serialize)]
+struct Ended {
+    exit_code: i32,
+    /// The rank that failed first in a fixed job: (rank, host, how).
+    failed: Option<(u32, String, String)>,
+    /// Why an elastic job stopped: the limit's kind and the sentence.
+    stopped: Option<(&'static str, String)>,
+    /// The signal that stopped the job.
+    interrupted_by: Option<&'static str>,
+    /// An error that ended kolo before or instead of the job.
+    error: Option<String>,
+}
+
+async fn run_to_end(args: &RunArgs, worker: crate::WorkerProgram, ended: &mut Ended) -> Result<i32> {
+    let job = crate::spec::job(args, &worker)?;
     if args.dry_run {
         if job.is_elastic() {
             anyhow::bail!("--dry-run shows a fixed job: drop {}", crate::spec::CLI_NAMES.elastic_options);
@@ -22,8 +50,8 @@ pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i
     }
     let hang = job.hang_timeout();
     match job.elastic_mode() {
-        Some(ElasticMode::InPlace) => run_in_place(&job, &args.command).await,
-        Some(ElasticMode::Restart) => run_restarting(&job, &args.command).await,
+        Some(ElasticMode::InPlace) => run_in_place(&job, &args.command, ended).await,
+        Some(ElasticMode::Restart) => run_restarting(&job, &args.command, ended).await,
         None => {
             let hung = std::sync::Arc::new(std::sync::Mutex::new(None));
             let outcome = run_job(&job, &args.command, stop_signal(), hang, hung.clone()).await?;
@@ -36,6 +64,8 @@ pub(crate) async fn run(args: RunArgs, worker: crate::WorkerProgram) -> Result<i
                 return Ok(1);
             }
             report(&outcome);
+            ended.failed = outcome.failure.as_ref().map(|f| (f.rank, f.host.clone(), f.cause.to_string()));
+            ended.interrupted_by = outcome.interrupted_by.map(|s| s.as_str());
             Ok(outcome.exit_code)
         }
     }
@@ -136,7 +166,7 @@ fn command_work(job: &Job, command: &[std::ffi::OsString]) -> CommandWork {
 }
 
 /// `--in-place`: Horovod's elastic mode for commands.
-async fn run_in_place(job: &Job, command: &[std::ffi::OsString]) -> Result<i32> {
+async fn run_in_place(job: &Job, command: &[std::ffi::OsString], ended: &mut Ended) -> Result<i32> {
     let outcome = ElasticJob::run(
         command_work(job, command),
         job.elastic_config()?,
@@ -148,8 +178,11 @@ async fn run_in_place(job: &Job, command: &[std::ffi::OsString]) -> Result<i32> 
     )
     .await?;
     if let Some(cause) = &outcome.stopped {
-        tell(&format!("kolo: elastic job stopped: {}", cause.explain(&CLI_NAMES)));
+        let why = cause.explain(&CLI_NAMES);
+        tell(&format!("kolo: elastic job stopped: {why}"));
+        ended.stopped = Some((cause.kind(), why));
     }
+    ended.interrupted_by = outcome.interrupted_by.map(|s| s.as_str());
     Ok(match (&outcome.stopped, outcome.interrupted_by) {
         (_, Some(signal)) => 128 + signal as i32,
         (Some(_), None) => 1,
@@ -158,7 +191,7 @@ async fn run_in_place(job: &Job, command: &[std::ffi::OsString]) -> Result<i32> 
 }
 
 /// Restart mode: torchrun's elastic semantics for any command.
-async fn run_restarting(job: &Job, command: &[std::ffi::OsString]) -> Result<i32> {
+async fn run_restarting(job: &Job, command: &[std::ffi::OsString], ended: &mut Ended) -> Result<i32> {
     let work = command_work(job, command);
     let outcome = RestartJob::run(
         &work,
@@ -182,8 +215,12 @@ async fn run_restarting(job: &Job, command: &[std::ffi::OsString]) -> Result<i32
         }
     }
     if let Some(reason) = &outcome.stopped {
-        tell(&format!("kolo: elastic job stopped: {}", CLI_NAMES.explain(reason)));
+        let why = CLI_NAMES.explain(reason);
+        tell(&format!("kolo: elastic job stopped: {why}"));
+        ended.stopped = Some((reason.kind(), why));
     }
+    ended.failed = last.and_then(|o| o.failure.as_ref()).map(|f| (f.rank, f.host.clone(), f.cause.to_string()));
+    ended.interrupted_by = outcome.interrupted_by.map(|s| s.as_str());
     Ok(code)
 }
 

@@ -243,7 +243,7 @@ fn past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing() {
     // every process kolo starts on b fails at once
     let job = shell_job_on_a_and_b(
         tag,
-        &["--reset-limit", "2", "--cooldown-range", "0.1:0.1", "--discovery-interval", "0.05"],
+        &["--reset-limit", "2", "--cooldown-range", "1:1", "--discovery-interval", "0.05"],
         "[ $HOROVOD_HOSTNAME = b ] && exit 5; exec sleep 1000",
     );
     let (status, out, err) = job.finish();

@@ -74,6 +74,29 @@ impl Executor {
         reporting(join_all(handles), rx, on_report).await
     }
 
+    /// Like `execute`, but the first rank to fail ends the wait with its
+    /// error, while the other ranks' calls still run (the caller then
+    /// shuts the executor down): jobs in which one failure ends the job,
+    /// as horovodrun's.
+    pub async fn execute_until_failure<E: Executable, T: Task<E>>(
+        &self,
+        task: &T,
+    ) -> Result<Vec<T::Output>, ExecError> {
+        let handles = self.call_all(CallKind::Task, T::NAME, task, None, None).await?;
+        let mut joins = tokio::task::JoinSet::new();
+        let count = handles.len();
+        for (position, handle) in handles.into_iter().enumerate() {
+            joins.spawn(async move { (position, handle.join().await) });
+        }
+        let mut results: Vec<Option<T::Output>> = (0..count).map(|_| None).collect();
+        while let Some(joined) = joins.join_next().await {
+            let (position, result) = joined
+                .map_err(|e| ExecError::Io { what: "waiting for a call".into(), source: std::io::Error::other(e) })?;
+            results[position] = Some(result?);
+        }
+        Ok(results.into_iter().map(|r| r.expect("every call joined")).collect())
+    }
+
     /// Runs `task` on rank 0 only.
     pub async fn execute_single<E: Executable, T: Task<E>>(&self, task: &T) -> Result<T::Output, ExecError> {
         let mut handles = self.call_all(CallKind::Task, T::NAME, task, Some(0), None).await?;

@@ -1,7 +1,7 @@
 //! Where an elastic job's hosts come from: a discovery script, a source
 //! such as a Ray cluster's nodes, or a fixed list; asked every interval.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,14 +50,23 @@ impl Discovery {
         }
         let Some(script) = &self.script else { return Ok(self.fixed.clone()) };
         let bad = |what: String| ExecError::Discovery(format!("host discovery script {}: {what}", script.display()));
-        let run = tokio::process::Command::new(script).kill_on_drop(true).output();
-        let out = tokio::time::timeout(DISCOVERY_TIMEOUT, run)
-            .await
-            .map_err(|_| bad(format!("ran longer than {DISCOVERY_TIMEOUT:?}")))?
-            .map_err(|e| {
-                let script = script.display();
-                ExecError::Discovery(format!("cannot run host discovery script {script} (is it executable?): {e}"))
-            })?;
+        let run = |program: &Path, args: &[&Path]| {
+            let out = tokio::process::Command::new(program).args(args).kill_on_drop(true).output();
+            tokio::time::timeout(DISCOVERY_TIMEOUT, out)
+        };
+        let too_long = |_| bad(format!("ran longer than {DISCOVERY_TIMEOUT:?}"));
+        let out = match run(script, &[]).await.map_err(too_long)? {
+            // a script without a `#!` line runs in the shell, as a shell
+            // (and horovodrun, which runs it through one) would run it
+            Err(e) if e.raw_os_error() == Some(nix::libc::ENOEXEC) => {
+                run(Path::new("/bin/sh"), &[script.as_path()]).await.map_err(too_long)?
+            }
+            other => other,
+        }
+        .map_err(|e| {
+            let script = script.display();
+            ExecError::Discovery(format!("cannot run host discovery script {script} (is it executable?): {e}"))
+        })?;
         if !out.status.success() {
             return Err(bad(format!("failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim())));
         }

@@ -18,7 +18,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kolo_topology::{host_assignments, Decision, ElasticConfig, ElasticEnv, Event, HostSpec, Membership};
+use kolo_topology::{host_assignments, Decision, ElasticConfig, ElasticEnv, Event, HostSpec, Membership, World};
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -80,6 +80,15 @@ pub enum StopCause {
 }
 
 impl StopCause {
+    /// The cause's kind: the limit's (`StopReason::kind`), or
+    /// `failed_while_finishing`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StopCause::Limit(reason) => reason.kind(),
+            StopCause::FailedWhileFinishing { .. } => "failed_while_finishing",
+        }
+    }
+
     /// Why the job stopped, naming the limits as the user gave them.
     pub fn explain(&self, names: &crate::OptionNames) -> String {
         match self {
@@ -309,12 +318,15 @@ impl<W: ElasticWork> ElasticJob<W> {
             }
         });
         let timeout_s = self.membership.config().elastic_timeout.as_secs().max(1);
+        // the round's hosts: the processes start with their ranks in it
+        let world = self.membership.world().filter(|w| u64::from(w.round) == round).map(World::host_specs);
+        let world = world.unwrap_or_default();
         let cohort = Cohort {
             hosts: specs,
             np,
             secret: self.secret.clone(),
             first_process: self.rounds.procs().len(),
-            elastic: ElasticEnv::InPlace { round, timeout_s },
+            elastic: ElasticEnv::InPlace { round, timeout_s, world },
             shared: self.cohorts.first().and_then(Executor::shared_job),
         };
         let handle = tokio::spawn(async move {
