@@ -141,6 +141,13 @@ class State:
         if newer:
             raise self._hosts_updated(newer)
 
+    @property
+    def _host_messages(self):
+        """Horovod's queue of the driver's host-change notices, as scripts
+        peek at it (`state._host_messages.empty()`): not empty once the
+        driver has started a newer round than this process's."""
+        return _HostMessages()
+
     def sync(self):
         """Every process takes the state of the one that committed most
         (the rule above), and commits it."""
@@ -172,6 +179,16 @@ class State:
 
     def _broadcast_int(self, value, root):
         raise NotImplementedError
+
+
+class _HostMessages:
+    """What `State._host_messages` answers: whether a newer round waits."""
+
+    def empty(self):
+        return not (in_place_job() and _the_worker("a host-change check").newer_round())
+
+    def qsize(self):
+        return 0 if self.empty() else 1
 
 
 def run_rounds(state, call, *, join_round, peer_lost, finish=None, abandon=None):

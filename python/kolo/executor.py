@@ -24,6 +24,10 @@ class WorkerError(Exception):
         self.remote_traceback = remote_traceback
         self.exception = exception
 
+    def __reduce__(self):
+        # pickled whole (Ray hands run_remote's failures over pickled)
+        return (type(self), (self.rank, self.host, self.message, self.remote_traceback, self.exception))
+
 
 @dataclass
 class Settings:
@@ -204,6 +208,7 @@ class Executor:
         elastic_timeout: float = 600,
         host_discovery_script: Optional[str] = None,
         discovery_interval: float = 1.0,
+        host_discovery=None,
     ):
         self.settings = settings or Settings()
         self._use_current_placement_group = use_current_placement_group
@@ -232,6 +237,7 @@ class Executor:
             elastic_timeout=float(elastic_timeout),
             host_discovery_script=host_discovery_script,
             discovery_interval=float(discovery_interval),
+            host_discovery=host_discovery,
         )
         self._elastic = self._job.elastic
         self._driver = None
@@ -347,7 +353,7 @@ class Executor:
         on_report = _on_report(callbacks)
         return self._answers(self._running().execute(cloudpickle.dumps(("execute", fn, (), {})), on_report))
 
-    def run(self, fn: Callable, args=None, kwargs=None, callbacks=None, on_event=None) -> list:
+    def run(self, fn: Callable, args=None, kwargs=None, callbacks=None, on_event=None, fail_fast=False) -> list:
         """`fn(*args, **kwargs)` on every worker; the results in rank order.
         Callbacks as for `execute`.
 
@@ -361,12 +367,21 @@ class Executor:
         Callbacks get what the current round's rank 0 reports; `on_event`
         gets every membership change as a dict (`event`: round, failed,
         blacklisted, starting or waiting; `message`: the line kolo would
-        print)."""
+        print).
+
+        `fail_fast` (fixed executors): the first rank whose `fn` raises
+        ends the call with a RuntimeError naming it, without waiting for
+        the others (which go on until `shutdown()`): horovodrun's rule,
+        where one failed process ends the job."""
         payload = cloudpickle.dumps(("run", fn, tuple(args or ()), dict(kwargs or {})))
         if self._elastic:
             return self._run_elastic(payload, callbacks, on_event)
         if on_event is not None:
             raise ValueError("on_event hears membership changes, which only elastic executors (min_workers) have")
+        if fail_fast:
+            if callbacks:
+                raise ValueError("fail_fast takes no callbacks")
+            return self._answers(self._running().execute(payload, None, True))
         on_report = _on_report(callbacks)
         return self._answers(self._running().execute(payload, on_report))
 

@@ -33,8 +33,9 @@ def cluster():
 
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    made.add_node(num_cpus=4, num_gpus=2)
-    made.add_node(num_cpus=4, num_gpus=2)
+    # named as a discovery object of horovod.ray's names hosts
+    made.add_node(num_cpus=4, num_gpus=2, resources={"node:kolo-a": 1})
+    made.add_node(num_cpus=4, num_gpus=2, resources={"node:kolo-b": 1})
     made.wait_for_nodes()
     ray.init(address=made.address, log_to_driver=False)
     yield made
@@ -166,7 +167,8 @@ def test_an_infeasible_placement_times_out_naming_what_was_asked_and_what_there_
     settings = RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=2)
     ex = RayExecutor(settings, num_hosts=4, num_workers_per_host=1, engine="ray")
     began = time.monotonic()
-    with pytest.raises(RuntimeError) as raised:
+    # horovod.ray's error for it
+    with pytest.raises(TimeoutError) as raised:
         ex.start()
     message = str(raised.value)
     assert "4 bundle(s) of {CPU: 1} with STRICT_SPREAD" in message, message
@@ -589,3 +591,214 @@ def _parent_is_agent(pid):
     except OSError:
         return False
 
+
+
+# ---- horovod.ray by its own names --------------------------------------------
+
+
+def horovod_ray():
+    """horovod.ray as a driver script imports it (kolo's, through the alias
+    the wheel installs in every Python)."""
+    import horovod.ray
+
+    return horovod.ray
+
+
+def test_horovod_ray_runs_a_driver_script_unchanged(cluster, nothing_left):
+    hr = horovod_ray()
+    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+
+    class Executable:
+        def __init__(self, epochs):
+            import horovod.torch as hvd
+
+            hvd.init()
+            self.hvd, self.epochs = hvd, epochs
+
+        def rank_epoch(self):
+            return self.hvd.rank() * self.epochs
+
+    def ranks(scale):
+        import horovod.torch as hvd
+
+        hvd.init()
+        return (hvd.rank() * scale, hvd.size(), int(os.environ["HOROVOD_LOCAL_SIZE"]))
+
+    executor = hr.RayExecutor(settings, num_hosts=2, num_workers_per_host=2)
+    executor.start(executable_cls=Executable, executable_args=[2], extra_env_vars={"KOLO_TEST_MARK": "on"})
+    try:
+        assert executor.adapter.strategy._created_placement_group
+        assert sorted(executor.execute(lambda w: w.rank_epoch())) == [0, 2, 4, 6]
+        assert executor.execute_single(lambda w: os.environ["KOLO_TEST_MARK"]) == "on"
+        assert executor.run(ranks, args=[3]) == [(3 * r, 4, 2) for r in range(4)]
+        # run_remote gives Ray object refs, as upstream's actors do
+        refs = executor.run_remote(ranks, kwargs={"scale": 5})
+        assert all(isinstance(r, ray.ObjectRef) for r in refs)
+        assert ray.get(refs) == [(5 * r, 4, 2) for r in range(4)]
+        # a failing call raises from ray.get, naming the rank
+
+        def fails():
+            raise KeyError("missing")
+
+        with pytest.raises(Exception, match="missing"):
+            ray.get(executor.run_remote(fails)[1])
+    finally:
+        executor.shutdown()
+
+
+def test_horovod_ray_logs_reach_the_callbacks_from_every_rank(cluster, nothing_left):
+    hr = horovod_ray()
+    executor = hr.RayExecutor(hr.RayExecutor.create_settings(timeout_s=60), num_workers=3)
+    executor.start()
+    heard = []
+
+    def train():
+        from horovod.ray import ray_logger
+
+        ray_logger.log({"rank": int(os.environ["HOROVOD_RANK"])})
+        return True
+
+    try:
+        assert executor.run(train, callbacks=[heard.append]) == [True] * 3
+    finally:
+        executor.shutdown()
+    assert sorted(h["rank"] for h in heard) == [0, 1, 2], heard
+
+
+def test_horovod_ray_an_infeasible_placement_is_a_timeout_error(cluster, nothing_left):
+    hr = horovod_ray()
+    settings = hr.RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=2)
+    executor = hr.RayExecutor(settings, num_workers=40)
+    with pytest.raises(TimeoutError, match="could not place"):
+        executor.start()
+    executor.shutdown()
+
+
+def test_horovod_ray_conflicting_arguments_are_upstreams_errors():
+    hr = horovod_ray()
+    settings = hr.RayExecutor.create_settings()
+    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
+        hr.RayExecutor(settings, num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="without any positive `min_workers`"):
+        hr.RayExecutor(settings, max_workers=2)
+    with pytest.raises(ValueError, match="use_gpu must be True"):
+        hr.RayExecutor(settings, num_workers=2, gpus_per_worker=1)
+
+
+def test_horovod_ray_uses_the_placement_group_its_caller_runs_in(cluster, nothing_left):
+    hr = horovod_ray()
+    pg, _ = hr.strategy.create_placement_group({"CPU": 1}, 2, 60, "PACK")
+
+    @ray.remote(num_cpus=0)
+    class Driver:
+        def run(self):
+            import horovod.ray as inner
+
+            executor = inner.RayExecutor(inner.RayExecutor.create_settings(timeout_s=60), num_workers=2)
+            executor.start()
+            try:
+                made = executor.adapter.strategy._created_placement_group
+                return made, executor.run(lambda: os.environ["HOROVOD_SIZE"])
+            finally:
+                executor.shutdown()
+
+    try:
+        driver = Driver.options(placement_group=pg, placement_group_capture_child_tasks=True).remote()
+        assert ray.get(driver.run.remote(), timeout=180) == (False, ["2", "2"])
+        ray.kill(driver)
+    finally:
+        ray.util.remove_placement_group(pg)
+
+
+def test_horovod_ray_worker_class_and_discovery_on_the_cluster(cluster):
+    hr = horovod_ray()
+    actor = ray.remote(hr.BaseHorovodWorker).remote()
+    actor.update_env_vars.remote({"KOLO_TEST_VALUE": 7})
+    assert ray.get(actor.env_vars.remote())["KOLO_TEST_VALUE"] == "7"
+    assert ray.get(actor.node_id.remote()) in {n["NodeID"] for n in ray.nodes()}
+    ray.kill(actor)
+    from horovod.ray.elastic import RayHostDiscovery
+    from horovod.ray.elastic_v2 import RayHostDiscovery as RayHostDiscoveryV2
+
+    # the head has 2 CPUs and no GPU, the two others 4 CPUs and 2 GPUs each
+    assert sorted(RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots().values()) == [1, 2, 2]
+    by_gpu = RayHostDiscoveryV2(use_gpu=True, gpus_per_worker=1).find_available_hosts_and_slots()
+    assert sorted(by_gpu.values()) == [2, 2]
+
+
+def test_horovod_ray_elastic_executor_runs_on_the_clusters_nodes(cluster, nothing_left):
+    hr = horovod_ray()
+    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    executor = hr.RayExecutor(settings, min_workers=2, max_workers=3, cpus_per_worker=2)
+    executor.start()
+
+    def train():
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        state = hvd.elastic.ObjectState(steps=0)
+
+        @hvd.elastic.run
+        def loop(state):
+            while state.steps < 5:
+                hvd.allreduce(torch.ones(1))
+                state.steps += 1
+                state.commit()
+            return hvd.rank(), hvd.size()
+
+        return loop(state)
+
+    try:
+        assert sorted(executor.run(train)) == [(0, 3), (1, 3), (2, 3)]
+    finally:
+        executor.shutdown()
+
+
+def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_node_resource(cluster, nothing_left):
+    hr = horovod_ray()
+    from horovod.runner.elastic.discovery import HostDiscovery
+
+    class Growing(HostDiscovery):
+        """kolo-a alone, then kolo-b too."""
+
+        def __init__(self):
+            self.calls = 0
+
+        def find_available_hosts_and_slots(self):
+            self.calls += 1
+            return {"kolo-a": 1} if self.calls < 3 else {"kolo-a": 1, "kolo-b": 1, "kolo-gone": 0}
+
+    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
+    settings.discovery = Growing()
+    executor = hr.RayExecutor(settings, min_workers=1, max_workers=2, override_discovery=False)
+    executor.start()
+
+    def train():
+        import time
+
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        state = hvd.elastic.ObjectState(steps=0, sizes=[])
+
+        @hvd.elastic.run
+        def loop(state):
+            # until the job has grown to both hosts, and a few steps more
+            while state.steps < 2000 and (hvd.size() < 2 or state.sizes.count(2) < 3):
+                hvd.allreduce(torch.ones(1))
+                state.sizes.append(hvd.size())
+                state.steps += 1
+                time.sleep(0.01)
+                state.commit()
+            return os.environ["HOROVOD_HOSTNAME"], hvd.size(), state.sizes[0]
+
+        return loop(state)
+
+    try:
+        results = executor.run(train)
+    finally:
+        executor.shutdown()
+    # began on kolo-a alone, grew to kolo-b: each process on the host it was named for
+    assert sorted(results) == [("kolo-a", 2, 1), ("kolo-b", 2, 1)], results

@@ -72,8 +72,47 @@ Removed = _kolo.Removed
 _WIRE = _backend._DTYPES
 
 
+def _outside_rounds():
+    """Horovod's collectives where a State is used outside an in-place
+    job's rounds (a plain `hvd.init()`: one process, or a fixed job), as
+    upstream's State works in any Horovod job; None inside a round."""
+    if _rounds._current is not None or _rounds.in_place_job():
+        return None
+    import sys
+
+    hvd = sys.modules.get("kolo.horovod.torch")
+    if hvd is not None and hvd.is_initialized() and hvd.size() > 1:
+        return hvd
+    return _ONE_PROCESS
+
+
+class _OneProcess:
+    """The collectives of a world of one: this process's values are everyone's."""
+
+    @staticmethod
+    def rank():
+        return 0
+
+    @staticmethod
+    def allgather_object(obj):
+        return [obj]
+
+    @staticmethod
+    def broadcast_object(obj, root_rank=0):
+        return obj
+
+
+_ONE_PROCESS = _OneProcess()
+
+
 def _broadcast_tensors(tensors, root):
     """`root`'s values into `tensors` (any device, any dtype), in place."""
+    outside = _outside_rounds()
+    if outside is not None:
+        for t, value in zip(tensors, outside.broadcast_object([t.detach().cpu() for t in tensors], root)):
+            with torch.no_grad():
+                t.copy_(value)
+        return
     comm = current().comm
     for t in tensors:
         if t.numel() == 0:
@@ -92,7 +131,16 @@ def _broadcast_tensors(tensors, root):
 
 
 def _broadcast_object(obj, root):
+    outside = _outside_rounds()
+    if outside is not None:
+        return outside.broadcast_object(obj, root)
     return _backend.broadcast_object(current().comm, obj, root)
+
+
+def _rank():
+    """This process's rank in the round, or in the world outside rounds."""
+    outside = _outside_rounds()
+    return outside.rank() if outside is not None else current().rank
 
 
 # ---- state ----------------------------------------------------------------
@@ -105,9 +153,12 @@ class State(_rounds.State):
     communicator, whatever the default group's backend."""
 
     def _round_rank(self):
-        return current().rank
+        return _rank()
 
     def _allgather_int(self, value):
+        outside = _outside_rounds()
+        if outside is not None:
+            return [int(v) for v in outside.allgather_object(int(value))]
         comm = current().comm
         mine = torch.tensor([int(value)], dtype=torch.int64)
         every = torch.empty(comm.size, dtype=torch.int64)
@@ -115,6 +166,9 @@ class State(_rounds.State):
         return every.tolist()
 
     def _broadcast_int(self, value, root):
+        outside = _outside_rounds()
+        if outside is not None:
+            return int(outside.broadcast_object(int(value), root))
         flag = torch.tensor([int(value)], dtype=torch.int64)
         comm = current().comm
         comm.run(comm.broadcast(flag.data_ptr(), 1, "i64", root))
@@ -159,7 +213,7 @@ class ObjectState(State):
     def _sync_from(self, root):
         values = self._values()
         for name, value in values.items():
-            if current().rank == root:
+            if _rank() == root:
                 _check_sendable(name, value)
         for name, value in _broadcast_object(values, root).items():
             setattr(self, name, value)
@@ -179,7 +233,7 @@ class _Handler:
         self.value.load_state_dict(saved)
 
     def _roots_state(self, root):
-        return _broadcast_object(self.value.state_dict() if current().rank == root else None, root)
+        return _broadcast_object(self.value.state_dict() if _rank() == root else None, root)
 
 
 class _ModuleHandler(_Handler):
@@ -193,7 +247,7 @@ class _OptimizerHandler(_Handler):
     def sync_from(self, root):
         # the whole state dict: a new process's optimizer has no state yet
         state = self._roots_state(root)
-        if current().rank != root:
+        if _rank() != root:
             self.value.load_state_dict(state)
 
 

@@ -1,0 +1,1 @@
+"""horovodrun's elastic mode, on kolo's elastic driver (in place)."""
