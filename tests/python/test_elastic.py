@@ -47,11 +47,14 @@ def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
         results = ex.run(train, args=[60, "c", 20], callbacks=[reports.append], on_event=events.append)
     # 20 committed steps of three, then 40 of two
     assert results == [(60, 20 * 3 + 40 * 2, 0, 2, 1), (60, 20 * 3 + 40 * 2, 1, 2, 1)]
-    kinds = [(e["event"], e.get("round"), e.get("host"), e.get("size")) for e in events]
+    kinds = [(e["event"], e.get("round"), e.get("host"), e.get("size")) for e in events if e["event"] != "joined"]
     assert kinds[0] == ("round", 0, None, 3), events
     assert ("failed", None, "c", None) in kinds, events
     assert ("blacklisted", None, "c", None) in kinds, events
     assert kinds[-1] == ("round", 1, None, 2), events
+    # every process of round 0 was heard to join it
+    joined = {(e["round"], e["host"], e["local_rank"]) for e in events if e["event"] == "joined"}
+    assert {(0, "a", 0), (0, "b", 0), (0, "c", 0)} <= joined, events
     failed = next(e for e in events if e["event"] == "failed")
     assert failed["rank"] == 2 and "lost" in failed["reason"], failed
     # only each round's rank 0 reports (chief_only), so every step once

@@ -720,10 +720,15 @@ def test_horovod_ray_worker_class_and_discovery_on_the_cluster(cluster):
     from horovod.ray.elastic import RayHostDiscovery
     from horovod.ray.elastic_v2 import RayHostDiscovery as RayHostDiscoveryV2
 
-    # the head has 2 CPUs and no GPU, the two others 4 CPUs and 2 GPUs each
-    assert sorted(RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots().values()) == [1, 2, 2]
+    # hosts by address, as upstream's: this cluster's three nodes share
+    # this machine's; the head has 2 CPUs and no GPU, the others 4 CPUs
+    # and 2 GPUs each
+    addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    by_cpu = RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots()
+    assert set(by_cpu) == addresses and set(by_cpu.values()) <= {1, 2}, by_cpu
     by_gpu = RayHostDiscoveryV2(use_gpu=True, gpus_per_worker=1).find_available_hosts_and_slots()
-    assert sorted(by_gpu.values()) == [2, 2]
+    assert by_gpu == dict.fromkeys(addresses, 2), by_gpu
+    assert RayHostDiscoveryV2(use_gpu=True, gpus_per_worker=4).find_available_hosts_and_slots() == {}
 
 
 def test_horovod_ray_elastic_executor_runs_on_the_clusters_nodes(cluster, nothing_left):

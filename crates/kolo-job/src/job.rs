@@ -179,7 +179,8 @@ pub struct ElasticOptions {
     /// Fewest processes (default: the job's size).
     pub min_np: Option<u32>,
     /// Most processes (default: the job's size; with a discovery script,
-    /// every slot it finds).
+    /// and in place with any source of hosts (`host_source`, a Ray
+    /// cluster's nodes), every slot found).
     pub max_np: Option<u32>,
     /// Restarts after failures (default: none in restart mode; in place
     /// only the reset limit bounds them, as in Horovod).
@@ -483,10 +484,17 @@ impl Job {
         let names = self.spec.names;
         let np = self.np();
         let min_np = elastic.min_np.unwrap_or(np);
-        let max_np = match (elastic.max_np, &elastic.discovery_script) {
+        // hosts that are discovered bound the job, not its size: those of a
+        // script, and in place (Horovod's mode) those of any source (the
+        // caller's, a Ray cluster's nodes)
+        let discovered = match elastic.mode {
+            ElasticMode::InPlace => !self.discovery()?.is_fixed(),
+            ElasticMode::Restart => elastic.discovery_script.is_some(),
+        };
+        let max_np = match (elastic.max_np, discovered) {
             (Some(max), _) => max,
-            (None, Some(_)) => kolo_topology::MAX_PROCESSES,
-            (None, None) => np.max(min_np),
+            (None, true) => kolo_topology::MAX_PROCESSES,
+            (None, false) => np.max(min_np),
         };
         if min_np == 0 {
             return Err(bad(format!("{} must be a positive integer, got 0", names.min_np)));

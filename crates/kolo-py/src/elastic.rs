@@ -228,6 +228,12 @@ pub(crate) fn event_dict<'py>(
             d.set_item("event", "reported")?;
             d.set_item("rank", rank)?;
         }
+        E::Joined { round, host, local_rank } => {
+            d.set_item("event", "joined")?;
+            d.set_item("round", round)?;
+            d.set_item("host", host)?;
+            d.set_item("local_rank", local_rank)?;
+        }
         E::Reforming { round } => {
             d.set_item("event", "reforming")?;
             d.set_item("round", round)?;

@@ -480,7 +480,10 @@ impl Membership {
     }
 
     fn decide(&mut self, now: Duration) -> Decision {
-        if self.failure_pending && self.config.blacklist_failed_hosts {
+        // (a fixed list whose blacklisted hosts never come back stops below,
+        // with a message that names the way out)
+        let none_can_come_back = self.config.fixed_hosts && self.config.cooldown.is_none();
+        if self.failure_pending && self.config.blacklist_failed_hosts && !none_can_come_back {
             let failed_everywhere =
                 self.world.as_ref().filter(|w| w.hosts.iter().all(|(h, _)| self.out_until.contains_key(h)));
             if let Some(world) = failed_everywhere {

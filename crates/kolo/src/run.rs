@@ -173,7 +173,12 @@ async fn run_in_place(job: &Job, command: &[std::ffi::OsString], ended: &mut End
         job.discovery()?,
         job.cohort_factory(),
         job.env().to_vec(),
-        |event| tell(&format!("kolo: {event}")),
+        // a line per process per round would drown the rest
+        |event| {
+            if !matches!(event, ElasticEvent::Joined { .. }) {
+                tell(&format!("kolo: {event}"))
+            }
+        },
         stop_signal(),
     )
     .await?;

@@ -77,12 +77,42 @@ impl Discovery {
     /// Asks again and tells `membership`; a failing script keeps the last
     /// hosts (and says so).
     pub async fn poll(&self, membership: &mut Membership, now: Duration) -> Decision {
-        match self.hosts().await {
+        Self::decide(self.hosts().await, membership, now)
+    }
+
+    /// Tells `membership` what one discovery found; a failure keeps the
+    /// last hosts (and says so).
+    pub fn decide(found: Result<Vec<HostSpec>, ExecError>, membership: &mut Membership, now: Duration) -> Decision {
+        match found {
             Ok(hosts) => membership.on(Event::Discovered(&hosts), now),
             Err(e) => {
                 tracing::warn!("{e}; keeping the hosts discovered before");
                 membership.on(Event::Tick, now)
             }
         }
+    }
+
+    /// Discovers again every `interval` on a task of its own, each answer
+    /// sent as it comes; the next discovery starts once the last answer
+    /// was taken. The task ends with the receiver.
+    pub fn watch(&self) -> tokio::sync::mpsc::Receiver<Result<Vec<HostSpec>, ExecError>> {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let discovery = self.clone();
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(discovery.interval);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            loop {
+                ticks.tick().await;
+                let found = tokio::select! {
+                    found = discovery.hosts() => found,
+                    () = tx.closed() => return,
+                };
+                if tx.send(found).await.is_err() {
+                    return;
+                }
+            }
+        });
+        rx
     }
 }

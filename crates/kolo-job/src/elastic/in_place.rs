@@ -116,6 +116,10 @@ struct Started<O> {
     ends: Ends<O>,
 }
 
+/// How often the store is looked at for processes that joined the
+/// current round (a map lookup per member not yet heard of).
+const JOIN_LOOK: Duration = Duration::from_millis(50);
+
 type Spawning<O> = Option<JoinHandle<Result<Started<O>, ExecError>>>;
 
 /// An elastic job in place: see the module docs.
@@ -136,6 +140,8 @@ pub struct ElasticJob<W: ElasticWork> {
     membership: Membership,
     started: Instant,
     on_event: Box<dyn FnMut(ElasticEvent) + Send>,
+    /// Processes told to have joined the current round (`Joined`).
+    joined_told: std::collections::HashSet<(u64, usize)>,
 }
 
 enum Ended {
@@ -181,12 +187,18 @@ impl<W: ElasticWork> ElasticJob<W> {
             spawning: None,
             started: Instant::now(),
             on_event: Box::new(on_event),
+            joined_told: Default::default(),
         };
         let first = job.discovery.hosts().await?;
         let decision = job.membership.on(Event::Discovered(&first), job.started.elapsed());
         let mut ended = job.apply(decision).await;
+        // discovery runs beside the job: a slow script or object (one that
+        // waits for the job's processes, as horovod.ray's tests' does)
+        // never holds back what the job hears meanwhile
+        let mut discovered = job.discovery.watch();
         let mut ticks = tokio::time::interval(job.discovery.interval);
         ticks.tick().await;
+        let mut join_looks = tokio::time::interval(JOIN_LOOK);
         while ended.is_none() {
             ended = tokio::select! {
                 Some((cohort, rank, end)) = ends.recv() => job.on_end(cohort, rank, end).await,
@@ -195,8 +207,16 @@ impl<W: ElasticWork> ElasticJob<W> {
                     None
                 }
                 spawned = spawn_done(&mut job.spawning) => job.on_spawned(spawned).await,
+                Some(found) = discovered.recv() => {
+                    let decision = Discovery::decide(found, &mut job.membership, job.started.elapsed());
+                    job.apply(decision).await
+                }
+                _ = join_looks.tick() => {
+                    job.tell_joins();
+                    None
+                }
                 _ = ticks.tick() => {
-                    let decision = job.discovery.poll(&mut job.membership, job.started.elapsed()).await;
+                    let decision = job.membership.on(Event::Tick, job.started.elapsed());
                     job.apply(decision).await
                 }
                 signal = &mut interrupt => Some(Ended::Interrupted(signal)),
@@ -224,6 +244,30 @@ impl<W: ElasticWork> ElasticJob<W> {
             }
         };
         Ok(outcome)
+    }
+
+    /// Tells which members of the current round have joined it since the
+    /// last look, from what they recorded on the job's store.
+    fn tell_joins(&mut self) {
+        let Some(server) = self.cohorts.first().and_then(|c| c.rendezvous_server()) else { return };
+        let round = self.rounds.next_round().saturating_sub(1);
+        let mut joined = Vec::new();
+        for &p in self.rounds.members() {
+            let proc = &self.rounds.procs()[p];
+            if self.joined_told.contains(&(round, p)) {
+                continue;
+            }
+            let key = format!("{}:{}", proc.host, proc.local_rank);
+            let value = server.value(kolo_rendezvous::elastic::JOINED_SCOPE, &key);
+            let in_round = value.and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
+            if in_round == Some(round) {
+                joined.push((p, proc.host.clone(), proc.local_rank));
+            }
+        }
+        for (p, host, local_rank) in joined {
+            self.joined_told.insert((round, p));
+            self.tell(ElasticEvent::Joined { round, host, local_rank });
+        }
     }
 
     /// Tells what a cohort's process reported, with its rank in the last

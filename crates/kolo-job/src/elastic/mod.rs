@@ -83,6 +83,16 @@ pub enum ElasticEvent {
         /// The round the processes start again in.
         round: u32,
     },
+    /// In place: a process of the current round joined it (its
+    /// collectives can go on), as it recorded on the job's store.
+    Joined {
+        /// The round.
+        round: u64,
+        /// The process's host.
+        host: String,
+        /// Its local rank there.
+        local_rank: u32,
+    },
     /// Restart mode: a rank failed, so every process starts again.
     Restarting {
         /// The rank that failed.
@@ -132,6 +142,9 @@ impl std::fmt::Display for ElasticEvent {
             ElasticEvent::Reported { rank: Some(rank), data } => write!(f, "rank {rank} reported {} bytes", data.len()),
             ElasticEvent::Reported { rank: None, data } => write!(f, "a process reported {} bytes", data.len()),
             ElasticEvent::Reforming { round } => write!(f, "the hosts changed; re-forming the job (round {round})"),
+            ElasticEvent::Joined { round, host, local_rank } => {
+                write!(f, "the process on host {host} with local rank {local_rank} joined round {round}")
+            }
             ElasticEvent::Restarting { rank, host, reason } => {
                 write!(f, "rank {rank} on host {host} {reason}; restarting the job")
             }

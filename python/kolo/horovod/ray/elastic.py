@@ -34,15 +34,25 @@ class _DriverView:
     """What an elastic job's driver says of its current round, by the names
     horovodrun's `ElasticDriver` has for it: `get_slot_info(host,
     local_rank)` (a slot with an empty `hostname` where the round has none)
-    and `get_worker_client(slot)` (whether that slot's worker is in the
-    round: kolo publishes a round once its processes run)."""
+    and `get_worker_client(slot)` (whether that slot's process has joined
+    the round, as kolo's driver heard: its `joined` events)."""
 
     def __init__(self):
         self._hosts = []  # the current round's (host, slots), in rank order
+        self._round = None
+        self._joined = set()  # (host, local_rank) of the current round's joined processes
 
     def _heard(self, event):
-        if event.get("event") == "round":
+        kind = event.get("event")
+        if kind == "round":
             self._hosts = [tuple(h) for h in event["hosts"]]
+            self._round, self._joined = event["round"], set()
+        elif kind == "joined" and event["round"] == self._round:
+            self._joined.add((event["host"], event["local_rank"]))
+
+    def _over(self):
+        """The job ended: it has no round, so no slot."""
+        self._hosts, self._round, self._joined = [], None, set()
 
     def get_slot_info(self, host, local_rank):
         rank = 0
@@ -55,7 +65,7 @@ class _DriverView:
         return _SlotInfo()
 
     def get_worker_client(self, slot):
-        return bool(slot.hostname) and any(name == slot.hostname for name, _ in self._hosts)
+        return (slot.hostname, slot.local_rank) in self._joined
 
 
 class ElasticRayExecutor:
@@ -110,4 +120,5 @@ class ElasticRayExecutor:
         try:
             return self._executor._call("run", worker_fn, callbacks=callbacks, on_event=self.driver._heard)
         finally:
+            self.driver._over()
             self._executor.shutdown()

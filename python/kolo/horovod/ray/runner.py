@@ -270,7 +270,23 @@ class RayExecutor:
                  gpus_per_worker: Optional[int] = None, use_current_placement_group: bool = True,
                  min_workers: Optional[int] = None, max_workers: Optional[int] = None,
                  reset_limit: Optional[int] = None, cooldown_range: Optional[List[int]] = None,
-                 elastic_timeout: int = 600, override_discovery: bool = True):
+                 elastic_timeout: int = 600, override_discovery: bool = True, **legacy):
+        # horovod.ray's first names for these, still in its examples
+        for old, new in (("num_slots", "num_workers_per_host"), ("cpus_per_slot", "cpus_per_worker"),
+                         ("gpus_per_slot", "gpus_per_worker")):
+            if old in legacy:
+                import warnings
+
+                warnings.warn(f"{old} is deprecated, use {new} instead", DeprecationWarning, stacklevel=2)
+                value = legacy.pop(old)
+                if new == "num_workers_per_host":
+                    num_workers_per_host = value
+                elif new == "cpus_per_worker":
+                    cpus_per_worker = value
+                else:
+                    gpus_per_worker = value
+        if legacy:
+            raise TypeError(f"RayExecutor got unexpected keyword arguments: {', '.join(sorted(legacy))}")
         if max_workers and (not min_workers or min_workers <= 0):
             raise ValueError("`max_workers` provided without any positive `min_workers`. "
                              "Elastic workloads require a positive `min_workers`")

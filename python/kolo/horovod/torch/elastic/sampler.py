@@ -1,0 +1,5 @@
+"""`horovod.torch.elastic.sampler`: `ElasticSampler` by its module path."""
+
+from kolo.torch.elastic import ElasticSampler
+
+__all__ = ["ElasticSampler"]
