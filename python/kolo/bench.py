@@ -5,7 +5,8 @@ interpreter's own imports included). With `--engine ray` this Python first
 connects to the cluster (`ray.init`, outside the timing), as a horovod.ray
 script does and as `bench/upstream_ray_executor.py` does;
 `--bridge process` leaves it unconnected, so that kolo's Ray bridge runs
-in a Python of its own."""
+in a Python of its own. `--api horovod.ray` measures the same through
+kolo's `horovod.ray.RayExecutor` (the name a horovod.ray script uses)."""
 
 import argparse
 import os
@@ -26,10 +27,14 @@ def pss_kib(pids):
     return total
 
 
-def executor(workers, rounds, engine):
+def executor(workers, rounds, engine, api="kolo"):
     settings = Executor.create_settings(timeout_s=60)
     started = time.perf_counter()
-    if engine == "ray":  # the cluster at RAY_ADDRESS, or this machine's
+    if api == "horovod.ray":
+        from .horovod.ray import RayExecutor
+
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=workers)
+    elif engine == "ray":  # the cluster at RAY_ADDRESS, or this machine's
         ex = Executor(settings, num_workers=workers, engine="ray")
     else:
         ex = Executor(settings, num_workers=workers, hosts=f"localhost:{workers}")
@@ -67,12 +72,16 @@ def main():
     parser.add_argument("--bridge", choices=["here", "process"], default="here",
                         help="with --engine ray: run kolo's Ray bridge in this Python, connected first "
                              "(default), or in a Python of its own")
+    parser.add_argument("--api", choices=["kolo", "horovod.ray"], default="kolo",
+                        help="horovod.ray: through kolo's horovod.ray.RayExecutor (the Ray engine)")
     args = parser.parse_args()
+    if args.api == "horovod.ray":
+        args.engine = "ray"
     if args.engine == "ray" and args.bridge == "here":
         connect_to_ray()
     print(f"{'workers':>8} {'first_result_ms':>16} {'round_p50_us':>13} {'round_p99_us':>13} {'shutdown_ms':>12} {'pss_mib':>8}")
     for n in args.workers:
-        first, p50, p99, down, memory = executor(n, args.rounds, args.engine)
+        first, p50, p99, down, memory = executor(n, args.rounds, args.engine, args.api)
         print(f"{n:>8} {first * 1e3:>16.1f} {p50 * 1e6:>13.0f} {p99 * 1e6:>13.0f} {down * 1e3:>12.1f} {memory / 1024:>8.1f}")
 
 
