@@ -285,3 +285,26 @@ def test_an_outcome_file_says_how_a_job_ended(tmp_path):
     assert out.returncode == 4, out.stderr
     ended = json.loads(outcome.read_text())
     assert ended["exit_code"] == 4 and ended["failed"][0] == 0 and ended["stopped"] is None, ended
+
+
+def test_an_elastic_job_whose_every_host_fails_raises_horovods_error(tmp_path):
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    script.chmod(0o700)
+    out = python(f"""
+        import sys
+        from unittest import mock
+        from horovod.runner.launch import parse_args, _run_elastic
+        argv = ["horovodrun", "-np", "2", "--min-np", "2", "--host-discovery-script", {str(script)!r},
+                sys.executable, "-c", "import sys; sys.exit(7)"]
+        with mock.patch.object(sys, "argv", argv):
+            try:
+                _run_elastic(parse_args())
+            except RuntimeError as e:
+                print("RAISED", str(e).splitlines()[0])
+                print("EVERY HOST" if "failed on every host" in str(e) else str(e))
+    """, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert "RAISED Horovod detected that one or more processes exited with non-zero status" in lines, out
+    assert lines[-1] == "EVERY HOST", out
