@@ -178,9 +178,8 @@ pub struct ElasticOptions {
     pub mode: ElasticMode,
     /// Fewest processes (default: the job's size).
     pub min_np: Option<u32>,
-    /// Most processes (default: the job's size; with a discovery script,
-    /// and in place with any source of hosts (`host_source`, a Ray
-    /// cluster's nodes), every slot found).
+    /// Most processes (default: the job's size; with a discovery script
+    /// or a `host_source`, every slot found).
     pub max_np: Option<u32>,
     /// Restarts after failures (default: none in restart mode; in place
     /// only the reset limit bounds them, as in Horovod).
@@ -484,13 +483,9 @@ impl Job {
         let names = self.spec.names;
         let np = self.np();
         let min_np = elastic.min_np.unwrap_or(np);
-        // hosts that are discovered bound the job, not its size: those of a
-        // script, and in place (Horovod's mode) those of any source (the
-        // caller's, a Ray cluster's nodes)
-        let discovered = match elastic.mode {
-            ElasticMode::InPlace => !self.discovery()?.is_fixed(),
-            ElasticMode::Restart => elastic.discovery_script.is_some(),
-        };
+        // hosts the caller discovers (a script, a source of theirs) bound
+        // the job, not its size
+        let discovered = elastic.discovery_script.is_some() || elastic.host_source.is_some();
         let max_np = match (elastic.max_np, discovered) {
             (Some(max), _) => max,
             (None, true) => kolo_topology::MAX_PROCESSES,

@@ -136,7 +136,13 @@ impl Job {
             Some(mode) => {
                 let mut options = ElasticOptions::new(mode);
                 options.min_np = min_workers;
-                options.max_np = max_workers;
+                // horovod.ray's elastic executor on a Ray cluster's nodes:
+                // without max_workers, every slot the cluster has
+                let on_ray_nodes = engine.as_deref() == Some("ray") && host_discovery_script.is_none();
+                options.max_np = match (max_workers, mode) {
+                    (None, ElasticMode::InPlace) if on_ray_nodes => Some(kolo_topology::MAX_PROCESSES),
+                    _ => max_workers,
+                };
                 options.max_restarts = max_restarts;
                 options.reset_limit = reset_limit;
                 options.elastic_timeout = kolo_job::seconds("elastic_timeout", elastic_timeout).map_err(exec_error)?;

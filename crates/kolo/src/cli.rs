@@ -162,7 +162,7 @@ pub(crate) struct RunArgs {
     #[arg(long, value_name = "N")]
     pub min_np: Option<u32>,
     /// Elastic: the most processes (default: -np; all discovered slots
-    /// with a discovery script, or in place on --engine ray).
+    /// with a discovery script).
     #[arg(long, value_name = "N")]
     pub max_np: Option<u32>,
     /// Elastic: how many times failed ranks may restart the job (torchrun's

@@ -1,7 +1,8 @@
-"""Horovod's API on kolo's collectives, for Horovod scripts and horovod.ray
-train functions that run unchanged: in a kolo job `import horovod.torch as
-hvd` gives `kolo.horovod.torch` when Horovod itself is not installed (a
-real Horovod wins; `KOLO_PYTHON_HOOKS=0` turns the alias off)."""
+"""Horovod's API on kolo, for Horovod scripts, horovod.ray drivers and
+horovodrun pipelines that run unchanged: wherever kolo is installed and
+Horovod is not, `import horovod.torch as hvd` gives `kolo.horovod.torch`
+(`_kolo_alias`; a real Horovod wins; `KOLO_PYTHON_HOOKS=0` turns the
+alias off)."""
 
 # the Horovod release whose API this follows
 __version__ = "0.28.1"

@@ -286,6 +286,8 @@ impl<W: ElasticWork> ElasticJob<W> {
         match decision {
             Decision::Continue => None,
             Decision::Reform(world) => {
+                // the joins of the round that ends are told before it ends
+                self.tell_joins();
                 self.reform(&world.hosts).await;
                 None
             }
@@ -439,6 +441,8 @@ impl<W: ElasticWork> ElasticJob<W> {
     }
 
     async fn on_end(&mut self, cohort: usize, rank: u32, end: ProcessEnd<W::Output>) -> Option<Ended> {
+        // a process that joined and then ended was still heard to join
+        self.tell_joins();
         let p = self.rounds.find(cohort, rank)?;
         let server = self.cohorts.first().and_then(|c| c.rendezvous_server());
         // the round each process last joined, as it recorded on the store
