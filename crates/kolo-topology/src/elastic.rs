@@ -414,7 +414,9 @@ impl Membership {
                 }
             }
             Event::RankFailed(host) => {
-                if self.running && self.in_world(host) {
+                // the last world's processes still count while it waits for
+                // hosts after an earlier failure: each that fails is heard
+                if self.in_world(host) {
                     // without a cooldown a blacklisting is for good: a
                     // failing script must not exile every host
                     let again = self.failed_last_round.contains(host) && self.config.cooldown.is_some();
@@ -620,6 +622,19 @@ mod tests {
         let stopped = m.on(Event::RankFailed("c"), secs(3));
         assert_eq!(stopped, Decision::Stop(StopReason::AllHostsFailed { hosts: vec!["c".into()] }));
         assert_eq!(StopReason::AllHostsFailed { hosts: vec!["c".into()] }.kind(), "all_hosts_failed");
+    }
+
+    #[test]
+    fn in_place_every_rank_failing_one_after_another_stops_while_the_job_waits() {
+        // without a cooldown: a's failure leaves too few slots (the job
+        // waits), then b's failure is heard and ends it
+        let mut c = ElasticConfig::new(2, 2).unwrap();
+        c.blacklist_failed_hosts = true;
+        let mut m = Membership::new(c);
+        assert_eq!(world_of(&m.on(Event::Discovered(&hosts(&[("a", 1), ("b", 1)])), secs(0))), [("a", 1), ("b", 1)]);
+        assert!(matches!(m.on(Event::RankFailed("a"), secs(1)), Decision::Wait { available: 1, needed: 2, .. }));
+        let stopped = m.on(Event::RankFailed("b"), secs(1));
+        assert_eq!(stopped, Decision::Stop(StopReason::AllHostsFailed { hosts: vec!["a".into(), "b".into()] }));
     }
 
     #[test]
