@@ -807,3 +807,65 @@ def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_nod
         executor.shutdown()
     # began on kolo-a alone, grew to kolo-b: each process on the host it was named for
     assert sorted(results) == [("kolo-a", 2, 1), ("kolo-b", 2, 1)], results
+
+
+def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(cluster, nothing_left):
+    hr = horovod_ray()
+    from horovod.runner.elastic.discovery import HostDiscovery
+
+    class Watching(HostDiscovery):
+        """kolo-a, and kolo-b too once the driver says kolo-a's process
+        joined; notes what the driver says at each call."""
+
+        executor = None
+
+        def __init__(self):
+            self.seen = []
+
+        def find_available_hosts_and_slots(self):
+            d = self.executor.driver if self.executor else None
+            if d is None:
+                return {"kolo-a": 1}
+            a, b = d.get_slot_info("kolo-a", 0), d.get_slot_info("kolo-b", 0)
+            a_joined = bool(a.hostname and d.get_worker_client(a))
+            self.seen.append((a.rank, a_joined, b.rank, bool(b.hostname and d.get_worker_client(b)),
+                              d.get_slot_info("kolo-nowhere", 0).hostname))
+            return {"kolo-a": 1, "kolo-b": 1} if a_joined else {"kolo-a": 1}
+
+    settings = hr.ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, timeout_s=60)
+    settings.discovery = Watching()
+    executor = hr.ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
+    settings.discovery.executor = executor
+    executor.start()
+
+    def train():
+        import time
+
+        import horovod.torch as hvd
+        import torch
+
+        hvd.init()
+        state = hvd.elastic.ObjectState(steps=0, at_two=0)
+
+        @hvd.elastic.run
+        def loop(state):
+            while state.steps < 2000 and state.at_two < 3:
+                hvd.allreduce(torch.ones(1))
+                state.at_two += hvd.size() == 2
+                state.steps += 1
+                time.sleep(0.01)
+                state.commit()
+            return hvd.size()
+
+        return loop(state)
+
+    assert executor.run(train) == [2, 2]
+    seen = settings.discovery.seen
+    # kolo-a alone (rank 0, kolo-b without a slot), then both in rank order
+    assert (0, True, -1, False, "") in seen, seen
+    assert (0, True, 1, True, "") in seen, seen
+    # as upstream's worker registrations: once joined, joined for good
+    first = next(i for i, s in enumerate(seen) if s[1])
+    assert all(s[1] for s in seen[first:]), seen
+    # the job over, the driver has no round and so no slot
+    assert executor.driver.get_slot_info("kolo-a", 0).hostname == ""

@@ -234,6 +234,25 @@ def test_past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing(tmp_pat
     assert "reset limit" in out.stderr, out.stderr
 
 
+def test_hvd_init_whose_round_ends_under_it_joins_the_next_round(tmp_path):
+    # rank 0 joins round 0 beside rank 1, then fails before its core starts:
+    # rank 1's hvd.init, waiting on it, is interrupted by round 1 and joins
+    # that (without a, as upstream's init gets the world it is given)
+    code = ("import os, sys\n"
+            "import horovod.torch as hvd\n"
+            "from kolo import _rounds\n"
+            "if os.environ['HOROVOD_RANK'] == '0':\n"
+            "    _rounds.join('test')\n"
+            "    sys.exit(3)\n"
+            "hvd.init()\n"
+            "print('INIT size', hvd.size(), 'round', _rounds.current().number, flush=True)\n")
+    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "1", "-H", "a:1,b:1",
+                     "--", sys.executable, "-c", code], timeout=120)
+    assert "INIT size 1 round 1" in out.stdout, out.stdout + out.stderr
+    assert "rank 0 on host a exited with code 3" in out.stderr, out.stderr
+    assert out.returncode == 0, out.stderr
+
+
 def test_the_elastic_api_outside_an_in_place_job_says_how_to_start_one(tmp_path):
     code = ("import torch, horovod.torch as hvd\n"
             "state = hvd.elastic.ObjectState(step=0)\n"

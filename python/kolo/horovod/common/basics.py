@@ -221,8 +221,15 @@ def init(comm=None, process_sets=None):
             # an in-place elastic job: the next round this process has a
             # place in, with its ranks there (`hvd.elastic.run` re-inits
             # each round); the core gets a communicator of its own
-            joined = _rounds.join("hvd.init")
-            core = _rounds._the_worker("hvd.init").horovod_core(ranks)
+            while True:
+                joined = _rounds.join("hvd.init")
+                try:
+                    core = _rounds._the_worker("hvd.init").horovod_core(ranks)
+                    break
+                except _kolo.MembershipError:
+                    # the round ended while its core started (a peer died,
+                    # hosts came or went): init takes the next one
+                    continue
             _state.comm = joined.comm
             _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
                             joined.cross_size)

@@ -34,20 +34,21 @@ class _DriverView:
     """What an elastic job's driver says of its current round, by the names
     horovodrun's `ElasticDriver` has for it: `get_slot_info(host,
     local_rank)` (a slot with an empty `hostname` where the round has none)
-    and `get_worker_client(slot)` (whether that slot's process has joined
-    the round, as kolo's driver heard: its `joined` events)."""
+    and `get_worker_client(slot)` (whether a process of that slot has
+    joined the job, as kolo's driver heard: its `joined` events; as
+    upstream's worker registrations, it stays once made)."""
 
     def __init__(self):
         self._hosts = []  # the current round's (host, slots), in rank order
         self._round = None
-        self._joined = set()  # (host, local_rank) of the current round's joined processes
+        self._joined = set()  # (host, local_rank) whose process joined a round
 
     def _heard(self, event):
         kind = event.get("event")
         if kind == "round":
             self._hosts = [tuple(h) for h in event["hosts"]]
-            self._round, self._joined = event["round"], set()
-        elif kind == "joined" and event["round"] == self._round:
+            self._round = event["round"]
+        elif kind == "joined":
             self._joined.add((event["host"], event["local_rank"]))
 
     def _over(self):
