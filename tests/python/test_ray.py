@@ -869,3 +869,24 @@ def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(clust
     assert all(s[1] for s in seen[first:]), seen
     # the job over, the driver has no round and so no slot
     assert executor.driver.get_slot_info("kolo-a", 0).hostname == ""
+
+
+def test_horovod_ray_test_discovery_takes_the_clusters_hosts_out_and_back(cluster, capsys):
+    horovod_ray()
+    from horovod.ray.elastic import RayHostDiscovery, TestDiscovery
+    from horovod.ray.elastic_v2 import TestDiscovery as TestDiscoveryV2
+
+    # this cluster's nodes share one address: one host
+    full = RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots()
+    assert len(full) == 1, full
+    for discovery in (TestDiscovery(0, 1, 0, cpus_per_slot=2), TestDiscoveryV2(0, 1, 0, cpus_per_worker=2)):
+        # at the most hosts one goes out, at the fewest it comes back
+        got = [discovery.find_available_hosts_and_slots() for _ in range(4)]
+        assert got == [{}, full, {}, full], got
+    out = capsys.readouterr().out
+    assert f"Remaining hosts: 1 -- {full}" in out and "Remaining hosts: 0 -- {}" in out, out
+    assert "Total hosts: 1" in out, out
+    # only what was taken out comes back: none was, so none to add
+    quiet = TestDiscoveryV2(1, 3, 0, cpus_per_worker=2, verbose=False)
+    assert quiet.find_available_hosts_and_slots() == full
+    assert "No hosts to add." in capsys.readouterr().out

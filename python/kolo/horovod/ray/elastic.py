@@ -7,7 +7,7 @@ from typing import Any, Callable, List, Optional
 
 from ..runner.elastic.discovery import HostDiscovery
 from ..runner.elastic.settings import ElasticSettings
-from .elastic_v2 import _ray_slots
+from .elastic_v2 import _HostChurn, _ray_slots
 from .runner import RayExecutor, _check_gpus
 
 
@@ -20,6 +20,19 @@ class RayHostDiscovery(HostDiscovery):
 
     def find_available_hosts_and_slots(self):
         return _ray_slots(self.use_gpu, self.cpus_per_slot, self.gpus_per_slot)
+
+
+class TestDiscovery(_HostChurn, RayHostDiscovery):
+    """The cluster's hosts, one taken out or put back every
+    `change_frequency_s` (horovod.ray's test discovery, slot-named
+    arguments)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, min_hosts, max_hosts, change_frequency_s, use_gpu=False, cpus_per_slot=1, gpus_per_slot=1,
+                 verbose=True, _graceful=True):
+        RayHostDiscovery.__init__(self, use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, gpus_per_slot=gpus_per_slot)
+        self._churn_init(min_hosts, max_hosts, change_frequency_s, verbose, _graceful)
 
 
 class _SlotInfo:
