@@ -809,13 +809,16 @@ def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_nod
     assert sorted(results) == [("kolo-a", 2, 1), ("kolo-b", 2, 1)], results
 
 
-def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(cluster, nothing_left):
+def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(cluster, nothing_left, tmp_path):
     hr = horovod_ray()
     from horovod.runner.elastic.discovery import HostDiscovery
 
+    both_seen = tmp_path / "both-joined"
+
     class Watching(HostDiscovery):
         """kolo-a, and kolo-b too once the driver says kolo-a's process
-        joined; notes what the driver says at each call."""
+        joined; notes what the driver says at each call, and says when it
+        has seen both joined."""
 
         executor = None
 
@@ -830,6 +833,8 @@ def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(clust
             a_joined = bool(a.hostname and d.get_worker_client(a))
             self.seen.append((a.rank, a_joined, b.rank, bool(b.hostname and d.get_worker_client(b)),
                               d.get_slot_info("kolo-nowhere", 0).hostname))
+            if self.seen[-1][:4] == (0, True, 1, True):
+                both_seen.touch()
             return {"kolo-a": 1, "kolo-b": 1} if a_joined else {"kolo-a": 1}
 
     settings = hr.ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, timeout_s=60)
@@ -837,21 +842,26 @@ def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(clust
     executor = hr.ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
     settings.discovery.executor = executor
     executor.start()
+    marker = str(both_seen)
 
     def train():
+        import os
         import time
 
         import horovod.torch as hvd
         import torch
 
         hvd.init()
-        state = hvd.elastic.ObjectState(steps=0, at_two=0)
+        state = hvd.elastic.ObjectState(steps=0)
 
         @hvd.elastic.run
         def loop(state):
-            while state.steps < 2000 and state.at_two < 3:
-                hvd.allreduce(torch.ones(1))
-                state.at_two += hvd.size() == 2
+            # at size two until the driver's discovery has seen both joined
+            # (the ranks agree on when: the first to see it says so)
+            while state.steps < 20000:
+                seen = float(hvd.size() == 2 and os.path.exists(marker))
+                if hvd.allreduce(torch.tensor([seen]), op=hvd.Max).item():
+                    break
                 state.steps += 1
                 time.sleep(0.01)
                 state.commit()
@@ -859,7 +869,7 @@ def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(clust
 
         return loop(state)
 
-    assert executor.run(train) == [2, 2]
+    assert executor.run(train) == [2, 2], settings.discovery.seen
     seen = settings.discovery.seen
     # kolo-a alone (rank 0, kolo-b without a slot), then both in rank order
     assert (0, True, -1, False, "") in seen, seen

@@ -21,8 +21,9 @@ def broadcast_variables(variables, root_rank, process_set=basics.global_process_
 
 class BroadcastGlobalVariablesCallback:
     """Makes every rank start from rank `root_rank`'s weights: the model's
-    at the start of training, and again with the optimizer's state once the
-    first batch has made it (Keras builds it on the first update)."""
+    at the start of training (when it is built by then), and again with
+    the optimizer's state once the first batch has made it (Keras builds
+    it on the first update)."""
 
     def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
@@ -31,7 +32,10 @@ class BroadcastGlobalVariablesCallback:
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
-        if not self.broadcast_done:
+        # a model built by its first batch (a Sequential without an input
+        # shape) has no weights yet: on_batch_end broadcasts them, as
+        # upstream does for every model
+        if not self.broadcast_done and getattr(self.model, "built", True):
             broadcast_variables(model_variables(self.model, skip=self.local_variables), self.root_rank)
 
     def on_batch_end(self, batch, logs=None):
