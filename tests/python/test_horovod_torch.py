@@ -162,3 +162,25 @@ def test_a_horovod_train_function_runs_twice_on_the_same_executor_workers():
             assert results[0][2] == results[1][2], results
     finally:
         executor.shutdown()
+
+
+def test_a_scheduler_over_a_distributed_optimizer_pickles_in_a_rank():
+    # Horovod's elastic examples keep one in hvd.elastic.TorchState, which
+    # sends it: cloudpickle copies the optimizer's class by value and, with
+    # torch's step wrapper, the global step hooks (kolo's rank counts steps
+    # with one)
+    code = ("import cloudpickle, torch\n"
+            "import horovod.torch as hvd\n"
+            "hvd.init()\n"
+            "m = torch.nn.Linear(2, 2)\n"
+            "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),"
+            " named_parameters=m.named_parameters())\n"
+            "sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)\n"
+            "m(torch.ones(1, 2)).sum().backward()\n"
+            "opt.step()\n"
+            "sched.step()\n"
+            "copy = cloudpickle.loads(cloudpickle.dumps(sched))\n"
+            "print('sent', type(copy).__name__, copy.last_epoch, flush=True)\n")
+    out = kolo_run(2, "-c", code)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("sent CosineAnnealingLR 1") == 2, out.stdout

@@ -131,7 +131,20 @@ def _kolo_count(dist, progress_file):
     try:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: add(24, 1))
+        # torch keeps the hook in a global dict that cloudpickle copies
+        # with any optimizer class it pickles by value (Horovod's
+        # DistributedOptimizer makes one, which elastic states and
+        # schedulers carry): the hook must hold nothing unpicklable (the
+        # mmap), so it finds the counter through this module at each call
+        this = __name__
+        sys.modules[this]._kolo_optimizer_stepped = lambda: add(24, 1)
+
+        def optimizer_stepped(optimizer, args, kwargs):
+            stepped = getattr(sys.modules.get(this), "_kolo_optimizer_stepped", None)
+            if stepped is not None:
+                stepped()
+
+        register_optimizer_step_post_hook(optimizer_stepped)
     except ImportError:  # an older torch: collectives only
         pass
 
