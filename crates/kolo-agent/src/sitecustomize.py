@@ -135,12 +135,12 @@ def _kolo_count(dist, progress_file):
         # with any optimizer class it pickles by value (Horovod's
         # DistributedOptimizer makes one, which elastic states and
         # schedulers carry): the hook must hold nothing unpicklable (the
-        # mmap), so it finds the counter through this module at each call
-        this = __name__
-        sys.modules[this]._kolo_optimizer_stepped = lambda: add(24, 1)
+        # mmap), so it finds the counter at each call beside the hooks, on
+        # torch's optimizer module (this one need not be in sys.modules)
+        sys.modules["torch.optim.optimizer"]._kolo_optimizer_stepped = lambda: add(24, 1)
 
         def optimizer_stepped(optimizer, args, kwargs):
-            stepped = getattr(sys.modules.get(this), "_kolo_optimizer_stepped", None)
+            stepped = getattr(sys.modules.get("torch.optim.optimizer"), "_kolo_optimizer_stepped", None)
             if stepped is not None:
                 stepped()
 
