@@ -28,6 +28,9 @@ use super::work::{BoxFuture, Ends, Launch, ProcessEnd};
 use super::{Discovery, ElasticEvent, ElasticWork};
 use kolo_exec::{ExecError, Executor, Report, SharedJob};
 
+/// How much longer than the elastic timeout a process waits for a round.
+const PROCESS_WAIT_GRACE_S: u64 = 10;
+
 /// What a cohort's (or a restarted world's) executor is made for.
 #[derive(Clone, Debug)]
 pub struct Cohort {
@@ -363,7 +366,11 @@ impl<W: ElasticWork> ElasticJob<W> {
                 }
             }
         });
-        let timeout_s = self.membership.config().elastic_timeout.as_secs().max(1);
+        // a process waits for its next round the job's elastic timeout and
+        // a grace more: the driver decides (a timeout stops the job, saying
+        // so) before a waiting process gives up and exits as a failure;
+        // the process's own limit is for a driver that is gone
+        let timeout_s = self.membership.config().elastic_timeout.as_secs().max(1) + PROCESS_WAIT_GRACE_S;
         // the round's hosts: the processes start with their ranks in it
         let world = self.membership.world().filter(|w| u64::from(w.round) == round).map(World::host_specs);
         let world = world.unwrap_or_default();
