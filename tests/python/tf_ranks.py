@@ -276,6 +276,22 @@ def tape():
     hvd.shutdown()
 
 
+def lazy_model_is_broadcast(keras, hvd, x, y):
+    """A model without an input shape is built by its first batch: the
+    callback broadcasts its weights once it has them (Keras 3 or 2)."""
+    keras.utils.set_random_seed(hvd.rank())
+    # named: the gradients' names must agree across ranks, whatever models
+    # each made before
+    lazy = keras.Sequential([keras.layers.Dense(3, name="lazy_in"), keras.layers.Dense(1, name="lazy_out")],
+                            name="lazy")
+    lazy.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    lazy.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    for w in lazy.get_weights():
+        every = hvd.allgather(np.asarray(w)[np.newaxis])
+        assert np.allclose(every, every[0]), every
+
+
 def keras_fit():
     """model.fit with DistributedOptimizer and the callbacks: the weights
     of one process trained on the whole batch (KERAS_BACKEND picks the
@@ -315,20 +331,7 @@ def keras_fit():
     # the averaged loss is the same on every rank
     losses = hvd.allgather(np.array([history.history["loss"][-1]]))
     assert np.allclose(losses, losses[0]), losses
-
-    # a model without an input shape is built by its first batch: the
-    # callback broadcasts its weights once it has them
-    keras.utils.set_random_seed(r)
-    # (named: the gradients' names must agree across ranks, and rank 0
-    # made one model more above)
-    lazy = keras.Sequential([keras.layers.Dense(3, name="lazy_in"), keras.layers.Dense(1, name="lazy_out")],
-                            name="lazy")
-    lazy.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
-    lazy.fit(x[mine], y[mine], batch_size=4, epochs=1, shuffle=False, verbose=0,
-             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    for w in lazy.get_weights():
-        every = hvd.allgather(np.asarray(w)[np.newaxis])
-        assert np.allclose(every, every[0]), every
+    lazy_model_is_broadcast(keras, hvd, x[mine], y[mine])
     hvd.shutdown()
 
 
@@ -515,19 +518,7 @@ def keras2():
             check(got, w, f"Keras 2 fit with {type(opt).__module__}", rtol=1e-4)
         losses = hvd.allgather(np.array([history.history["loss"][-1]]))
         assert np.allclose(losses, losses[0]), losses
-
-    # a model without an input shape is built by its first batch: the
-    # callback broadcasts its weights once it has them
-    tf.keras.utils.set_random_seed(r)
-    # (named: the gradients' names must agree across ranks)
-    lazy = keras.Sequential([keras.layers.Dense(3, name="lazy_in"), keras.layers.Dense(1, name="lazy_out")],
-                            name="lazy")
-    lazy.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
-    lazy.fit(x[mine], y[mine], batch_size=4, epochs=1, shuffle=False, verbose=0,
-             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
-    for w in lazy.get_weights():
-        every = hvd.allgather(np.asarray(w)[np.newaxis])
-        assert np.allclose(every, every[0]), every
+    lazy_model_is_broadcast(keras, hvd, x[mine], y[mine])
 
     # two backward passes of 2 samples, averaged, at the same weights: one
     # step on the whole batch; Keras 2 counts every pass as an iteration

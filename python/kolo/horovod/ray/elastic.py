@@ -53,20 +53,18 @@ class _DriverView:
 
     def __init__(self):
         self._hosts = []  # the current round's (host, slots), in rank order
-        self._round = None
         self._joined = set()  # (host, local_rank) whose process joined a round
 
     def _heard(self, event):
         kind = event.get("event")
         if kind == "round":
             self._hosts = [tuple(h) for h in event["hosts"]]
-            self._round = event["round"]
         elif kind == "joined":
             self._joined.add((event["host"], event["local_rank"]))
 
     def _over(self):
         """The job ended: it has no round, so no slot."""
-        self._hosts, self._round, self._joined = [], None, set()
+        self._hosts, self._joined = [], set()
 
     def get_slot_info(self, host, local_rank):
         rank = 0
