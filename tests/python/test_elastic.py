@@ -44,7 +44,13 @@ def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
     settings = kolo.Executor.create_settings(timeout_s=30)
     with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local", hosts="a:1,b:1,c:1") as ex:
         ex.start()
-        results = ex.run(train, args=[60, "c", 20], callbacks=[reports.append], on_event=events.append)
+        heard = []
+        results = ex.run(
+            train,
+            args=[60, "c", 20],
+            callbacks=[reports.append, lambda r: heard.append(("report", r[1]))],
+            on_event=lambda e: (events.append(e), heard.append((e["event"], e.get("round")))),
+        )
     # 20 committed steps of three, then 40 of two
     assert results == [(60, 20 * 3 + 40 * 2, 0, 2, 1), (60, 20 * 3 + 40 * 2, 1, 2, 1)]
     kinds = [(e["event"], e.get("round"), e.get("host"), e.get("size")) for e in events if e["event"] != "joined"]
@@ -55,6 +61,12 @@ def test_a_dead_worker_leaves_the_others_going_from_their_last_commit():
     # every process of round 0 was heard to join it
     joined = {(e["round"], e["host"], e["local_rank"]) for e in events if e["event"] == "joined"}
     assert {(0, "a", 0), (0, "b", 0), (0, "c", 0)} <= joined, events
+    # a round's processes are heard to join it before any report from it
+    # (its first collective needed every one of them)
+    for round, size in ((0, 3), (1, 2)):
+        first_report = heard.index(("report", size))
+        joins = [i for i, h in enumerate(heard) if h == ("joined", round)]
+        assert len(joins) == size and max(joins) < first_report, heard
     failed = next(e for e in events if e["event"] == "failed")
     assert failed["rank"] == 2 and "lost" in failed["reason"], failed
     # only each round's rank 0 reports (chief_only), so every step once

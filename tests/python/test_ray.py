@@ -760,19 +760,19 @@ def test_horovod_ray_elastic_executor_runs_on_the_clusters_nodes(cluster, nothin
         executor.shutdown()
 
 
-def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_node_resource(cluster, nothing_left):
+def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_node_resource(
+    cluster, nothing_left, tmp_path
+):
     hr = horovod_ray()
     from horovod.runner.elastic.discovery import HostDiscovery
 
-    class Growing(HostDiscovery):
-        """kolo-a alone, then kolo-b too."""
+    trained_alone = tmp_path / "trained-alone"
 
-        def __init__(self):
-            self.calls = 0
+    class Growing(HostDiscovery):
+        """kolo-a alone until its process has trained there, then kolo-b too."""
 
         def find_available_hosts_and_slots(self):
-            self.calls += 1
-            return {"kolo-a": 1} if self.calls < 3 else {"kolo-a": 1, "kolo-b": 1, "kolo-gone": 0}
+            return {"kolo-a": 1, "kolo-b": 1, "kolo-gone": 0} if trained_alone.exists() else {"kolo-a": 1}
 
     settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
     settings.discovery = Growing()
@@ -797,6 +797,8 @@ def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_nod
                 state.steps += 1
                 time.sleep(0.01)
                 state.commit()
+                if hvd.size() == 1:
+                    trained_alone.touch()
             return os.environ["HOROVOD_HOSTNAME"], hvd.size(), state.sizes[0]
 
         return loop(state)

@@ -276,6 +276,9 @@ impl<W: ElasticWork> ElasticJob<W> {
     /// Tells what a cohort's process reported, with its rank in the last
     /// round (if it has one).
     fn tell_report(&mut self, cohort: usize, report: Report) {
+        // a process joins its round before it reports in it: what the
+        // listener hears keeps that order, whatever the next look's timing
+        self.tell_joins();
         let rank = self.rounds.find(cohort, report.rank).and_then(|p| self.rounds.round_rank(p));
         self.tell(ElasticEvent::Reported { rank, data: report.data });
     }
