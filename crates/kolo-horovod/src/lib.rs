@@ -8,13 +8,19 @@
 //!
 //! The decisions are pure and tested on their own: `negotiate` (readiness,
 //! order, upstream's checks and messages), `cache`, `fusion`, `stall`,
-//! `process_sets`. `core` is the thread and its cycles; `exec` runs a
-//! response on a communicator; `device` hands those over device memory
-//! to the process's device executor.
+//! `process_sets`. Around them, each file with its upstream counterpart:
+//! `core` the API (`operations.cc`), `settings`, `state` what callers and
+//! the loop share (`global_state.h`), `queue` submission
+//! (`tensor_queue.cc`), `background` the thread's loop, `controller` one
+//! set's cycle (`controller.cc`), `perform` running what was agreed,
+//! `exec` a response's collective on a communicator, `device` those over
+//! device memory, through the process's device executor.
 
 #![warn(missing_docs)]
 
+mod background;
 pub mod cache;
+mod controller;
 pub mod core;
 pub mod device;
 pub mod entry;
@@ -22,10 +28,17 @@ mod exec;
 pub mod fusion;
 pub mod message;
 pub mod negotiate;
+mod perform;
 pub mod process_sets;
+mod queue;
+pub mod settings;
 pub mod stall;
+mod state;
 
-pub use crate::core::{Core, Refused, Settings, Stats, DUPLICATE_NAME, SHUT_DOWN};
+pub use crate::core::Core;
 pub use device::{DeviceExecutor, DeviceWork};
 pub use entry::{Buffer, Failure, FailureKind, Handle, Outcome, Output, Submit};
 pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID, HOST_EXECUTOR_DEVICE_ID};
+pub use queue::{Refused, DUPLICATE_NAME, SHUT_DOWN};
+pub use settings::Settings;
+pub use state::Stats;

@@ -1,0 +1,82 @@
+//! The core's settings (upstream's `utils/env_parser.cc` and the knobs of
+//! `global_state.h`), read once, at start, from `HOROVOD_*`.
+
+use std::time::Duration;
+
+use crate::stall::StallSettings;
+
+/// The knobs upstream reads from the environment once, at start.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Settings {
+    /// `HOROVOD_CYCLE_TIME` (ms, default 1).
+    pub cycle_time: Duration,
+    /// `HOROVOD_FUSION_THRESHOLD` (bytes, default 128 MiB; 0: no fusion).
+    pub fusion_threshold: u64,
+    /// `HOROVOD_CACHE_CAPACITY` (default 1024; 0: no cache).
+    pub cache_capacity: usize,
+    /// The stall inspector's switches and times (`HOROVOD_STALL_*`).
+    pub stall: StallSettings,
+    /// `HOROVOD_DYNAMIC_PROCESS_SETS`: sets may come and go after start.
+    pub dynamic_sets: bool,
+    /// Where the coordinator writes its last stall warning for kolo's hang
+    /// report (`KOLO_STALL_FILE`, set by the rank's agent).
+    pub stall_file: Option<std::path::PathBuf>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            cycle_time: Duration::from_millis(1),
+            fusion_threshold: 128 << 20,
+            cache_capacity: 1024,
+            stall: StallSettings::default(),
+            dynamic_sets: false,
+            stall_file: None,
+        }
+    }
+}
+
+impl Settings {
+    /// From `HOROVOD_*` as upstream reads them (booleans are set when a
+    /// number above 0); a value that is not a number is an error naming it.
+    pub fn from_env() -> Result<Settings, String> {
+        Settings::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// As [`from_env`](Self::from_env), reading each variable through `var`
+    /// (tests pass a map).
+    pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Settings, String> {
+        let mut s = Settings::default();
+        let number = |name: &str| -> Result<Option<f64>, String> {
+            match var(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty()) {
+                None => Ok(None),
+                Some(v) => v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .map(Some)
+                    .ok_or_else(|| format!("{name}='{v}' is not a number of 0 or more")),
+            }
+        };
+        if let Some(ms) = number("HOROVOD_CYCLE_TIME")? {
+            s.cycle_time = Duration::from_secs_f64(ms / 1000.0);
+        }
+        if let Some(b) = number("HOROVOD_FUSION_THRESHOLD")? {
+            s.fusion_threshold = b as u64;
+        }
+        if let Some(c) = number("HOROVOD_CACHE_CAPACITY")? {
+            s.cache_capacity = c as usize;
+        }
+        let flag = |name: &str| number(name).map(|v| v.is_some_and(|v| v > 0.0));
+        s.dynamic_sets = flag("HOROVOD_DYNAMIC_PROCESS_SETS")?;
+        s.stall.enabled = !flag("HOROVOD_STALL_CHECK_DISABLE")?;
+        if let Some(t) = number("HOROVOD_STALL_CHECK_TIME_SECONDS")? {
+            s.stall.warning = Duration::from_secs(t as u64);
+        }
+        if let Some(t) = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
+            s.stall.shutdown = Duration::from_secs(t as u64);
+        }
+        s.stall_file = var(kolo_topology::env_names::STALL_FILE).filter(|f| !f.is_empty()).map(Into::into);
+        Ok(s)
+    }
+}
