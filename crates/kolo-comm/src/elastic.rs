@@ -46,7 +46,8 @@ use kolo_rendezvous::BlockingClient;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::bootstrap::{store_client, Interrupt};
+use crate::bootstrap::store_client;
+use crate::interrupt::Interrupt;
 use crate::{CommError, Communicator, Config};
 
 // Set by `kolo run --in-place`: the first round this process belongs to,

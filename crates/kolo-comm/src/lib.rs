@@ -24,13 +24,15 @@ mod bootstrap;
 mod comm;
 mod dtype;
 pub mod elastic;
+mod interrupt;
 mod link;
 mod schedule;
 mod shm;
 
-pub use bootstrap::{AddressBook, Config, Interrupt, Transport};
+pub use bootstrap::{AddressBook, Config, Transport};
 pub use comm::{Communicator, Tuning};
 pub use dtype::{DType, Element, ReduceOp};
+pub use interrupt::Interrupt;
 /// The job secret and handshake errors, from kolo-auth (what [`Config`] takes).
 pub use kolo_auth::{AuthError, Secret};
 pub use schedule::split_counts;
