@@ -9,7 +9,9 @@ use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 use half::{bf16, f16};
 use kolo_comm::{split_counts, Communicator, DType, Element, ReduceOp};
-use kolo_exec::{Executable, Executor, LocalEngine, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+use kolo_engine::{LocalEngine, WorkerRequest};
+use kolo_exec::{Executor, Settings};
+use kolo_proto::{Executable, Registry, Task, UserError, WorkerContext};
 use kolo_topology::HostSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -204,10 +206,10 @@ pub(crate) async fn run(collective: Collective, args: CollectiveArgs) -> Result<
     };
     let mut settings = Settings::default();
     settings.heartbeat_timeout = std::time::Duration::from_secs(120);
-    let engine: Box<dyn kolo_exec::Engine> = match &args.ssh_config {
+    let engine: Box<dyn kolo_engine::Engine> = match &args.ssh_config {
         Some(config) => {
-            let ssh = kolo_exec::SshOptions { config_file: Some(config.clone()), ..Default::default() };
-            Box::new(kolo_exec::SshEngine::new(hosts, ssh))
+            let ssh = kolo_engine::SshOptions { config_file: Some(config.clone()), ..Default::default() };
+            Box::new(kolo_engine::SshEngine::new(hosts, ssh))
         }
         None => Box::new(LocalEngine::with_hosts(hosts)),
     };

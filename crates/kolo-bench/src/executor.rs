@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use clap::Args;
-use kolo_exec::{Executable, Executor, LocalEngine, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+use kolo_engine::{LocalEngine, WorkerRequest};
+use kolo_exec::{Executor, Settings};
+use kolo_proto::{Executable, Registry, Task, UserError, WorkerContext};
 use kolo_topology::HostSpec;
 use serde::{Deserialize, Serialize};
 use serde_json::json;

@@ -49,7 +49,7 @@ impl BenchArgs {
 
 fn main() -> ExitCode {
     // started by the Executor as a worker: serve it, never return
-    kolo_exec::serve_if_worker(worker_registry());
+    kolo_agent::serve_if_worker(worker_registry());
     // `-np 4` as mpirun and kolo run users type it
     let args = BenchArgs::parse_from(std::env::args_os().map(|a| if a == "-np" { "--np".into() } else { a }));
     tracing_subscriber::fmt().with_max_level(tracing::Level::WARN).with_writer(std::io::stderr).init();
@@ -86,8 +86,8 @@ pub fn kolo_binary() -> Result<std::path::PathBuf> {
 }
 
 /// What this program's workers can run for the benchmarks.
-pub fn worker_registry() -> kolo_exec::Registry {
-    collective::register(executor::register(kolo_exec::Registry::new()))
+pub fn worker_registry() -> kolo_proto::Registry {
+    collective::register(executor::register(kolo_proto::Registry::new()))
 }
 
 pub async fn bench(args: BenchArgs) -> Result<i32> {

@@ -3,7 +3,9 @@
 //!
 //!     cargo run --release -p kolo-exec --example executor
 
-use kolo_exec::{Executable, Executor, Function, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+use kolo_engine::WorkerRequest;
+use kolo_exec::{Executor, Settings};
+use kolo_proto::{Executable, Function, Registry, Task, UserError, WorkerContext};
 use serde::{Deserialize, Serialize};
 
 /// Lives in every worker between calls: a running total.
@@ -51,13 +53,13 @@ impl Function for Where {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), kolo_exec::ExecError> {
+async fn main() -> Result<(), kolo_engine::ExecError> {
     // in a worker process this serves the driver and never returns
-    kolo_exec::serve_if_worker(
+    kolo_agent::serve_if_worker(
         Registry::new().executable::<Accumulator>().task::<Accumulator, AddScaled>().function::<Where>(),
     );
 
-    let engine = kolo_exec::LocalEngine::with_hosts(kolo_topology::parse_host_list("node-a:2,node-b:2")?);
+    let engine = kolo_engine::LocalEngine::with_hosts(kolo_topology::parse_host_list("node-a:2,node-b:2")?);
     let mut executor = Executor::with_engine(Settings::default(), WorkerRequest::colocated(2, 2), Box::new(engine))?;
     executor.start::<Accumulator>(&100.0, &[]).await?;
     for line in executor.run(&Where).await? {

@@ -1,16 +1,20 @@
 //! kolo-exec: kolo's job driver.
 //!
 //! The [`Executor`] is RayExecutor's API in Rust: it places worker agents
-//! through an [`Engine`], registers them, gives each its ranks and
+//! through an [`Engine`](kolo_engine::Engine), registers them, gives each its ranks and
 //! environment, runs the rendezvous server, starts an executable in every
 //! worker (a Rust type, or an OS command for `kolo run`), runs calls on all
 //! of them and tears everything down.
 //!
-//! Workers are the same binary in worker mode: call [`serve_if_worker`]
-//! first thing in `main` with a [`Registry`] of what workers may run.
+//! Workers are the same binary in worker mode: call
+//! [`serve_if_worker`](kolo_agent::serve_if_worker)
+//! first thing in `main` with a [`Registry`](kolo_proto::Registry) of what
+//! workers may run.
 //!
 //! ```no_run
-//! use kolo_exec::{Executable, Executor, Registry, Settings, Task, UserError, WorkerContext, WorkerRequest};
+//! use kolo_engine::WorkerRequest;
+//! use kolo_exec::{Executor, Settings};
+//! use kolo_proto::{Executable, Registry, Task, UserError, WorkerContext};
 //! use serde::{Deserialize, Serialize};
 //!
 //! struct Counter(u64);
@@ -34,8 +38,8 @@
 //! }
 //!
 //! #[tokio::main]
-//! async fn main() -> Result<(), kolo_exec::ExecError> {
-//!     kolo_exec::serve_if_worker(Registry::new().executable::<Counter>().task::<Counter, Add>());
+//! async fn main() -> Result<(), kolo_engine::ExecError> {
+//!     kolo_agent::serve_if_worker(Registry::new().executable::<Counter>().task::<Counter, Add>());
 //!     let mut executor = Executor::new(Settings::default(), WorkerRequest::pack(2))?;
 //!     executor.start::<Counter>(&10, &[]).await?;
 //!     let results = executor.execute(&Add(5)).await?;
@@ -52,20 +56,6 @@ pub mod hang;
 mod output;
 pub mod policy;
 mod settings;
-
-// The layers below, re-exported so that users of the Executor need one crate.
-pub use kolo_agent::{
-    env as worker_env, own_progress_file, own_stall_file, py_spy_on_path, serve_if_worker, PairReport, PYTHON_HOOKS,
-};
-pub use kolo_engine::{
-    is_this_machine, BridgeHost, Engine, EngineChoice, EngineOptions, ExecError, HostSource, LocalEngine, RayEngine,
-    RayNodes, RayOptions, RunsBridge, SlurmEngine, SlurmOptions, SshEngine, SshOptions, WorkerLaunch, WorkerRequest,
-};
-pub use kolo_proto::{
-    build_id, set_build_id, Executable, Function, Progress, Registry, ReportError, Reporter, Task, UserError,
-    WorkerContext, MAX_REPORT, PROTOCOL_VERSION,
-};
-pub use kolo_sys::{calm, hurried, hurry, lock, wait, Guard, GuardOptions};
 
 pub use driver::control;
 pub use driver::{CallHandle, Executor, Failure, JobOutcome, RankError, RankEvent, Report, WorkerInfo, REPORTS_QUEUED};

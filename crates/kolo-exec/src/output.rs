@@ -14,7 +14,7 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use crate::ExecError;
+use kolo_engine::ExecError;
 
 /// Which of a worker's streams a line came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

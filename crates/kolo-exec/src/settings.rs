@@ -19,7 +19,7 @@ pub struct Settings {
     pub nics: Option<Vec<String>>,
     /// How [`Executor::on_hosts`](crate::Executor::on_hosts) reaches other machines (identity file,
     /// port, config file, options).
-    pub ssh: crate::SshOptions,
+    pub ssh: kolo_engine::SshOptions,
     /// How often driver and workers send heartbeats.
     pub heartbeat_interval: Duration,
     /// A worker silent this long is reported lost (and a worker whose
@@ -63,7 +63,7 @@ impl Default for Settings {
             start_timeout: Duration::from_secs(30),
             placement_timeout: Duration::from_secs(100),
             nics: None,
-            ssh: crate::SshOptions::default(),
+            ssh: kolo_engine::SshOptions::default(),
             heartbeat_interval: Duration::from_secs(1),
             heartbeat_timeout: Duration::from_secs(5),
             kill_grace: Duration::from_secs(5),

@@ -13,10 +13,10 @@ use kolo_topology::{
 };
 
 use crate::elastic::{Cohort, CohortFactory, Discovery};
-use kolo_exec::{
-    Engine, EngineChoice, EngineOptions, ExecError, Executor, LocalEngine, RayOptions, Settings, SlurmEngine,
-    WorkerRequest,
+use kolo_engine::{
+    Engine, EngineChoice, EngineOptions, ExecError, LocalEngine, RayOptions, SlurmEngine, WorkerRequest,
 };
+use kolo_exec::{Executor, Settings};
 
 /// How a front end spells the options its messages name (`--min-np` on
 /// the command line, `min_workers` in Python).
@@ -195,7 +195,7 @@ pub struct ElasticOptions {
     pub discovery_script: Option<PathBuf>,
     /// Hosts from the caller's own source (horovod.ray's discovery
     /// object), asked every `discovery_interval` when there is no script.
-    pub host_source: Option<std::sync::Arc<dyn kolo_exec::HostSource>>,
+    pub host_source: Option<std::sync::Arc<dyn kolo_engine::HostSource>>,
     /// How often the hosts are discovered again.
     pub discovery_interval: Duration,
     /// Slots of a host the script prints without `:slots`.

@@ -11,11 +11,11 @@ pub(crate) struct LocalBook(Mutex<std::collections::HashMap<String, Vec<u8>>>);
 
 impl AddressBook for LocalBook {
     fn put(&self, key: &str, value: &[u8]) -> Result<(), String> {
-        kolo_exec::lock(&self.0).insert(key.to_string(), value.to_vec());
+        kolo_sys::lock(&self.0).insert(key.to_string(), value.to_vec());
         Ok(())
     }
 
     fn wait(&self, key: &str, _: Duration) -> Result<Option<Vec<u8>>, String> {
-        Ok(kolo_exec::lock(&self.0).get(key).cloned())
+        Ok(kolo_sys::lock(&self.0).get(key).cloned())
     }
 }

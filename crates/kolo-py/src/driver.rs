@@ -12,11 +12,11 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 use tokio::sync::watch;
 
-use kolo_exec::{
-    lock, BridgeHost, EngineOptions, Executor, HostSource, RayOptions, RunsBridge, Settings, SshOptions, WorkerRequest,
-};
+use kolo_engine::{BridgeHost, EngineOptions, HostSource, RayOptions, RunsBridge, SshOptions, WorkerRequest};
+use kolo_exec::{Executor, Settings};
 use kolo_job::elastic::{ElasticEvent, ElasticJob, RestartJob, StopCause, TaskWork};
 use kolo_job::{ElasticMode, ElasticOptions, JobSpec, OptionNames, Slots, StartOptions, Workers};
+use kolo_sys::lock;
 
 use crate::worker::{registry, PyCall, PyWorker};
 use crate::{error, exec_error, HangError, JobStopped, WorkerLost};
@@ -201,20 +201,20 @@ impl std::fmt::Debug for PyDiscovery {
 }
 
 impl HostSource for PyDiscovery {
-    fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, kolo_exec::ExecError> {
+    fn hosts(&self) -> Result<Vec<kolo_topology::HostSpec>, kolo_engine::ExecError> {
         let found: PyResult<Vec<(String, i64)>> = Python::with_gil(|py| {
             let answer = self.0.call_method0(py, "find_available_hosts_and_slots")?;
             answer.bind(py).call_method0("items")?.try_iter()?.map(|item| item?.extract()).collect()
         });
         let found = found.map_err(|e| {
-            kolo_exec::ExecError::Discovery(format!(
+            kolo_engine::ExecError::Discovery(format!(
                 "the discovery object's find_available_hosts_and_slots() raised {e}"
             ))
         })?;
         let mut hosts = Vec::new();
         for (name, slots) in found {
             let slots = u32::try_from(slots).map_err(|_| {
-                kolo_exec::ExecError::Discovery(format!("the discovery object gave host {name} {slots} slots"))
+                kolo_engine::ExecError::Discovery(format!("the discovery object gave host {name} {slots} slots"))
             })?;
             // a host without slots is not available (horovod.ray's discovery lists them so)
             if slots > 0 {
@@ -299,7 +299,7 @@ impl Interrupts {
     fn run_exec<T>(
         &self,
         runtime: &tokio::runtime::Runtime,
-        work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+        work: impl std::future::Future<Output = Result<T, kolo_engine::ExecError>>,
     ) -> PyResult<T> {
         self.run(runtime, async { work.await.map_err(exec_error) })
     }
@@ -336,7 +336,7 @@ async fn hurried_by_ctrl_c<T>(
                 if armed() {
                     if let Err(e) = Python::with_gil(|py| py.check_signals()) {
                         caught = Some(e);
-                        kolo_exec::hurry(nix::sys::signal::Signal::SIGINT as i32);
+                        kolo_sys::hurry(nix::sys::signal::Signal::SIGINT as i32);
                     }
                 }
             }
@@ -345,7 +345,7 @@ async fn hurried_by_ctrl_c<T>(
     if caught.is_some() {
         // this process goes on (its caller may catch KeyboardInterrupt):
         // later teardowns take their grace again
-        kolo_exec::calm();
+        kolo_sys::calm();
     }
     (done, caught)
 }
@@ -393,7 +393,7 @@ const TEARDOWN_LOOK: Duration = Duration::from_millis(10);
 /// `work`, unless no rank moves for `timeout` first (a hang): then
 /// `HangError` with the report (who holds the job back, every stack).
 async fn unless_hung<T>(
-    work: impl std::future::Future<Output = Result<T, kolo_exec::ExecError>>,
+    work: impl std::future::Future<Output = Result<T, kolo_engine::ExecError>>,
     watch: Option<(kolo_exec::control::Inspector, Duration)>,
 ) -> PyResult<T> {
     let Some((inspector, timeout)) = watch else { return work.await.map_err(exec_error) };
@@ -513,7 +513,7 @@ impl Driver {
         let job = job.job.started_with(start).map_err(exec_error)?;
         let hang_timeout = job.hang_timeout();
         // the workers are `python -m kolo._worker` with this registry
-        kolo_exec::set_build_id(registry().build_id());
+        kolo_proto::set_build_id(registry().build_id());
         let interrupts = Interrupts::new();
         // an elastic job's executors are made per world or cohort
         let inner = match job.is_elastic() {
@@ -747,13 +747,13 @@ impl Driver {
                 if caught.is_none() {
                     if let Err(e) = Python::with_gil(|py| py.check_signals()) {
                         caught = Some(e);
-                        kolo_exec::hurry(nix::sys::signal::Signal::SIGINT as i32);
+                        kolo_sys::hurry(nix::sys::signal::Signal::SIGINT as i32);
                     }
                 }
             };
             let from_teardown = taken.and_then(|(runtime, executor)| teardown(runtime, executor));
             if caught.is_some() {
-                kolo_exec::calm();
+                kolo_sys::calm();
             }
             caught.or(from_teardown).map_or(Ok(()), Err)
         })

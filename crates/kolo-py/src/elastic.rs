@@ -64,7 +64,7 @@ impl ElasticWorker {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs_f64(timeout_s.clamp(0.0, 1e9));
         py.allow_threads(|| {
             let mut newer = None;
-            kolo_exec::wait::wait_until(deadline, std::time::Duration::from_millis(5), || {
+            kolo_sys::wait::wait_until(deadline, std::time::Duration::from_millis(5), || {
                 newer = self.lock().newer_round();
                 newer.is_some()
             });
@@ -86,7 +86,7 @@ impl ElasticWorker {
 
 impl ElasticWorker {
     fn lock(&self) -> std::sync::MutexGuard<'_, Elastic> {
-        kolo_exec::lock(&self.inner)
+        kolo_sys::lock(&self.inner)
     }
 }
 
@@ -183,7 +183,7 @@ impl Comm {
 
 impl Comm {
     fn lock(&self) -> std::sync::MutexGuard<'_, Communicator> {
-        kolo_exec::lock(&self.inner)
+        kolo_sys::lock(&self.inner)
     }
 }
 

@@ -118,7 +118,7 @@ fn settings() -> PyResult<Settings> {
     if settings.stall_file.is_none() {
         // a kolo.Executor worker is the rank its agent inspects: the
         // warning stays in this process's memory, where the agent reads it
-        settings.stall_file = kolo_exec::own_stall_file().ok().map(Into::into);
+        settings.stall_file = kolo_agent::own_stall_file().ok().map(Into::into);
     }
     Ok(settings)
 }

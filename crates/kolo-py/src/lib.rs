@@ -32,7 +32,7 @@ fn main(py: Python<'_>, argv: Vec<String>, worker_program: Option<String>, worke
     let worker = kolo::WorkerProgram { program: worker_program.map(Into::into), args: worker_args };
     // kolo blocks on its own runtime; Python's other threads keep running
     py.allow_threads(|| {
-        kolo_exec::serve_if_worker(worker::registry());
+        kolo_agent::serve_if_worker(worker::registry());
         kolo::main(argv.into_iter().map(Into::into).collect(), worker)
     })
 }
@@ -41,14 +41,14 @@ fn main(py: Python<'_>, argv: Vec<String>, worker_program: Option<String>, worke
 /// returns at once otherwise.
 #[pyfunction]
 fn serve_worker(py: Python<'_>) {
-    py.allow_threads(|| kolo_exec::serve_if_worker(worker::registry()));
+    py.allow_threads(|| kolo_agent::serve_if_worker(worker::registry()));
 }
 
 /// The path through which this worker's Python counts its collectives
 /// and steps (kolo.Executor's workers: `kolo status`, `hang_timeout_s`).
 #[pyfunction]
 fn own_progress_file() -> PyResult<String> {
-    kolo_exec::own_progress_file().map_err(error)
+    kolo_agent::own_progress_file().map_err(error)
 }
 
 /// One rank's `HOROVOD_*` local and cross ranks, by name.
@@ -117,8 +117,8 @@ const PLACEMENT_HINT: &str = "ask for fewer workers (num_workers) or fewer CPUs 
 /// does not fit is a `PlacementError` (a `ValueError`), other bad input a
 /// `ValueError`, workers that did not come in time a `TimeoutError`, a
 /// worker lost during a call a `WorkerLost` (a `RuntimeError`).
-fn exec_error(e: kolo_exec::ExecError) -> PyErr {
-    use kolo_exec::ExecError as E;
+fn exec_error(e: kolo_engine::ExecError) -> PyErr {
+    use kolo_engine::ExecError as E;
     use kolo_topology::TopologyError as T;
     match &e {
         E::Topology(T::Infeasible { .. } | T::NotEnoughSlots { .. }) => {
@@ -139,7 +139,7 @@ fn _kolo(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(worker::report, m)?)?;
     m.add_function(wrap_pyfunction!(own_progress_file, m)?)?;
     m.add_function(wrap_pyfunction!(rank_table, m)?)?;
-    m.add("PYTHON_HOOKS", kolo_exec::PYTHON_HOOKS)?;
+    m.add("PYTHON_HOOKS", kolo_agent::PYTHON_HOOKS)?;
     // the names of kolo's variables, from their one table
     let env = pyo3::types::PyDict::new(m.py());
     for (key, name) in kolo_topology::env_names::ALL {

@@ -10,7 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kolo_comm::{CommError, Communicator};
-use kolo_exec::lock;
+use kolo_sys::lock;
 use pyo3::prelude::*;
 
 /// A call, on the communicator.

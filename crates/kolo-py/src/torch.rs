@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kolo_comm::{with_element_type, AddressBook, CommError, Communicator, Config, DType, ReduceOp};
-use kolo_exec::lock;
+use kolo_sys::lock;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;

@@ -6,7 +6,7 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 use serde::{Deserialize, Serialize};
 
-use kolo_exec::{Executable, Registry, Task, UserError, WorkerContext};
+use kolo_proto::{Executable, Registry, Task, UserError, WorkerContext};
 
 /// The Python state in each worker (what `start(executable_cls)` made).
 pub(crate) struct PyWorker {
@@ -42,7 +42,7 @@ impl Executable for PyWorker {
 
 /// How `kolo.report` reaches the driver: this process's agent, set when
 /// the worker's state is created.
-static REPORTER: std::sync::OnceLock<kolo_exec::Reporter> = std::sync::OnceLock::new();
+static REPORTER: std::sync::OnceLock<kolo_proto::Reporter> = std::sync::OnceLock::new();
 
 /// Sends pickled bytes to the driver's callbacks; false where no call of a
 /// kolo worker is running (the caller warns).
@@ -52,7 +52,7 @@ pub(crate) fn report(py: Python<'_>, data: PyBackedBytes) -> PyResult<bool> {
     // waits while the driver is behind: other Python threads go on
     match py.allow_threads(|| reporter.report_bytes(data.to_vec())) {
         Ok(()) => Ok(true),
-        Err(kolo_exec::ReportError::NoCall) => Ok(false),
+        Err(kolo_proto::ReportError::NoCall) => Ok(false),
         Err(e) => Err(crate::error(e)),
     }
 }

@@ -4,7 +4,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use kolo_exec::EngineChoice;
+use kolo_engine::EngineChoice;
 
 #[derive(Parser, Debug)]
 #[command(name = "kolo", version, about = "Start and run data-parallel training jobs across machines")]
@@ -245,7 +245,7 @@ pub(crate) struct RunArgs {
 }
 
 /// Engines by the names kolo-exec knows them by.
-fn parse_engine(name: &str) -> Result<EngineChoice, kolo_exec::ExecError> {
+fn parse_engine(name: &str) -> Result<EngineChoice, kolo_engine::ExecError> {
     name.parse()
 }
 

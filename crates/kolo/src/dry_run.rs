@@ -2,7 +2,7 @@
 //! runs it.
 
 use anyhow::{bail, Result};
-use kolo_exec::EngineChoice;
+use kolo_engine::EngineChoice;
 use kolo_job::Job;
 use kolo_topology::env_names::SECRET;
 use kolo_topology::{JobEnv, CHOSEN_AT_START, IFACE_VARS};
@@ -12,7 +12,7 @@ use crate::out::{say, Said};
 /// The plan the job would run, one JSON object per rank: exactly what
 /// `kolo run` starts, with the values chosen at start marked `<...>`.
 pub(crate) async fn dry_run(job: &Job) -> Result<i32> {
-    if job.spec().engine == EngineChoice::Slurm && !kolo_exec::SlurmEngine::in_allocation() {
+    if job.spec().engine == EngineChoice::Slurm && !kolo_engine::SlurmEngine::in_allocation() {
         bail!("--dry-run cannot show where Slurm places ranks before it grants the nodes; run it inside salloc");
     }
     let mut executor = job.executor().await?;

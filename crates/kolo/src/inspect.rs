@@ -189,7 +189,7 @@ pub(crate) fn stack(job: Option<&str>, rank: Option<u32>) -> Result<i32> {
     let endpoints = chosen(job)?;
     let mut request = serde_json::json!({"op": "stack"});
     // this user's py-spy, for agents that find none of their own
-    if let Some(path) = kolo_exec::py_spy_on_path().and_then(|p| p.canonicalize().ok()) {
+    if let Some(path) = kolo_agent::py_spy_on_path().and_then(|p| p.canonicalize().ok()) {
         request["py_spy"] = path.to_string_lossy().into_owned().into();
     }
     if let Some(r) = rank {

@@ -33,7 +33,7 @@ pub struct WorkerProgram {
 
 /// Runs the command line `args` (program name first) and returns the exit
 /// code. A process that may be started as a worker agent must call
-/// `kolo_exec::serve_if_worker` before this.
+/// `kolo_agent::serve_if_worker` before this.
 pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
     let cli = match cli::Cli::try_parse_from(cli::normalize_args(args)) {
         Ok(cli) => cli,

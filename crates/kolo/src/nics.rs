@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use kolo_exec::{EngineChoice, SshOptions};
+use kolo_engine::{EngineChoice, SshOptions};
 use kolo_topology::{parse_host_list, HostSpec};
 
 use crate::cli::NicsArgs;
@@ -22,21 +22,21 @@ pub(crate) async fn nics(args: NicsArgs) -> Result<i32> {
     let mut settings = kolo_exec::Settings::default();
     settings.start_timeout = Duration::from_secs(args.start_timeout.max(1));
     settings.ssh = ssh;
-    let request = kolo_exec::WorkerRequest::colocated(hosts.len() as u32, 1);
+    let request = kolo_engine::WorkerRequest::colocated(hosts.len() as u32, 1);
     let mut executor = match args.engine {
         // host names are looked up off the async runtime
         EngineChoice::Auto => {
             tokio::task::spawn_blocking(move || kolo_exec::Executor::on_hosts(settings, request, hosts)).await??
         }
         EngineChoice::Ssh => {
-            let engine = Box::new(kolo_exec::SshEngine::new(hosts, settings.ssh.clone()));
+            let engine = Box::new(kolo_engine::SshEngine::new(hosts, settings.ssh.clone()));
             kolo_exec::Executor::with_engine(settings, request, engine)?
         }
         EngineChoice::Slurm => {
-            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_exec::SlurmEngine::from_allocation()?))?
+            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_engine::SlurmEngine::from_allocation()?))?
         }
         EngineChoice::Local => {
-            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_exec::LocalEngine::with_hosts(hosts)))?
+            kolo_exec::Executor::with_engine(settings, request, Box::new(kolo_engine::LocalEngine::with_hosts(hosts)))?
         }
         EngineChoice::Ray => bail!("kolo nics probes the hosts of -H; Ray places workers itself: use ssh or local"),
     };

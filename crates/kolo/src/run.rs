@@ -320,7 +320,7 @@ pub(crate) fn stop_signal() -> impl std::future::Future<Output = Signal> {
         tokio::spawn(async move {
             let again = streams.next().await;
             tell(&format!("kolo: {} again; killing every rank now", again.as_str()));
-            kolo_exec::hurry(again as i32);
+            kolo_sys::hurry(again as i32);
         });
         signal
     }

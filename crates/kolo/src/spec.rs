@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kolo_exec::{EngineChoice, EngineOptions, OutputOptions, RayOptions, Settings, SlurmOptions, SshOptions};
+use kolo_engine::{EngineChoice, EngineOptions, RayOptions, SlurmOptions, SshOptions};
+use kolo_exec::{OutputOptions, Settings};
 use kolo_job::{ElasticMode, ElasticOptions, Job, JobSpec, OptionNames, Slots, Workers};
 use kolo_topology::env_names::SECRET;
 use kolo_topology::{parse_host_list, parse_hostfile, HostSpec, WorkerResources};

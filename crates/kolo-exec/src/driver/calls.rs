@@ -9,11 +9,11 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::link::{CallError, CallResult, Link};
 use super::Executor;
-use crate::ExecError;
+use kolo_engine::ExecError;
 use kolo_proto::proto::{self, CallKind, ToWorker};
 use kolo_proto::registry::{Executable, Function, Task};
 
-/// A value a worker reported while a call ran ([`crate::WorkerContext::report`]).
+/// A value a worker reported while a call ran ([`kolo_proto::WorkerContext::report`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
     /// The rank that reported it.

@@ -8,7 +8,7 @@ use nix::sys::signal::Signal;
 use super::link::RankEvent;
 use super::Executor;
 use crate::policy::{Cause, JobAction, JobEvent, Teardown};
-use crate::ExecError;
+use kolo_engine::ExecError;
 use kolo_proto::proto::ToWorker;
 
 /// The rank that failed first in a command job.

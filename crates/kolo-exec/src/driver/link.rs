@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::{Report, WorkerInfo};
 use crate::output::{Chunk, Stream};
 use crate::policy::{Cause, Liveness};
-use crate::ExecError;
+use kolo_engine::ExecError;
 use kolo_proto::proto::{self, RankSample, ToDriver, ToWorker};
 use kolo_proto::registry::MAX_REPORT;
 

@@ -35,7 +35,7 @@ use tokio::task::JoinSet;
 
 use crate::output::OutputWriter;
 use crate::settings::Settings;
-use crate::ExecError;
+use kolo_engine::ExecError;
 use kolo_engine::WorkerRequest;
 use kolo_engine::{Engine, EngineChoice, EngineOptions, LocalEngine};
 use kolo_proto::proto::ToWorker;

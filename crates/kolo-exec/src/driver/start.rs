@@ -20,7 +20,7 @@ use super::{peers, Executor, Running, WorkerInfo};
 use crate::output::OutputWriter;
 use crate::policy::Liveness;
 use crate::settings::random_hex;
-use crate::ExecError;
+use kolo_engine::ExecError;
 use kolo_engine::WorkerLaunch;
 use kolo_proto::launch as worker;
 use kolo_proto::proto::{

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use kolo_topology::{parse_discovery, Decision, Event, HostSpec, Membership};
 
-use kolo_exec::ExecError;
-pub use kolo_exec::HostSource;
+use kolo_engine::ExecError;
+pub use kolo_engine::HostSource;
 
 /// The longest a discovery script may run.
 const DISCOVERY_TIMEOUT: Duration = Duration::from_secs(30);

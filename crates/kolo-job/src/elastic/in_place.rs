@@ -26,7 +26,8 @@ use tokio::task::JoinHandle;
 use super::rounds::{Action, End, Ended as ProcEnded, Rounds};
 use super::work::{BoxFuture, Ends, Launch, ProcessEnd};
 use super::{Discovery, ElasticEvent, ElasticWork};
-use kolo_exec::{ExecError, Executor, Report, SharedJob};
+use kolo_engine::ExecError;
+use kolo_exec::{Executor, Report, SharedJob};
 
 /// How much longer than the elastic timeout a process waits for a round.
 const PROCESS_WAIT_GRACE_S: u64 = 10;

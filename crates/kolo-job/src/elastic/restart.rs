@@ -15,8 +15,10 @@ use tokio::sync::mpsc;
 use super::in_place::{Cohort, CohortFactory};
 use super::work::{CommandWork, ElasticWork, FunctionWork, Launch, ProcessEnd, TaskWork};
 use super::{Discovery, ElasticEvent};
+use kolo_engine::ExecError;
 use kolo_exec::Cause;
-use kolo_exec::{ExecError, Executable, Function, JobOutcome, Report, Task};
+use kolo_exec::{JobOutcome, Report};
+use kolo_proto::{Executable, Function, Task};
 
 /// The rank of a world that failed first.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,8 +7,10 @@ use std::pin::Pin;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc;
 
+use kolo_engine::ExecError;
 use kolo_exec::Cause;
-use kolo_exec::{CallHandle, ExecError, Executable, Executor, Function, Report, Task};
+use kolo_exec::{CallHandle, Executor, Report};
+use kolo_proto::{Executable, Function, Task};
 
 /// How one process of a cohort ended.
 pub enum ProcessEnd<O> {

@@ -9,8 +9,10 @@ use std::time::Duration;
 
 use kolo_comm::elastic::{Elastic, State};
 use kolo_comm::{CommError, ReduceOp};
-use kolo_exec::{Executor, Function, LocalEngine, Registry, Settings, UserError, WorkerContext, WorkerRequest};
+use kolo_engine::{LocalEngine, WorkerRequest};
+use kolo_exec::{Executor, Settings};
 use kolo_job::elastic::{Cohort, CohortFactory, Discovery, ElasticEvent, ElasticJob, FunctionWork};
+use kolo_proto::{Function, Registry, UserError, WorkerContext};
 use kolo_topology::{ElasticConfig, HostSpec};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
@@ -127,7 +129,7 @@ fn a_dead_worker_leaves_the_others_going_from_their_last_commit() -> Result<(), 
 }
 
 fn main() {
-    kolo_exec::serve_if_worker(registry());
+    kolo_agent::serve_if_worker(registry());
     let args = Arguments::from_args();
     let tests = vec![Trial::test(
         "a_dead_worker_leaves_the_others_going_from_their_last_commit",

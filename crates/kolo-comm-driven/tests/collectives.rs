@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use kolo_comm::{split_counts, CommError, Communicator, DType, Element, ReduceOp};
-use kolo_exec::{Executor, Function, LocalEngine, Registry, Settings, UserError, WorkerContext, WorkerRequest};
+use kolo_engine::{LocalEngine, WorkerRequest};
+use kolo_exec::{Executor, Settings};
+use kolo_proto::{Function, Registry, UserError, WorkerContext};
 use kolo_topology::HostSpec;
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
@@ -376,7 +378,7 @@ fn a_missing_rank_is_named() -> Result<(), Failed> {
 }
 
 fn main() {
-    kolo_exec::serve_if_worker(registry());
+    kolo_agent::serve_if_worker(registry());
     let args = Arguments::from_args();
     let mut tests = Vec::new();
     for transport in ["auto", "tcp"] {
