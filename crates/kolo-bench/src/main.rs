@@ -3,6 +3,8 @@
 //! collectives and executor benchmarks run through kolo's own Executor,
 //! with this binary as their worker program.
 
+#![forbid(unsafe_code)]
+
 mod collective;
 mod executor;
 mod launch;

@@ -2,6 +2,7 @@
 //! else (registration, ranks, rendezvous, env) is the driver's, the same on
 //! every engine.
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod error;

@@ -8,6 +8,7 @@
 //!   over kolo-exec's executors, with kolo-topology's `Membership`
 //!   deciding.
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod elastic;

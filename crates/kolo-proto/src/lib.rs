@@ -5,6 +5,7 @@
 //! starts a process in worker mode and reads what it registers
 //! ([`launch`]).
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod launch;

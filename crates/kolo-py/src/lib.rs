@@ -10,6 +10,8 @@
 //! - `elastic`: kolo-comm's elastic API for the workers, events as dicts
 //! - `horovod`: Horovod's core (kolo-horovod) for `kolo.horovod.torch`
 
+#![warn(missing_docs)]
+
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 

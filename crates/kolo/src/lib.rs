@@ -2,6 +2,7 @@
 //! `kolo` command run the same code (a thin layer of argument parsing over
 //! kolo-exec and kolo-rendezvous, with `kolo run`'s launch policy).
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod cli;

@@ -1,6 +1,8 @@
 //! The `kolo` command (the library's `main`), which is also its own worker
 //! agent.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
