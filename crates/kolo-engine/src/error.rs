@@ -1,5 +1,5 @@
 //! The job's error: defined here, in the lowest crate that returns it (the
-//! engines), and re-exported by kolo-exec, whose driver adds most of its
+//! engines); kolo-exec's driver, which returns it too, adds most of its
 //! variants' causes.
 
 use std::path::PathBuf;

@@ -178,7 +178,7 @@ type TaskRunner = Box<dyn Fn(&[u8], &mut (dyn Any + Send), &WorkerContext) -> Re
 type FunctionRunner = Box<dyn Fn(&[u8], &WorkerContext) -> Result<Vec<u8>, String> + Send + Sync>;
 
 /// The executables, tasks and functions a worker can run. Build it in
-/// `main` and hand it to `serve_if_worker` (kolo-agent, re-exported by kolo-exec) before anything else.
+/// `main` and hand it to `serve_if_worker` (kolo-agent) before anything else.
 #[derive(Default)]
 pub struct Registry {
     names: std::collections::HashSet<&'static str>,

@@ -1,6 +1,7 @@
-//! The map of the code and the user guide stay true: every path that
-//! ARCHITECTURE.md names exists, and every relative link of README.md and
-//! docs/ leads to a file that exists.
+//! The map of the code and the user guide stay true: every path, type,
+//! module and function that ARCHITECTURE.md names exists, every relative
+//! link of README.md and docs/ leads to a file that exists, and no source
+//! file grows past what one reads through.
 
 use std::path::{Path, PathBuf};
 
@@ -80,6 +81,188 @@ fn a_path_that_is_not_there_is_caught() {
     assert!(exists("kolo/tests/docs.rs", &files));
     assert!(!exists("crates/kolo-exec/src/worker/mod.rs", &files));
     assert_eq!(named_paths("a `x/y.rs` and `--flag` and `kolo run -np 2` and `f(a/b.rs)`"), ["x/y.rs"]);
+}
+
+/// What the code defines, by name: Rust items (types, traits, functions,
+/// modules, constants, statics, enum variants) and Python classes and
+/// functions, and the modules their files make.
+fn definitions(files: &[String]) -> std::collections::HashSet<String> {
+    const ITEMS: [&str; 9] = ["struct ", "enum ", "trait ", "type ", "fn ", "mod ", "const ", "static ", "union "];
+    const PREFIXES: [&str; 7] = ["pub(crate) ", "pub(super) ", "pub ", "async ", "unsafe ", "const fn ", "extern "];
+    let root = repo();
+    let mut names = std::collections::HashSet::new();
+    let ident = |s: &str| -> String { s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect() };
+    for file in files.iter().filter(|f| f.ends_with(".rs") || f.ends_with(".py")) {
+        let path = Path::new(file);
+        names.insert(path.file_stem().unwrap().to_string_lossy().to_string());
+        if let Some(dir) = path.parent().and_then(Path::file_name) {
+            names.insert(dir.to_string_lossy().to_string());
+        }
+        for line in std::fs::read_to_string(root.join(file)).unwrap_or_default().lines() {
+            let mut item = line.trim_start();
+            if file.ends_with(".py") {
+                for keyword in ["class ", "def ", "async def "] {
+                    if let Some(rest) = item.strip_prefix(keyword) {
+                        names.insert(ident(rest));
+                    }
+                }
+                continue;
+            }
+            while let Some(rest) = PREFIXES.iter().find_map(|p| item.strip_prefix(p)) {
+                item = rest;
+            }
+            if let Some(rest) = ITEMS.iter().find_map(|k| item.strip_prefix(k)) {
+                names.insert(ident(rest));
+            } else if let Some(rest) = item.split("create_exception!(").nth(1) {
+                // a Python exception class made in Rust: `create_exception!(module, Name, Base)`
+                names.extend(rest.split(',').nth(1).map(|n| ident(n.trim())));
+            } else if let Some(rest) = item.split(".add(\"").nth(1) {
+                // a Python module's attribute set in Rust: `m.add("NAME", value)`
+                names.insert(ident(rest));
+            } else if line.starts_with("    ") && item.starts_with(char::is_lowercase) && !item.starts_with("let ") {
+                // a struct's field: `name: Type,`
+                let name = ident(item);
+                if item[name.len()..].starts_with(": ") {
+                    names.insert(name);
+                }
+            } else if line.starts_with("    ") && item.starts_with(char::is_uppercase) {
+                // an enum's variant: `Name,` `Name(..)` `Name { .. }`
+                let name = ident(item);
+                if item[name.len()..].starts_with([',', '(', ' ', '{']) || item.len() == name.len() {
+                    names.insert(name);
+                }
+            }
+        }
+    }
+    names
+}
+
+/// The names in backquotes that the code must define: `UpperCamelCase`
+/// types, `a::b` paths (the last segment, and the crate when it is
+/// kolo's), `calls()`, and dotted Python modules of the package
+/// (`kolo.x`, `horovod.x`, as files or folders under `python/kolo`).
+/// What is wrong, by name; empty when all are there.
+fn undefined_names(text: &str, files: &[String]) -> Vec<String> {
+    let defined = definitions(files);
+    let crates: Vec<String> = files
+        .iter()
+        .filter_map(|f| f.strip_prefix("crates/")?.strip_suffix("/Cargo.toml").map(|c| c.replace('-', "_")))
+        .collect();
+    let is_ident = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_alphanumeric() || c == '_');
+    // what Python's and Rust's standard libraries define, which the text names
+    const FOREIGN: [&str; 12] = [
+        "ValueError",
+        "TimeoutError",
+        "RuntimeError",
+        "KeyError",
+        "TypeError",
+        "Exception",
+        "KeyboardInterrupt",
+        "Mutex",
+        "Condvar",
+        "Arc",
+        "Option",
+        "Result",
+    ];
+    let module_exists = |dotted: &str| {
+        // the extension module, built from kolo-py
+        if dotted == "kolo._kolo" {
+            return true;
+        }
+        let rel =
+            dotted.replacen("horovod", "kolo/horovod", usize::from(dotted.starts_with("horovod"))).replace('.', "/");
+        files.iter().any(|f| f == &format!("python/{rel}.py") || f.starts_with(&format!("python/{rel}/")))
+    };
+    let mut wrong = Vec::new();
+    for (i, quoted) in text.split('`').enumerate() {
+        if i % 2 == 0
+            || quoted.is_empty()
+            || quoted.contains(char::is_whitespace)
+            || !named_paths(&format!("`{quoted}`")).is_empty()
+        {
+            continue;
+        }
+        let name = quoted.strip_suffix("()").unwrap_or(quoted);
+        let call = name.len() < quoted.len();
+        if name.contains("::") {
+            let segments: Vec<&str> = name.split("::").collect();
+            let last = segments.last().copied().unwrap_or("");
+            // other crates' paths (`std::`, `clippy::`...) are theirs to keep
+            let first = segments[0];
+            let ours = first.starts_with("kolo") || first == "crate" || first.starts_with(char::is_uppercase);
+            if !ours || !segments.iter().all(|s| is_ident(s)) {
+                continue;
+            }
+            if segments[0].starts_with("kolo") && !crates.iter().any(|c| c == segments[0]) {
+                wrong.push(format!("{quoted}: no crate {}", segments[0]));
+            } else if !defined.contains(last) {
+                wrong.push(format!("{quoted}: {last} is not defined"));
+            }
+        } else if name.contains('.') {
+            let parts: Vec<&str> = name.split('.').collect();
+            if !(parts[0] == "kolo" || parts[0] == "horovod") || !parts.iter().all(|p| is_ident(p)) {
+                continue;
+            }
+            let last = parts.last().copied().unwrap_or("");
+            let parent = parts[..parts.len() - 1].join(".");
+            // `module.attribute` names a class, a call, or anything a module
+            // that is not itself a module defines
+            let (module, attribute) = if call || last.starts_with(char::is_uppercase) || !module_exists(name) {
+                (parent, Some(last))
+            } else {
+                (name.to_string(), None)
+            };
+            if !module_exists(&module) {
+                wrong.push(format!("{quoted}: no module {module}"));
+            } else if let Some(attribute) = attribute.filter(|a| !defined.contains(*a)) {
+                wrong.push(format!("{quoted}: {attribute} is not defined"));
+            }
+        } else if is_ident(name)
+            && (call || name.starts_with(char::is_uppercase) && name.chars().any(char::is_lowercase))
+        {
+            if !defined.contains(name) && !FOREIGN.contains(&name) {
+                wrong.push(format!("{quoted}: not defined"));
+            }
+        }
+    }
+    wrong
+}
+
+#[test]
+fn every_type_module_and_function_architecture_names_exists() {
+    let root = repo();
+    let files = repo_files(&root);
+    let text = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let wrong = undefined_names(&text, &files);
+    assert!(wrong.is_empty(), "ARCHITECTURE.md names what the code does not define: {wrong:?}");
+}
+
+#[test]
+fn a_name_that_is_not_there_is_caught() {
+    let files = repo_files(&repo());
+    let fine = "`Executor`, `kolo_comm::Communicator`, `Core::submit`, `ElasticEvent::Joined`, `serve_if_worker()`, \
+                `kolo.horovod.torch`, `horovod.ray`, `kolo.Executor`, `HorovodCore`, `KOLO_RANK`, `kolo run -np 2`";
+    assert_eq!(undefined_names(fine, &files), Vec::<String>::new());
+    let wrong =
+        "`Executorr`, `kolo_nothing::Communicator`, `Core::submitt`, `serve_if_wrker()`, `kolo.horovod.torchh`, \
+                 `horovod.nothere`";
+    assert_eq!(undefined_names(wrong, &files).len(), 6, "{:?}", undefined_names(wrong, &files));
+}
+
+/// No source file outgrows what one reads through: 800 lines (Rust and
+/// Python, the tests' too).
+#[test]
+fn no_source_file_is_over_800_lines() {
+    let root = repo();
+    let long: Vec<String> = repo_files(&root)
+        .into_iter()
+        .filter(|f| (f.ends_with(".rs") || f.ends_with(".py")) && !f.starts_with("target"))
+        .filter_map(|f| {
+            let lines = std::fs::read_to_string(root.join(&f)).ok()?.lines().count();
+            (lines > 800).then(|| format!("{f}: {lines} lines"))
+        })
+        .collect();
+    assert!(long.is_empty(), "split these by concern: {long:?}");
 }
 
 /// The relative targets of Markdown links `[text](target)`, without their
