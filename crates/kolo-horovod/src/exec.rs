@@ -6,22 +6,7 @@ use half::{bf16, f16};
 use kolo_comm::{CommError, Communicator, DType};
 
 use crate::entry::{Entry, Output};
-use crate::message::{DataType, ReduceOp, Response};
-
-/// kolo-comm's element type for a Horovod type it can reduce.
-pub(crate) fn comm_dtype(dtype: DataType) -> Option<DType> {
-    Some(match dtype {
-        DataType::Uint8 => DType::U8,
-        DataType::Int8 => DType::I8,
-        DataType::Int32 => DType::I32,
-        DataType::Int64 => DType::I64,
-        DataType::Float16 => DType::F16,
-        DataType::Float32 => DType::F32,
-        DataType::Float64 => DType::F64,
-        DataType::Bfloat16 => DType::BF16,
-        _ => return None,
-    })
-}
+use crate::message::{ReduceOp, Response};
 
 /// Multiplies every element by `factor` as upstream does on the CPU:
 /// floats in their own precision (half types in f32), integers in f64,
@@ -101,7 +86,7 @@ pub(crate) fn allreduce(
     entries: &[Option<&Entry>],
     fusion: &mut Aligned,
 ) -> Result<Vec<Output>, CommError> {
-    let dtype = comm_dtype(response.dtype).expect("reductions of this type are refused when submitted");
+    let dtype = response.dtype.comm().expect("reductions of this type are refused when submitted");
     let esize = dtype.size();
     let (op, postscale) = match response.reduce_op {
         // a plain average is the exact quotient, made in the reduction's
@@ -265,7 +250,7 @@ pub(crate) fn alltoall(comm: &mut Communicator, entry: &Entry) -> Result<Output,
 pub(crate) fn reducescatter(comm: &mut Communicator, response: &Response, entry: &Entry) -> Result<Output, CommError> {
     let n = comm.size();
     let submit = &entry.submit;
-    let dtype = comm_dtype(submit.dtype).expect("reductions of this type are refused when submitted");
+    let dtype = submit.dtype.comm().expect("reductions of this type are refused when submitted");
     let dim0 = submit.shape.first().copied().unwrap_or(0) as usize;
     let row = submit.shape.iter().skip(1).product::<i64>() as usize;
     let counts: Vec<usize> = kolo_comm::split_counts(dim0, n).into_iter().map(|rows| rows * row).collect();
@@ -305,9 +290,17 @@ mod tests {
     }
 
     #[test]
-    fn only_kolo_comms_types_reduce() {
-        assert_eq!(comm_dtype(DataType::Float32), Some(DType::F32));
-        assert_eq!(comm_dtype(DataType::Int16), None);
-        assert_eq!(comm_dtype(DataType::Bool), None);
+    fn element_type_names_parse_back_and_only_kolo_comms_types_reduce() {
+        use crate::message::DataType::{self, *};
+        for t in [Uint8, Int8, Uint16, Int16, Int32, Int64, Float16, Float32, Float64, Bool, Bfloat16] {
+            assert_eq!(t.name().parse::<DataType>(), Ok(t));
+            if let Some(d) = t.comm() {
+                assert_eq!(d.size(), t.size(), "{t:?}");
+            }
+        }
+        assert!("bf16".parse::<DataType>().is_err(), "one vocabulary: numpy's names");
+        assert_eq!(DataType::Float32.comm(), Some(DType::F32));
+        assert_eq!(DataType::Int16.comm(), None);
+        assert_eq!(DataType::Bool.comm(), None);
     }
 }

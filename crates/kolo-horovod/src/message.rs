@@ -105,8 +105,10 @@ impl ResponseType {
     }
 }
 
-/// Element types, upstream's numbering and names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr)]
+/// Element types, upstream's numbering and names. The names (numpy's and
+/// torch's: `float32`, `bfloat16`...) are the one vocabulary every Python
+/// front end passes element types in (`"float32".parse()`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, strum::IntoStaticStr, strum::EnumString)]
 #[strum(serialize_all = "lowercase")]
 pub enum DataType {
     /// Unsigned byte.
@@ -137,6 +139,23 @@ impl DataType {
     /// Upstream's `DataType_Name`.
     pub fn name(self) -> &'static str {
         self.into()
+    }
+
+    /// kolo-comm's element type for it: what kolo's collectives reduce
+    /// (None: moved as bytes only, never reduced).
+    pub fn comm(self) -> Option<kolo_comm::DType> {
+        use kolo_comm::DType;
+        Some(match self {
+            DataType::Uint8 => DType::U8,
+            DataType::Int8 => DType::I8,
+            DataType::Int32 => DType::I32,
+            DataType::Int64 => DType::I64,
+            DataType::Float16 => DType::F16,
+            DataType::Float32 => DType::F32,
+            DataType::Float64 => DType::F64,
+            DataType::Bfloat16 => DType::BF16,
+            DataType::Uint16 | DataType::Int16 | DataType::Bool => return None,
+        })
     }
 
     /// Bytes per element.

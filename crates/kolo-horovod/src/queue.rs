@@ -54,9 +54,7 @@ impl SetShared {
                     "{op}: Rank {global_rank} is not a member of the provided process set."
                 )));
             };
-            if matches!(t.kind, RequestType::Allreduce | RequestType::Reducescatter)
-                && crate::exec::comm_dtype(t.dtype).is_none()
-            {
+            if matches!(t.kind, RequestType::Allreduce | RequestType::Reducescatter) && t.dtype.comm().is_none() {
                 // the loop could not reduce it: refused here, never there
                 return Err(Refused::invalid(format!("Tensor type {} is not supported.", t.dtype.name())));
             }

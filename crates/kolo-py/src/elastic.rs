@@ -110,7 +110,7 @@ fn op_of(op: &str) -> PyResult<ReduceOp> {
 macro_rules! reduce_as {
     ($t:ty, $comm:expr, $data:expr, $op:expr) => {{
         const SIZE: usize = std::mem::size_of::<$t>();
-        if $data.len() % SIZE != 0 {
+        if !$data.len().is_multiple_of(SIZE) {
             return Err(PyValueError::new_err(format!("{} bytes are not whole {}-byte elements", $data.len(), SIZE)));
         }
         let mut values: Vec<$t> =
@@ -132,8 +132,8 @@ impl Comm {
         self.lock().size()
     }
 
-    /// Reduces `data` (the bytes of `dtype` elements: float32, float64,
-    /// int32 or int64) over every rank; the result's bytes.
+    /// Reduces `data` (the bytes of `dtype` elements, numpy's names) over
+    /// every rank; the result's bytes.
     fn allreduce<'py>(
         &self,
         py: Python<'py>,
@@ -142,19 +142,10 @@ impl Comm {
         op: &str,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let op = op_of(op)?;
+        let dtype = crate::dtypes::comm_type(dtype)?;
         let out = py.allow_threads(|| -> PyResult<Vec<u8>> {
             let mut comm = self.lock();
-            Ok(match dtype {
-                "float32" => reduce_as!(f32, comm, data, op),
-                "float64" => reduce_as!(f64, comm, data, op),
-                "int32" => reduce_as!(i32, comm, data, op),
-                "int64" => reduce_as!(i64, comm, data, op),
-                other => {
-                    return Err(PyValueError::new_err(format!(
-                        "dtype '{other}' is not supported: use float32, float64, int32 or int64"
-                    )))
-                }
-            })
+            Ok(kolo_comm::with_element_type!(dtype, T => reduce_as!(T, comm, data, op)))
         })?;
         Ok(PyBytes::new(py, &out))
     }

@@ -6,15 +6,17 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kolo_comm::{CommError, Communicator, Config};
+use kolo_comm::Communicator;
 use kolo_horovod::message::ResponseType;
 use kolo_horovod::{
-    Buffer, Core, DataType, DeviceExecutor, DeviceWork, Failure, FailureKind, Handle, ReduceOp, RequestType, Settings,
-    Submit,
+    Buffer, Core, DeviceExecutor, DeviceWork, Failure, FailureKind, Handle, ReduceOp, RequestType, Settings, Submit,
 };
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
+
+use crate::communicators;
+use crate::dtypes::element_type;
 
 fn request_type(kind: &str) -> PyResult<RequestType> {
     Ok(match kind {
@@ -26,23 +28,6 @@ fn request_type(kind: &str) -> PyResult<RequestType> {
         "barrier" => RequestType::Barrier,
         "join" => RequestType::Join,
         other => return Err(PyValueError::new_err(format!("unknown Horovod op '{other}'"))),
-    })
-}
-
-fn data_type(name: &str) -> PyResult<DataType> {
-    Ok(match name {
-        "uint8" => DataType::Uint8,
-        "int8" => DataType::Int8,
-        "uint16" => DataType::Uint16,
-        "int16" => DataType::Int16,
-        "int32" => DataType::Int32,
-        "int64" => DataType::Int64,
-        "float16" => DataType::Float16,
-        "float32" => DataType::Float32,
-        "float64" => DataType::Float64,
-        "bool" => DataType::Bool,
-        "bfloat16" => DataType::Bfloat16,
-        other => return Err(PyValueError::new_err(format!("Tensor type {other} is not supported."))),
     })
 }
 
@@ -123,6 +108,59 @@ fn settings() -> PyResult<Settings> {
     Ok(settings)
 }
 
+/// One tensor of a submission to the core, checked as it is made: which
+/// collective (`"allreduce"`...), the name every rank submits it under,
+/// its element type (numpy's names: `"float32"`, `"bfloat16"`...), its
+/// shape, and its memory as `(address, bytes)`, which the caller keeps
+/// alive until the handle is done; the rest as upstream's ops take them.
+#[pyclass(module = "kolo._kolo", frozen)]
+pub struct Submission(Submit);
+
+#[pymethods]
+impl Submission {
+    #[new]
+    #[pyo3(signature = (
+        op, name, dtype, shape, data, *, device=kolo_horovod::CPU_DEVICE_ID, root_rank=0, reduce_op=1,
+        prescale=1.0, postscale=1.0, output=None, splits=Vec::new()
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        op: &str,
+        name: String,
+        dtype: &str,
+        shape: Vec<i64>,
+        data: (usize, usize),
+        device: i32,
+        root_rank: i64,
+        reduce_op: i64,
+        prescale: f64,
+        postscale: f64,
+        output: Option<(usize, usize)>,
+        splits: Vec<i64>,
+    ) -> PyResult<Submission> {
+        let mut s = Submit::new(request_type(op)?, name, element_type(dtype)?, shape, Buffer::new(data.0, data.1));
+        s.device = device;
+        s.root_rank = root_rank;
+        s.reduce_op = self::reduce_op(reduce_op)?;
+        s.prescale = prescale;
+        s.postscale = postscale;
+        s.output = output.map(|(addr, len)| Buffer::new(addr, len));
+        s.splits = splits;
+        Ok(Submission(s))
+    }
+
+    /// The name it is submitted under.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    fn __repr__(&self) -> String {
+        let s = &self.0;
+        format!("Submission({:?}, {:?}, {}, {:?})", s.kind, s.name, s.dtype.name(), s.shape)
+    }
+}
+
 /// Horovod's core of this process.
 #[pyclass(module = "kolo._kolo")]
 pub struct HorovodCore {
@@ -150,16 +188,7 @@ impl HorovodCore {
         timeout_s: Option<f64>,
         process_sets: Vec<Vec<i64>>,
     ) -> PyResult<HorovodCore> {
-        let comm = py
-            .allow_threads(|| {
-                let mut config = Config::from_env()?;
-                config.job_id = format!("{}-hvd{generation}", config.job_id);
-                if let Some(s) = timeout_s {
-                    config = config.with_timeout(Duration::from_secs_f64(s.clamp(0.001, 1e9)));
-                }
-                Communicator::connect(config)
-            })
-            .map_err(crate::errors::comm_error)?;
+        let comm = communicators::from_job_env(py, "hvd", generation, timeout_s)?;
         HorovodCore::start(py, comm, process_sets)
     }
 
@@ -167,7 +196,7 @@ impl HorovodCore {
     #[staticmethod]
     #[pyo3(signature = (process_sets=Vec::new()))]
     fn single(py: Python<'_>, process_sets: Vec<Vec<i64>>) -> PyResult<HorovodCore> {
-        let comm = py.allow_threads(single_communicator).map_err(crate::errors::comm_error)?;
+        let comm = communicators::single(py, "single-hvd")?;
         HorovodCore::start(py, comm, process_sets)
     }
 
@@ -181,43 +210,16 @@ impl HorovodCore {
         self.core.size()
     }
 
-    /// Submits tensors as one group: each `(op, name, dtype, shape,
-    /// device, root_rank, reduce_op, prescale, postscale, (address,
-    /// bytes), output (address, bytes) or None, splits)`. `keep` (what owns
-    /// the memory) is held until the handle is done.
+    /// Submits `tensors` (`Submission`s) as one group. `keep` (what owns
+    /// their memory) is held until the handle is done.
     #[pyo3(signature = (process_set, tensors, keep=None))]
-    #[allow(clippy::type_complexity)]
     fn submit(
         &self,
         process_set: u32,
-        tensors: Vec<(
-            String,
-            String,
-            String,
-            Vec<i64>,
-            i32,
-            i64,
-            i64,
-            f64,
-            f64,
-            (usize, usize),
-            Option<(usize, usize)>,
-            Vec<i64>,
-        )>,
+        tensors: Vec<PyRef<'_, Submission>>,
         keep: Option<Py<PyAny>>,
     ) -> PyResult<HorovodHandle> {
-        let mut submits = Vec::with_capacity(tensors.len());
-        for (op, name, dtype, shape, device, root, op_code, prescale, postscale, input, output, splits) in tensors {
-            let mut s = Submit::new(request_type(&op)?, name, data_type(&dtype)?, shape, Buffer::new(input.0, input.1));
-            s.device = device;
-            s.root_rank = root;
-            s.reduce_op = reduce_op(op_code)?;
-            s.prescale = prescale;
-            s.postscale = postscale;
-            s.output = output.map(|(a, n)| Buffer::new(a, n));
-            s.splits = splits;
-            submits.push(s);
-        }
+        let submits = tensors.iter().map(|t| t.0.clone()).collect();
         let handle = self.core.submit(process_set, submits).map_err(refused)?;
         Ok(HorovodHandle::new(handle, keep))
     }
@@ -302,12 +304,6 @@ impl Drop for HorovodCore {
     }
 }
 
-fn single_communicator() -> Result<Communicator, CommError> {
-    let secret = kolo_comm::Secret::new("single").map_err(CommError::Secret)?;
-    let book: Arc<dyn kolo_comm::AddressBook> = Arc::new(crate::book::LocalBook::default());
-    Communicator::connect(Config::new(0, 1, "this-host", "", secret, "single-hvd")?.with_book(book))
-}
-
 /// The outcome of a submission.
 #[pyclass(module = "kolo._kolo")]
 pub struct HorovodHandle {
@@ -377,6 +373,7 @@ impl HorovodHandle {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HorovodCore>()?;
+    m.add_class::<Submission>()?;
     m.add_class::<HorovodHandle>()?;
     // the device a CPU tensor is submitted with to go through the executor
     m.add("HOROVOD_HOST_EXECUTOR_DEVICE", kolo_horovod::HOST_EXECUTOR_DEVICE_ID)?;

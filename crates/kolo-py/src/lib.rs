@@ -15,8 +15,9 @@
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 
-mod book;
+mod communicators;
 mod driver;
+mod dtypes;
 mod elastic;
 mod errors;
 mod horovod;

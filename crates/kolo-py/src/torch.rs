@@ -16,7 +16,6 @@ use pyo3::prelude::*;
 use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
-use crate::book::LocalBook;
 use crate::errors::CollectiveError;
 use crate::ordered::{Done, Failure, Ordered, Run};
 
@@ -50,7 +49,7 @@ impl AddressBook for PyBook {
 }
 
 fn dtype_of(name: &str) -> PyResult<DType> {
-    name.parse().map_err(PyValueError::new_err)
+    crate::dtypes::comm_type(name)
 }
 
 fn op_of(name: &str) -> PyResult<ReduceOp> {
@@ -229,7 +228,7 @@ impl TorchComm {
         if size == 0 || rank >= size {
             return Err(PyValueError::new_err(format!("rank {rank} is not below the group size {size}")));
         }
-        let timeout = Duration::from_secs_f64(timeout_s.clamp(0.001, 1e9));
+        let timeout = crate::communicators::seconds(timeout_s);
         let book: Arc<dyn AddressBook> = Arc::new(PyBook(book));
         let comm = py
             .allow_threads(|| Communicator::connect(Config::from_book(rank, size, book, timeout, toward.as_deref())?))
@@ -245,29 +244,14 @@ impl TorchComm {
     #[staticmethod]
     #[pyo3(signature = (generation, timeout_s=None))]
     fn from_env(py: Python<'_>, generation: u64, timeout_s: Option<f64>) -> PyResult<TorchComm> {
-        let comm = py
-            .allow_threads(|| {
-                let mut config = Config::from_env()?;
-                config.job_id = format!("{}-g{generation}", config.job_id);
-                if let Some(s) = timeout_s {
-                    config = config.with_timeout(Duration::from_secs_f64(s.clamp(0.001, 1e9)));
-                }
-                Communicator::connect(config)
-            })
-            .map_err(failed)?;
+        let comm = crate::communicators::from_job_env(py, "g", generation, timeout_s)?;
         TorchComm::started(comm)
     }
 
     /// A communicator of one rank: a process outside any job.
     #[staticmethod]
     fn single(py: Python<'_>) -> PyResult<TorchComm> {
-        let book: Arc<dyn AddressBook> = Arc::new(LocalBook::default());
-        let comm = py
-            .allow_threads(|| {
-                let secret = kolo_comm::Secret::new("single").map_err(CommError::Secret)?;
-                Communicator::connect(Config::new(0, 1, "this-host", "", secret, "single")?.with_book(book))
-            })
-            .map_err(failed)?;
+        let comm = crate::communicators::single(py, "single")?;
         TorchComm::started(comm)
     }
 

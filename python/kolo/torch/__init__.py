@@ -16,7 +16,6 @@ cannot do raises `TypeError`/`ValueError` naming what it can.
 """
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -27,13 +26,13 @@ from .. import _kolo
 CollectiveError = _kolo.CollectiveError
 
 _DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.uint8: "u8",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
 }
 _SUPPORTED = "float32, float64, float16, bfloat16, int32, int64 and uint8"
 _RED = dist.ReduceOp.RedOpType
@@ -49,9 +48,7 @@ def _dtype(t) -> str:
 
 def _check(t):
     if t.device.type != "cpu":
-        raise ValueError(
-            f"the kolo backend takes CPU and CUDA tensors, not {t.device}"
-        )
+        raise ValueError(f"the kolo backend takes CPU and CUDA tensors, not {t.device}")
     if t.is_sparse:
         raise ValueError("the kolo backend takes dense tensors")
 
@@ -78,7 +75,7 @@ def _on_cuda(tensors):
 def _raw(t):
     """(address, elements, dtype) of a contiguous tensor; types without a
     reduction travel as bytes."""
-    return t.data_ptr(), t.numel(), _DTYPES.get(t.dtype) or "u8"
+    return t.data_ptr(), t.numel(), _DTYPES.get(t.dtype) or "uint8"
 
 
 class _Contiguous:
@@ -94,7 +91,10 @@ class _Contiguous:
         else:
             if 0 in t.stride() and t.numel() > 1:
                 raise ValueError("the kolo backend cannot write into an expanded tensor (a stride of 0)")
-            self.tensor, self.work = t, (t.contiguous() if read else torch.empty_like(t, memory_format=torch.contiguous_format))
+            self.tensor, self.work = (
+                t,
+                (t.contiguous() if read else torch.empty_like(t, memory_format=torch.contiguous_format)),
+            )
 
     def done(self):
         if self.work is not self.tensor:
@@ -328,7 +328,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
             src = _bytes(t.contiguous())
             counts = [o.numel() * o.element_size() for o in outs]
             flat = torch.empty(sum(counts), dtype=torch.uint8)
-            calls.append(self._comm.allgather(src.data_ptr(), flat.data_ptr(), counts, "u8"))
+            calls.append(self._comm.allgather(src.data_ptr(), flat.data_ptr(), counts, "uint8"))
             keep += [src, flat]
             outs_flat.append((outs, flat, counts))
 
@@ -354,7 +354,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         _check(input)
         out = _Contiguous(output, read=False)
         src, dst = _bytes(input.contiguous()), _bytes(out.work)
-        call = self._comm.allgather(src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "u8")
+        call = self._comm.allgather(src.data_ptr(), dst.data_ptr(), [src.numel()] * self.size(), "uint8")
         return self._run(opts, [call], [output], out.done, (out, src))
 
     _allgather_base = all_gather_single
@@ -416,7 +416,9 @@ class ProcessGroupKolo(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         if _on_cuda(input):
-            return self._cuda().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions())
+            return self._cuda().alltoall_base(
+                output, input, output_split_sizes, input_split_sizes, opts or dist.AllToAllOptions()
+            )
         n = self.size()
         if output.dtype != input.dtype:
             raise TypeError(f"all_to_all_single: the output is {output.dtype}, the input {input.dtype}")
@@ -429,7 +431,11 @@ class ProcessGroupKolo(dist.ProcessGroup):
         src, dst = _bytes(input.contiguous()), _bytes(out.work)
         size = input.element_size()
         call = self._comm.alltoall(
-            src.data_ptr(), [s * row_in * size for s in send], dst.data_ptr(), [s * row_out * size for s in recv], "u8"
+            src.data_ptr(),
+            [s * row_in * size for s in send],
+            dst.data_ptr(),
+            [s * row_out * size for s in recv],
+            "uint8",
         )
         return self._run(opts, [call], [output], out.done, (out, src))
 
@@ -450,7 +456,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         send = torch.cat(parts)
         recv_counts = [o.numel() * o.element_size() for o in outputs]
         flat = torch.empty(sum(recv_counts), dtype=torch.uint8)
-        call = self._comm.alltoall(send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "u8")
+        call = self._comm.alltoall(send.data_ptr(), [p.numel() for p in parts], flat.data_ptr(), recv_counts, "uint8")
 
         def finish():
             _unpack(flat, recv_counts, outputs)
@@ -479,7 +485,9 @@ class ProcessGroupKolo(dist.ProcessGroup):
         src = _bytes(t.contiguous())
         counts = [src.numel()] * self.size()
         if self.rank() != root:
-            return self._run(opts, [self._comm.gather(src.data_ptr(), 0, counts, "u8", root)], output_lists, None, src)
+            return self._run(
+                opts, [self._comm.gather(src.data_ptr(), 0, counts, "uint8", root)], output_lists, None, src
+            )
         (outs,) = output_lists
         if len(outs) != self.size():
             raise ValueError(f"gather needs one output tensor per rank ({self.size()}) at the root, got {len(outs)}")
@@ -488,7 +496,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         def finish():
             _unpack(flat, counts, outs)
 
-        call = self._comm.gather(src.data_ptr(), flat.data_ptr(), counts, "u8", root)
+        call = self._comm.gather(src.data_ptr(), flat.data_ptr(), counts, "uint8", root)
         return self._run(opts, [call], output_lists, finish, (src, flat))
 
     def scatter(self, outputs, input_lists, opts):
@@ -505,7 +513,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
             if len(ins) != self.size():
                 raise ValueError(f"scatter needs one input tensor per rank ({self.size()}) at the root, got {len(ins)}")
             flat = torch.cat([_bytes(i.contiguous()) for i in ins])
-        call = self._comm.scatter(0 if flat is None else flat.data_ptr(), dst.data_ptr(), counts, "u8", root)
+        call = self._comm.scatter(0 if flat is None else flat.data_ptr(), dst.data_ptr(), counts, "uint8", root)
         return self._run(opts, [call], outputs, c.done, (c, flat))
 
     def barrier(self, opts=None):
@@ -517,7 +525,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             _check(t)
             src = _bytes(t.contiguous())
-            self._comm.run(self._comm.send(src.data_ptr(), src.numel(), "u8", dst))
+            self._comm.run(self._comm.send(src.data_ptr(), src.numel(), "uint8", dst))
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
@@ -526,7 +534,7 @@ class ProcessGroupKolo(dist.ProcessGroup):
         for t in tensors:
             c = _Contiguous(t, read=False)
             dst = _bytes(c.work)
-            self._comm.run(self._comm.recv(dst.data_ptr(), dst.numel(), "u8", src))
+            self._comm.run(self._comm.recv(dst.data_ptr(), dst.numel(), "uint8", src))
             c.done()
         return _done(tensors)
 
@@ -578,14 +586,14 @@ def broadcast_object(comm, obj, root):
 
     data = cloudpickle.dumps(obj) if comm.rank == root else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
-    comm.run(comm.broadcast(length.data_ptr(), 1, "i64", root))
+    comm.run(comm.broadcast(length.data_ptr(), 1, "int64", root))
     n = int(length)
     if comm.rank == root:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
     else:
         buf = torch.empty(n, dtype=torch.uint8)
     if n:
-        comm.run(comm.broadcast(buf.data_ptr(), n, "u8", root))
+        comm.run(comm.broadcast(buf.data_ptr(), n, "uint8", root))
     return obj if comm.rank == root else cloudpickle.loads(buf.numpy().tobytes())
 
 

@@ -13,9 +13,26 @@ import torch
 from kolo import _kolo
 
 from ..common import basics as _basics
-from ..common.basics import *  # noqa: F401,F403  (horovod.torch's API: basics' __all__)
-from ..common.basics import Average, Sum, _core, _op_of, _set_id, _state, global_process_set, local_size, rank
+from ..common import util as _util
+from ..common.basics import *  # noqa: F403  (horovod.torch's API: basics' __all__)
+from ..common.basics import (
+    Average,
+    Sum,
+    _core,
+    _next_handle,
+    _op_of,
+    _set_id,
+    _state,
+    _wire_name,
+    global_process_set,
+    rank,
+)
 from ..common.exceptions import HorovodInternalError
+
+# objects travel as numpy bytes through the core, as every framework's
+from ..common.numpy_ops import allgather_object as allgather_object
+from ..common.numpy_ops import broadcast_object as broadcast_object
+from ..common.numpy_ops import is_homogeneous as is_homogeneous
 from . import device as _device
 
 # the types upstream takes (its mpi_lib's functions), with kolo's own
@@ -69,21 +86,10 @@ _basics.on_init(_check, _start)
 _basics.on_shutdown(_stop)
 
 
-def is_homogeneous():
-    sizes = allgather_object(local_size())
-    return len(set(sizes)) == 1
-
-
 def nccl_built():
     """The NCCL version code of torch's NCCL (kolo sends CUDA tensors
     through it), 0 without CUDA."""
-    if not torch.cuda.is_available():
-        return 0
-    try:
-        major, minor, patch = torch.cuda.nccl.version()[:3]
-    except Exception:
-        return 0
-    return major * 10000 + minor * 100 + patch
+    return _util._torch_nccl_version()
 
 
 def cuda_built():
@@ -124,16 +130,6 @@ class _Pending:
         self.handle, self.after, self.keep, self.drop = handle, after, keep, drop
 
 
-def _next_handle():
-    with _state.lock:
-        _state.last_handle += 1
-        return _state.last_handle
-
-
-def _wire_name(kind, name, handle):
-    return f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
-
-
 def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
     """Submits `tensors` (the core's tuples) as one group; `handle`, kept
     with what synchronize returns. `records`: the device executor's, one
@@ -145,13 +141,13 @@ def _submit(handle, process_set, op_title, tensors, after, keep, records=None):
     if records is not None:
         device = _torch.device
         for entry, record in zip(tensors, records):
-            device.register(set_id, entry[1], record)
+            device.register(set_id, entry.name, record)
 
         def drop():
             # what the executor never took (a refused submission, an
             # error response) goes; only these records, by identity
             for entry, record in zip(tensors, records):
-                device.unregister(set_id, entry[1], record)
+                device.unregister(set_id, entry.name, record)
 
     try:
         pending = core.submit(set_id, tensors, keep)
@@ -187,9 +183,20 @@ def _through_executor(tensors):
 def _entry(kind, name, dtype, t, *, root=0, op=Sum, prescale=1.0, postscale=1.0, output=None, splits=()):
     """One tensor as the core takes it."""
     out = None if output is None else (output.data_ptr(), output.numel() * output.element_size())
-    device = _device.device_id(t, _torch.cpu_external)
-    return (kind, name, dtype, list(t.shape), device, root, op, float(prescale), float(postscale),
-            (t.data_ptr(), t.numel() * t.element_size()), out, list(splits))
+    return _kolo.Submission(
+        kind,
+        name,
+        dtype,
+        list(t.shape),
+        (t.data_ptr(), t.numel() * t.element_size()),
+        device=_device.device_id(t, _torch.cpu_external),
+        root_rank=root,
+        reduce_op=op,
+        prescale=float(prescale),
+        postscale=float(postscale),
+        output=out,
+        splits=list(splits),
+    )
 
 
 def poll(handle):
@@ -235,22 +242,25 @@ def _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_fact
         records = [_device.Record(t, o) for t, o in zip(tensors, outputs)]
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
-    entries = [_entry("allreduce", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
-                      output=o)
-               for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
+    entries = [
+        _entry("allreduce", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor, output=o)
+        for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)
+    ]
     after = (lambda _: outputs[0]) if not grouped else (lambda _: tuple(outputs))
     return _submit(handle, process_set, "Allreduce", entries, after, (tensors, outputs), records)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Starts reducing `tensor` in place over the set's ranks; a handle."""
     op = _op_of(average, op)
     return _allreduce_group([tensor], [tensor], name, op, prescale_factor, postscale_factor, process_set, False)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Starts reducing `tensor` into a new tensor; a handle whose output it is."""
     op = _op_of(average, op)
     output = torch.empty_like(tensor)
@@ -265,13 +275,22 @@ class _Allreduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post,
-                            process_set=ctx.process_set)
+        reduced = allreduce(
+            grad, op=ctx.op, prescale_factor=ctx.pre, postscale_factor=ctx.post, process_set=ctx.process_set
+        )
         return reduced, None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-              process_set=global_process_set):
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """`tensor` reduced over the set's ranks (op Average by default), out of
     place and differentiable."""
     from .compression import Compression
@@ -283,49 +302,68 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     return compression.decompress(summed, ctx)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Reduces `tensor` in place; returns it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set=global_process_set):
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     tensors = list(tensors)
     op = _op_of(average, op)
     return _allreduce_group(tensors, tensors, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=global_process_set):
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     tensors = list(tensors)
     op = _op_of(average, op)
     outputs = [torch.empty_like(t) for t in tensors]
     return _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_factor, process_set, True)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 class _GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, prescale_factor, postscale_factor, process_set
-        return synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor,
-                                                   process_set))
+        return synchronize(
+            grouped_allreduce_async(list(tensors), None, name, op, prescale_factor, postscale_factor, process_set)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
-        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.pre,
-                                    postscale_factor=ctx.post, process_set=ctx.process_set)
+        reduced = grouped_allreduce(
+            [g.contiguous() for g in grads],
+            op=ctx.op,
+            prescale_factor=ctx.pre,
+            postscale_factor=ctx.post,
+            process_set=ctx.process_set,
+        )
         return (None, None, None, None, None, *reduced)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """Each of `tensors` reduced over the set's ranks as one group (fused
     up to the fusion threshold); out of place and differentiable."""
     from .compression import Compression
@@ -333,8 +371,9 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
     op = _op_of(average, op)
     compression = compression or Compression.none
     compressed = [compression.compress(t) for t in tensors]
-    summed = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
-                                     *[c for c, _ in compressed])
+    summed = _GroupedAllreduce.apply(
+        name, op, prescale_factor, postscale_factor, process_set, *[c for c, _ in compressed]
+    )
     return [compression.decompress(s, ctx) for s, (_, ctx) in zip(summed, compressed)]
 
 
@@ -344,8 +383,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     that waits and returns the uncoalesced sum (the average divides the
     values by the set's size)."""
     t = tensor
-    indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
-                              process_set=process_set)
+    indices = allgather_async(
+        t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices", process_set=process_set
+    )
     values = allgather_async(t._values(), name=f"{name}.values", process_set=process_set)
 
     def handle():
@@ -355,8 +395,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
             gathered_values = gathered_values / process_set.size()
         if gathered_indices.dim() == 0 or gathered_values.dim() == 0:
             return t.new().resize_as_(t)
-        return torch.sparse_coo_tensor(gathered_indices.transpose(0, 1), gathered_values, t.size(),
-                                       check_invariants=False)
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1), gathered_values, t.size(), check_invariants=False
+        )
 
     return handle
 
@@ -512,7 +553,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         return _submit(handle, process_set, "Alltoall", [entry], lambda _: record.result, tensor, [record])
 
     def after(results):
-        (data, received, _), = results
+        ((data, received, _),) = results
         out = torch.frombuffer(data, dtype=tensor.dtype) if len(data) else torch.empty(0, dtype=tensor.dtype)
         return out.reshape(sum(received), *tensor.shape[1:]), torch.tensor(received, dtype=torch.int32)
 
@@ -563,8 +604,9 @@ def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postsc
     for t in tensors:
         if t.dim() == 0:
             raise ValueError("Reducescatter does not support scalar inputs")
-    outputs = [torch.empty((_scattered_rows(t, process_set), *t.shape[1:]), dtype=t.dtype, device=t.device)
-               for t in tensors]
+    outputs = [
+        torch.empty((_scattered_rows(t, process_set), *t.shape[1:]), dtype=t.dtype, device=t.device) for t in tensors
+    ]
     records = None
     if _through_executor(tensors):
         records = [_device.Record(t, o) for t, o in zip(tensors, outputs)]
@@ -572,20 +614,23 @@ def _reducescatter_group(tensors, name, op, process_set, prescale_factor, postsc
     base = _wire_name("reducescatter", name, handle)
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]
-    entries = [_entry("reducescatter", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor,
-                      output=o)
-               for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)]
+    entries = [
+        _entry("reducescatter", wire, dtype, t, op=op, prescale=prescale_factor, postscale=postscale_factor, output=o)
+        for wire, dtype, t, o in zip(names, dtypes, tensors, outputs)
+    ]
     after = (lambda _: tuple(outputs)) if grouped else (lambda _: outputs[0])
     return _submit(handle, process_set, "Reducescatter", entries, after, (tensors, outputs), records)
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
+def reducescatter_async(
+    tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+):
     return _reducescatter_group([tensor], name, op, process_set, prescale_factor, postscale_factor, False)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
-                                prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter_async(
+    tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+):
     return _reducescatter_group(list(tensors), name, op, process_set, prescale_factor, postscale_factor, True)
 
 
@@ -602,8 +647,15 @@ class _Reducescatter(torch.autograd.Function):
         return allgather(grad.contiguous(), process_set=ctx.process_set), None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=None, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(
+    tensor,
+    name=None,
+    compression=None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """`tensor` reduced over the set's ranks, dim 0 scattered: this rank's
     rows (the first dim0 % size ranks get one more). Differentiable."""
     from .compression import Compression
@@ -618,25 +670,40 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
         ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, prescale_factor, postscale_factor
-        return synchronize(grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor,
-                                                       postscale_factor))
+        return synchronize(
+            grouped_reducescatter_async(list(tensors), name, op, process_set, prescale_factor, postscale_factor)
+        )
 
     @staticmethod
     def backward(ctx, *grads):
         scale = (ctx.process_set.size() if ctx.op == Sum else 1) * ctx.pre * ctx.post
         grads = [g * scale if scale != 1 else g for g in grads]
-        return (None, None, None, None, None, *grouped_allgather([g.contiguous() for g in grads],
-                                                                 process_set=ctx.process_set))
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *grouped_allgather([g.contiguous() for g in grads], process_set=ctx.process_set),
+        )
 
 
-def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=global_process_set,
-                          prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    name=None,
+    compression=None,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     from .compression import Compression
 
     compression = compression or Compression.none
     compressed = [compression.compress(t) for t in tensors]
-    outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor,
-                                       *[c for c, _ in compressed])
+    outs = _GroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *[c for c, _ in compressed]
+    )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
@@ -665,42 +732,3 @@ def join(device=-1):
     entry = _entry("join", "join", "uint8", _NOTHING)
     _submit(handle, global_process_set, "Join", [entry], lambda results: results[0][2], None)
     return synchronize(handle)
-
-
-# ---- objects ---------------------------------------------------------------
-
-
-def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Rank `root_rank`'s object (cloudpickle), on every rank of the set."""
-    import cloudpickle
-
-    name = name or type(obj).__name__
-    if rank() == root_rank:
-        data = cloudpickle.dumps(obj)
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        broadcast_(length, root_rank, f"{name}.sz", process_set)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        broadcast_(buf, root_rank, f"{name}.t", process_set)
-        return obj
-    length = torch.empty(1, dtype=torch.int64)
-    broadcast_(length, root_rank, f"{name}.sz", process_set)
-    buf = torch.empty(int(length), dtype=torch.uint8)
-    broadcast_(buf, root_rank, f"{name}.t", process_set)
-    return cloudpickle.loads(buf.numpy().tobytes())
-
-
-def allgather_object(obj, name=None, process_set=global_process_set):
-    """Every rank's object, in the set's rank order."""
-    import cloudpickle
-
-    name = name or type(obj).__name__
-    data = cloudpickle.dumps(obj)
-    sizes = allgather(torch.tensor([len(data)], dtype=torch.int64), name=f"{name}.sz", process_set=process_set)
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    gathered = allgather(buf, name=f"{name}.t", process_set=process_set)
-    raw = gathered.numpy().tobytes()
-    objs, at = [], 0
-    for n in sizes.tolist():
-        objs.append(cloudpickle.loads(raw[at: at + n]))
-        at += n
-    return objs
