@@ -7,6 +7,7 @@ join and leave rounds here."""
 import os
 
 from . import _kolo
+from ._errors import HostsUpdatedInterrupt
 
 _ENV_ROUND = _kolo.ENV["ELASTIC_ROUND"]
 
@@ -96,8 +97,6 @@ def in_place_job():
 
 
 def _hosts_updated_types():
-    from .horovod.common.exceptions import HostsUpdatedInterrupt
-
     return (HostsUpdatedInterrupt, _kolo.HostsUpdated)
 
 
@@ -158,8 +157,6 @@ class State:
         self.save()
 
     def _hosts_updated(self, newer_round):
-        from .horovod.common.exceptions import HostsUpdatedInterrupt
-
         return HostsUpdatedInterrupt(False)
 
     def save(self):

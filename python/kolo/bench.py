@@ -67,22 +67,38 @@ def main():
     parser.add_argument("what", choices=["executor"])
     parser.add_argument("--workers", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--engine", choices=["local", "ray"], default="local",
-                        help="ray: the cluster at RAY_ADDRESS (PSS then counts kolo's processes only)")
-    parser.add_argument("--bridge", choices=["here", "process"], default="here",
-                        help="with --engine ray: run kolo's Ray bridge in this Python, connected first "
-                             "(default), or in a Python of its own")
-    parser.add_argument("--api", choices=["kolo", "horovod.ray"], default="kolo",
-                        help="horovod.ray: through kolo's horovod.ray.RayExecutor (the Ray engine)")
+    parser.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="ray: the cluster at RAY_ADDRESS (PSS then counts kolo's processes only)",
+    )
+    parser.add_argument(
+        "--bridge",
+        choices=["here", "process"],
+        default="here",
+        help="with --engine ray: run kolo's Ray bridge in this Python, connected first "
+        "(default), or in a Python of its own",
+    )
+    parser.add_argument(
+        "--api",
+        choices=["kolo", "horovod.ray"],
+        default="kolo",
+        help="horovod.ray: through kolo's horovod.ray.RayExecutor (the Ray engine)",
+    )
     args = parser.parse_args()
     if args.api == "horovod.ray":
         args.engine = "ray"
     if args.engine == "ray" and args.bridge == "here":
         connect_to_ray()
-    print(f"{'workers':>8} {'first_result_ms':>16} {'round_p50_us':>13} {'round_p99_us':>13} {'shutdown_ms':>12} {'pss_mib':>8}")
+    print(
+        f"{'workers':>8} {'first_result_ms':>16} {'round_p50_us':>13} {'round_p99_us':>13} {'shutdown_ms':>12} {'pss_mib':>8}"
+    )
     for n in args.workers:
         first, p50, p99, down, memory = executor(n, args.rounds, args.engine, args.api)
-        print(f"{n:>8} {first * 1e3:>16.1f} {p50 * 1e6:>13.0f} {p99 * 1e6:>13.0f} {down * 1e3:>12.1f} {memory / 1024:>8.1f}")
+        print(
+            f"{n:>8} {first * 1e3:>16.1f} {p50 * 1e6:>13.0f} {p99 * 1e6:>13.0f} {down * 1e3:>12.1f} {memory / 1024:>8.1f}"
+        )
 
 
 if __name__ == "__main__":

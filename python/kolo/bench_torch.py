@@ -58,7 +58,7 @@ def rank_allreduce(repeats):
         for _ in range(repeats):
             for name, group in (("gloo", gloo), ("kolo", None)):
                 dist.all_reduce(t, group=group)  # warm
-                times[name].append(_time_calls(dist, lambda g=group: dist.all_reduce(t, group=g), calls))
+                times[name].append(_time_calls(dist, lambda t=t, g=group: dist.all_reduce(t, group=g), calls))
         rows.append({"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}})
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
@@ -109,7 +109,9 @@ def rank_ddp(steps, repeats):
 
         hvd.init()
         model = _mlp(torch)
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters()
+        )
 
         def step():
             opt.zero_grad()
@@ -177,7 +179,12 @@ def main():
             f" {'no_sync_ms':>10} {'no_comm_ms':>10} {'gloo_view_ms':>12} {'kolo_view_ms':>12} {'kolo/gloo':>9}"
         )
         for n in args.np:
-            r = {k: v * 1e3 for k, v in _launch(n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)]).items()}
+            r = {
+                k: v * 1e3
+                for k, v in _launch(
+                    n, ["_rank_ddp", "--repeats", str(args.repeats), "--steps", str(args.steps)]
+                ).items()
+            }
             g, k = r["gloo"], r["kolo"]
             h = r.get("hvd")
             hvd = f"{h:>7.1f} {h / k:>8.2f}" if h else f"{'-':>7} {'-':>8}"

@@ -158,8 +158,12 @@ def run(func):
             _round_rank = comm.rank
             state._comm = comm
 
-        return _rounds.run_rounds(state, lambda: func(state, comm, *args, **kwargs), join_round=join_round,
-                                  peer_lost=lambda e: isinstance(e, MembershipError))
+        return _rounds.run_rounds(
+            state,
+            lambda: func(state, comm, *args, **kwargs),
+            join_round=join_round,
+            peer_lost=lambda e: isinstance(e, MembershipError),
+        )
 
     return wrapper
 

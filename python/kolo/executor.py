@@ -8,11 +8,14 @@ import pickle
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import cloudpickle
 
 from . import _kolo
+
+if TYPE_CHECKING:  # the annotations' names; imported where used
+    import concurrent.futures
 
 
 class WorkerError(Exception):
@@ -288,7 +291,9 @@ class Executor:
     def _start(self, identity_file, executable_cls, executable_args, executable_kwargs, extra_env_vars):
         s = self.settings
         if self._elastic and s.ssh_str and not s.ssh_identity_file:
-            raise ValueError("an elastic executor starts workers for as long as it runs: give ssh_identity_file with ssh_str")
+            raise ValueError(
+                "an elastic executor starts workers for as long as it runs: give ssh_identity_file with ssh_str"
+            )
         driver = _kolo.Driver(
             self._job,
             worker_program=sys.executable,

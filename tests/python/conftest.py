@@ -91,8 +91,11 @@ def no_agent_outlives_its_test(request):
         except OSError:
             pass
     if left:
-        pytest.fail(f"{request.node.nodeid} left kolo worker agents {sorted(left)} running "
-                    f"{LEFTOVER_WAIT_S} s after it ended; they were killed", pytrace=False)
+        pytest.fail(
+            f"{request.node.nodeid} left kolo worker agents {sorted(left)} running "
+            f"{LEFTOVER_WAIT_S} s after it ended; they were killed",
+            pytrace=False,
+        )
 
 
 @pytest.hookimpl(wrapper=True)
@@ -119,8 +122,11 @@ def pytest_runtest_call(item):
         return (yield)
     except KeyboardInterrupt:
         if fired.is_set():
-            pytest.fail(f"{item.nodeid} still ran after {TEST_DEADLINE_S:g} s: interrupted "
-                        "(the stacks of its processes are in its stderr)", pytrace=True)
+            pytest.fail(
+                f"{item.nodeid} still ran after {TEST_DEADLINE_S:g} s: interrupted "
+                "(the stacks of its processes are in its stderr)",
+                pytrace=True,
+            )
         raise
     finally:
         done.set()

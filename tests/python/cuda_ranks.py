@@ -51,9 +51,13 @@ def horovod():
     check(hvd.broadcast(t, root_rank=0), torch.ones(3), "hvd broadcast")
     rows = hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()), device="cuda"))
     assert rows.shape == (n * (n + 1) // 2, 2) and rows.is_cuda, rows.shape
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), hvd.SyncBatchNorm(4), torch.nn.Flatten(), torch.nn.LazyLinear(2)).cuda()
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), hvd.SyncBatchNorm(4), torch.nn.Flatten(), torch.nn.LazyLinear(2)
+    ).cuda()
     model(torch.randn(2, 3, 8, 8, device="cuda"))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for _ in range(3):
         opt.zero_grad()
@@ -65,8 +69,9 @@ def horovod():
     # a mismatch every rank survives, join with zeros on the device
     r = hvd.rank()
     names = ["a", "b", "c"] if r % 2 == 0 else ["c", "b", "a"]
-    handles = {k: hvd.allreduce_async(torch.full((4 + len(k),), float(r), device="cuda"), name=k, op=hvd.Sum)
-               for k in names}
+    handles = {
+        k: hvd.allreduce_async(torch.full((4 + len(k),), float(r), device="cuda"), name=k, op=hvd.Sum) for k in names
+    }
     for k, h in handles.items():
         check(hvd.synchronize(h), torch.full((4 + len(k),), float(n * (n - 1) // 2)), f"hvd by name {k}")
     out = hvd.alltoall(torch.arange(2 * n, device="cuda") + 100 * r)

@@ -47,8 +47,9 @@ def train_horovod():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     torch.manual_seed(hvd.rank())
     for _ in range(3):
         opt.zero_grad()
@@ -82,8 +83,9 @@ def train_horovod_elastic(steps, die_at, flag):
     first_size = hvd.size()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
 
     @hvd.elastic.run
@@ -116,8 +118,9 @@ def train_horovod_elastic_growing(steps, grow_at, grow_file, grown_size):
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0, sizes=[])
     deadline = time.monotonic() + 60
 

@@ -13,10 +13,10 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
+import keras
+import numpy as np
 
-import horovod.tensorflow.keras as hvd  # noqa: E402
+import horovod.tensorflow.keras as hvd
 
 out = sys.argv[1]
 EPOCHS = 4
@@ -47,9 +47,16 @@ class Fault(keras.callbacks.Callback):
 @hvd.elastic.run
 def train(state):
     r, n = hvd.rank(), hvd.size()
-    model.fit(x[r::n], y[r::n], batch_size=4, epochs=EPOCHS, initial_epoch=state.epoch, verbose=0, shuffle=False,
-              callbacks=[hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.CommitStateCallback(state),
-                         Fault()])
+    model.fit(
+        x[r::n],
+        y[r::n],
+        batch_size=4,
+        epochs=EPOCHS,
+        initial_epoch=state.epoch,
+        verbose=0,
+        shuffle=False,
+        callbacks=[hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.CommitStateCallback(state), Fault()],
+    )
     return [w.tolist() for w in model.get_weights()]
 
 

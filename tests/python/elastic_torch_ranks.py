@@ -75,8 +75,9 @@ else:
 
 
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=3)
-state = elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[],
-                           batches=[])
+state = elastic.TorchState(
+    model=model, optimizer=optimizer, sampler=sampler, epoch=0, step=0, seen=[], sizes=[], batches=[]
+)
 ranks = []  # this process's rank at each step it did (not state: its own)
 commit_every = int(os.environ.get("COMMIT_EVERY", "1"))
 
@@ -112,7 +113,9 @@ def steps(state):
     if flavour == "hvd":
         net = state.model
     else:
-        net = torch.nn.parallel.DistributedDataParallel(state.model, device_ids=[device.index] if device.type == "cuda" else None)
+        net = torch.nn.parallel.DistributedDataParallel(
+            state.model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     order = list(iter(state.sampler))
     for i in range(0, len(order), BATCH):
         batch = order[i : i + BATCH]
@@ -164,5 +167,15 @@ def train(state):
 weights = train(state)
 if weights is not None:
     with open(os.path.join(out, f"{me.replace(':', '-')}.json"), "w") as f:
-        json.dump({"weights": weights, "seen": state.seen, "step": state.step, "sizes": state.sizes, "resets": resets,
-                   "batches": state.batches, "ranks": ranks}, f)
+        json.dump(
+            {
+                "weights": weights,
+                "seen": state.seen,
+                "step": state.step,
+                "sizes": state.sizes,
+                "resets": resets,
+                "batches": state.batches,
+                "ranks": ranks,
+            },
+            f,
+        )

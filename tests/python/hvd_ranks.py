@@ -21,8 +21,10 @@ def check(a, b, what):
     else:
         ok = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
     if not ok:
-        raise AssertionError(f"{what}: got {a.flatten()[:6].tolist()} {a.dtype} {tuple(a.shape)}, "
-                             f"expected {b.flatten()[:6].tolist()} {b.dtype} {tuple(b.shape)}")
+        raise AssertionError(
+            f"{what}: got {a.flatten()[:6].tolist()} {a.dtype} {tuple(a.shape)}, "
+            f"expected {b.flatten()[:6].tolist()} {b.dtype} {tuple(b.shape)}"
+        )
 
 
 def values(r, shape, dtype, salt=0):
@@ -32,7 +34,10 @@ def values(r, shape, dtype, salt=0):
 
 def ops():
     r, n = hvd.rank(), hvd.size()
-    assert hvd.local_rank() == r and hvd.local_size() == n and hvd.cross_size() == 1, (hvd.local_rank(), hvd.local_size())
+    assert hvd.local_rank() == r and hvd.local_size() == n and hvd.cross_size() == 1, (
+        hvd.local_rank(),
+        hvd.local_size(),
+    )
     assert hvd.mpi_enabled() is False and hvd.gloo_built() is True and isinstance(hvd.nccl_built(), int)
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
         everyone = [values(p, (5, 3), dtype) for p in range(n)]
@@ -58,7 +63,11 @@ def ops():
         check(outs[1], (total * 2).to(dtype), f"grouped {dtype}")
         # allgather with a dim 0 that differs per rank
         rows = values(r, (r + 1, 2), dtype, salt=1)
-        check(hvd.allgather(rows), torch.cat([values(p, (p + 1, 2), dtype, salt=1) for p in range(n)]), f"allgather {dtype}")
+        check(
+            hvd.allgather(rows),
+            torch.cat([values(p, (p + 1, 2), dtype, salt=1) for p in range(n)]),
+            f"allgather {dtype}",
+        )
         check(hvd.broadcast(mine, root_rank=n - 1), everyone[n - 1], f"broadcast {dtype}")
         t = mine.clone()
         hvd.broadcast_(t, root_rank=0)
@@ -69,7 +78,7 @@ def ops():
         start = r * 2 + min(r, 1)
         mine_rows = 3 if r == 0 else 2
         got = hvd.reducescatter(big, op=hvd.Sum)
-        check(got, whole[start:start + mine_rows].to(dtype), f"reducescatter {dtype}")
+        check(got, whole[start : start + mine_rows].to(dtype), f"reducescatter {dtype}")
     for dtype in (torch.uint8, torch.int8, torch.int16):
         t = values(r, (4,), dtype)
         check(hvd.allgather(t), torch.cat([values(p, (4,), dtype) for p in range(n)]), f"allgather {dtype}")
@@ -105,8 +114,13 @@ def fusion():
     results are the same whatever the threshold, and the core's counters
     say how many reductions ran."""
     r, n = hvd.rank(), hvd.size()
-    shapes = [((5, 3), torch.float32), ((7,), torch.float64), ((2, 2), torch.float32), ((3,), torch.float32),
-              ((4,), torch.float64)]
+    shapes = [
+        ((5, 3), torch.float32),
+        ((7,), torch.float64),
+        ((2, 2), torch.float32),
+        ((3,), torch.float32),
+        ((4,), torch.float64),
+    ]
 
     def everyone(i):
         shape, dtype = shapes[i]
@@ -152,8 +166,7 @@ def names():
     sent = None
     for step in range(12):
         order = sorted(sizes, key=lambda k: hash((k, r, step)) % 97)
-        handles = {k: hvd.allreduce_async(torch.full((sizes[k],), float(r + step)), name=k, op=hvd.Sum)
-                   for k in order}
+        handles = {k: hvd.allreduce_async(torch.full((sizes[k],), float(r + step)), name=k, op=hvd.Sum) for k in order}
         for k in reversed(order):
             check(hvd.synchronize(handles[k]), torch.full((sizes[k],), float(sum(range(n)) + n * step)), f"{k}@{step}")
         if step == 3:
@@ -165,12 +178,21 @@ def goes_on():
     """A mismatch raises the same error on every rank and the next
     collectives succeed; a name in flight is refused as upstream does."""
     r, n = hvd.rank(), hvd.size()
-    expect(lambda: hvd.allreduce(torch.ones(10 + r), name="odd"), hvd.HorovodInternalError,
-           "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape")
-    expect(lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if r else torch.float32), name="typed"),
-           hvd.HorovodInternalError, "Mismatched data types")
-    expect(lambda: hvd.broadcast(torch.ones(2), root_rank=r, name="roots"), hvd.HorovodInternalError,
-           "Mismatched BROADCAST root ranks")
+    expect(
+        lambda: hvd.allreduce(torch.ones(10 + r), name="odd"),
+        hvd.HorovodInternalError,
+        "Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape",
+    )
+    expect(
+        lambda: hvd.allreduce(torch.ones(3, dtype=torch.float64 if r else torch.float32), name="typed"),
+        hvd.HorovodInternalError,
+        "Mismatched data types",
+    )
+    expect(
+        lambda: hvd.broadcast(torch.ones(2), root_rank=r, name="roots"),
+        hvd.HorovodInternalError,
+        "Mismatched BROADCAST root ranks",
+    )
     check(hvd.allreduce(torch.ones(4), op=hvd.Sum, name="odd"), torch.full((4,), float(n)), "after the mismatch")
     # the same tensor again under its name in flight, as upstream's test
     # does: rank 0 first, while the others cannot have submitted it (they
@@ -178,9 +200,12 @@ def goes_on():
     twice = torch.ones(2)
     if r == 0:
         h = hvd.allreduce_async(twice, name="twice")
-        expect(lambda: hvd.allreduce_async(twice, name="twice"), ValueError,
-               "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
-               "currently being processed.")
+        expect(
+            lambda: hvd.allreduce_async(twice, name="twice"),
+            ValueError,
+            "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
+            "currently being processed.",
+        )
     hvd.allreduce(torch.ones(1), name="duplicate-tried")
     if r != 0:
         h = hvd.allreduce_async(twice, name="twice")
@@ -248,10 +273,16 @@ def orphan():
         while not core.restartable:
             assert time.monotonic() < deadline + 60, "rank 0's shutdown never stopped this core"
             time.sleep(0.01)
-        expect(lambda: hvd.synchronize(left), hvd.HorovodInternalError,
-               "(kolo: shut down by rank 0 (hvd.shutdown() was called) while allreduce.orphan was pending here.)")
-        expect(lambda: hvd.allreduce(torch.ones(1)), hvd.HorovodInternalError, "(kolo: shut down by rank 0 "
-               "(hvd.shutdown() was called).)")
+        expect(
+            lambda: hvd.synchronize(left),
+            hvd.HorovodInternalError,
+            "(kolo: shut down by rank 0 (hvd.shutdown() was called) while allreduce.orphan was pending here.)",
+        )
+        expect(
+            lambda: hvd.allreduce(torch.ones(1)),
+            hvd.HorovodInternalError,
+            "(kolo: shut down by rank 0 (hvd.shutdown() was called).)",
+        )
     else:
         hvd.broadcast_object(None, root_rank=0, name="shutting")
         hvd.shutdown()
@@ -274,16 +305,20 @@ def join():
     # different branches before): none waits for the others
     for first in range(n):
         if r != first:
-            expect(lambda: hvd.allgather(torch.ones(2)), hvd.HorovodInternalError,
-                   "Allgather is not supported with Join at this time.")
+            expect(
+                lambda: hvd.allgather(torch.ones(2)),
+                hvd.HorovodInternalError,
+                "Allgather is not supported with Join at this time.",
+            )
         assert hvd.join() != first or n == 1
     # DistributedOptimizer's groups are named by their first parameter, as
     # upstream's: the ranks' handle numbers differ by now (the allgathers
     # above), and uneven epochs, a join, then a step on every rank meet
     net = model()
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                   named_parameters=net.named_parameters(), num_groups=2)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters(), num_groups=2
+    )
     for _ in range(r + 1):
         opt.zero_grad()
         net(torch.ones(2, 6)).sum().backward()
@@ -306,18 +341,23 @@ def sets():
     hvd.init(process_sets=[evens])
     assert evens.process_set_id == 1 and evens.size() == len(range(0, n, 2)), evens
     if r % 2 == 0:
-        check(hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=evens), torch.full((3,), float(evens.size())),
-              "evens")
+        check(
+            hvd.allreduce(torch.ones(3), op=hvd.Sum, process_set=evens), torch.full((3,), float(evens.size())), "evens"
+        )
         assert evens.rank() == r // 2
     else:
-        expect(lambda: hvd.allreduce(torch.ones(3), process_set=evens), ValueError,
-               f"Rank {r} is not a member of the provided process set")
+        expect(
+            lambda: hvd.allreduce(torch.ones(3), process_set=evens),
+            ValueError,
+            f"Rank {r} is not a member of the provided process set",
+        )
     # an optimizer over the evens: they average among themselves, the
     # others step on their own gradients (upstream's rule)
     net = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(net.weight)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0),
-                                   named_parameters=net.named_parameters(), process_set=evens)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=1.0), named_parameters=net.named_parameters(), process_set=evens
+    )
     net(torch.ones(1, 2) * (r + 1)).sum().backward()
     opt.step()
     evens_mean = sum(e + 1 for e in range(0, n, 2)) / len(range(0, n, 2))
@@ -332,16 +372,22 @@ def sets():
     again = hvd.add_process_set(list(range(1, n, 2)))
     assert again.process_set_id == 2, "a freed id is used again"
     if r % 2 == 1:
-        check(hvd.allgather(torch.tensor([r]), name="odds.again", process_set=again),
-              torch.tensor(list(range(1, n, 2))), "odds again")
+        check(
+            hvd.allgather(torch.tensor([r]), name="odds.again", process_set=again),
+            torch.tensor(list(range(1, n, 2))),
+            "odds again",
+        )
     hvd.remove_process_set(again)
     # the id again, for other ranks: their collectives meet among them only
     # (named: the ranks' handle counts differ by now, as upstream's would)
     pair = hvd.add_process_set([0, 1])
     assert pair.process_set_id == 2, pair
     if r < 2:
-        check(hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, name="pair", process_set=pair),
-              torch.tensor([3.0]), "pair")
+        check(
+            hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, name="pair", process_set=pair),
+            torch.tensor([3.0]),
+            "pair",
+        )
     hvd.remove_process_set(pair)
 
 
@@ -379,23 +425,41 @@ def stalled():
 
 
 def errors():
-    expect(lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), ValueError,
-           "Tensor type torch.BoolTensor is not supported.")
-    expect(lambda: hvd.allreduce(torch.ones(2, dtype=torch.int8)), ValueError,
-           "Tensor type torch.CharTensor is not supported.")
+    expect(
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)),
+        ValueError,
+        "Tensor type torch.BoolTensor is not supported.",
+    )
+    expect(
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.int8)),
+        ValueError,
+        "Tensor type torch.CharTensor is not supported.",
+    )
     expect(lambda: hvd.allreduce(torch.ones(4, 4).t()), ValueError, "Tensor is required to be contiguous.")
     expect(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError, "Adasum")
     expect(lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum), ValueError, "supersedes average")
     expect(lambda: hvd.broadcast_parameters((p for p in [torch.ones(1)]), 0), ValueError, "generator")
-    expect(lambda: hvd.alltoall(torch.ones(hvd.size() + 1)), ValueError,
-           "splits not provided, but first dimension of tensor is not an even multiple of the number of workers.")
-    expect(lambda: hvd.alltoall(torch.ones(4), splits=torch.ones(hvd.size(), dtype=torch.int64)), ValueError,
-           "alltoall expects splits to contain 32-bit integer elements.")
+    expect(
+        lambda: hvd.alltoall(torch.ones(hvd.size() + 1)),
+        ValueError,
+        "splits not provided, but first dimension of tensor is not an even multiple of the number of workers.",
+    )
+    expect(
+        lambda: hvd.alltoall(torch.ones(4), splits=torch.ones(hvd.size(), dtype=torch.int64)),
+        ValueError,
+        "alltoall expects splits to contain 32-bit integer elements.",
+    )
     expect(lambda: hvd.reducescatter(torch.tensor(1.0)), ValueError, "Reducescatter does not support scalar inputs")
-    expect(lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max), hvd.HorovodInternalError,
-           "Reducescatter currently only supports AVERAGE and SUM.")
-    expect(lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])), ValueError,
-           "Allreduce: Process set provided does not exist, or has not been registered.")
+    expect(
+        lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max),
+        hvd.HorovodInternalError,
+        "Reducescatter currently only supports AVERAGE and SUM.",
+    )
+    expect(
+        lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
+        ValueError,
+        "Allreduce: Process set provided does not exist, or has not been registered.",
+    )
     expect(lambda: hvd.add_process_set([0]), ValueError, "HOROVOD_DYNAMIC_PROCESS_SETS")
     # shutdown stops every rank's core, as upstream's does: meet first
     hvd.barrier()
@@ -416,7 +480,7 @@ def expect(call, kind, text):
         call()
     except kind as e:
         if text not in str(e):
-            raise AssertionError(f"{kind.__name__} without '{text}': {e}")
+            raise AssertionError(f"{kind.__name__} without '{text}': {e}") from e
         return
     raise AssertionError(f"no {kind.__name__} ('{text}')")
 
@@ -431,8 +495,14 @@ def optimizer():
     with backward_passes_per_step 1 and 2, a parameter without a gradient,
     and gradients fused in groups (num_groups, groups)."""
     r, n = hvd.rank(), hvd.size()
-    for passes, grouping in [(1, {}), (2, {}), (1, {"num_groups": 2}), (2, {"num_groups": 3}), (1, "listed"),
-                             (2, "listed")]:
+    for passes, grouping in [
+        (1, {}),
+        (2, {}),
+        (1, {"num_groups": 2}),
+        (2, {"num_groups": 3}),
+        (1, "listed"),
+        (2, "listed"),
+    ]:
         net, ref = model(), model()
         unused = torch.nn.Parameter(torch.ones(2))
         if grouping == "listed":  # the unused parameter in a group: reduced as zeros at step()
@@ -485,8 +555,11 @@ def optimizer():
         torch.manual_seed(0)
         emb, ref = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Embedding(10, 3, sparse=True)
         ref.load_state_dict(emb.state_dict())
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
-                                       named_parameters=emb.named_parameters(), sparse_as_dense=sparse_as_dense)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(emb.parameters(), lr=0.5),
+            named_parameters=emb.named_parameters(),
+            sparse_as_dense=sparse_as_dense,
+        )
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
         ids = torch.tensor([[1, 2], [2, 7], [4, 4], [9, 2]])[:n]  # a row of ids per rank
         for _ in range(2):
@@ -546,7 +619,6 @@ def syncbn():
         assert torch.allclose(sync.running_var, plain.running_var, atol=1e-4), f"{shape}: running var"
         sync.eval()
         assert torch.allclose(sync(x.detach()), plain.eval()(x.detach()), atol=1e-5), f"{shape}: eval"
-
 
 
 def patient():

@@ -30,8 +30,14 @@ def train_keras():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     x = np.random.default_rng(hvd.rank()).normal(size=(8, 2)).astype("float32")
-    model.fit(x, x.sum(1, keepdims=True), batch_size=4, epochs=2, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    model.fit(
+        x,
+        x.sum(1, keepdims=True),
+        batch_size=4,
+        epochs=2,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     result = (hvd.rank(), hvd.size(), [w.tolist() for w in model.get_weights()])
     hvd.shutdown()
     return result

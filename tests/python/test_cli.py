@@ -26,7 +26,7 @@ def test_a_job_runs_through_python_worker_agents():
     code = "import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'])"
     out = run("run", "-np", "3", "--", sys.executable, "-c", code)
     assert out.returncode == 0, out.stderr
-    lines = sorted(l for l in out.stdout.splitlines() if l.startswith("["))
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("["))
     assert lines == [f"[{r}]<stdout>:{r} 3 {r}" for r in range(3)], out.stdout
 
 
@@ -39,7 +39,9 @@ def test_the_agents_are_this_python():
 
 
 def test_a_failing_rank_fails_the_job_with_its_code():
-    out = run("run", "-np", "2", "--", sys.executable, "-c", "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)")
+    out = run(
+        "run", "-np", "2", "--", sys.executable, "-c", "import os, sys; sys.exit(3 if os.environ['RANK'] == '1' else 0)"
+    )
     assert out.returncode == 3
     assert "rank 1 on host" in out.stderr
 
@@ -65,10 +67,15 @@ def test_ctrl_c_stops_the_job_with_kolos_exit_code_and_no_python_traceback(tmp_p
     marker = str(tmp_path / "up-")
     rank = f"import os, time; open({marker!r} + os.environ['RANK'], 'w').close(); time.sleep(600)"
     # SIGINT at its default, as in a terminal, whatever pytest inherited
-    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
-                         "os.execv(sys.argv[1], sys.argv[1:])"
-    job = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, KOLO, "run", "-np", "2", "--",
-                            sys.executable, "-c", rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-c", as_from_a_terminal, KOLO, "run", "-np", "2", "--", sys.executable, "-c", rank],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not all(os.path.exists(marker + r) for r in "01"):

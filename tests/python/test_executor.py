@@ -30,7 +30,12 @@ def test_colocated_two_hosts_by_two_workers_get_local_and_cross_ranks(settings):
         names = ["HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE"]
         ranks = ex.run(env_of(names + ["HOROVOD_HOSTNAME"]))
     got = [tuple(r[n] for n in names) for r in ranks]
-    assert got == [("0", "0", "0", "2", "2"), ("1", "1", "0", "2", "2"), ("2", "0", "1", "2", "2"), ("3", "1", "1", "2", "2")]
+    assert got == [
+        ("0", "0", "0", "2", "2"),
+        ("1", "1", "0", "2", "2"),
+        ("2", "0", "1", "2", "2"),
+        ("3", "1", "1", "2", "2"),
+    ]
     assert [r["HOROVOD_HOSTNAME"] for r in ranks] == ["node-a", "node-a", "node-b", "node-b"]
 
 
@@ -88,7 +93,10 @@ def test_the_executable_keeps_its_state_across_execute_calls(settings):
 def test_run_with_args_and_kwargs_run_remote_and_extra_env(settings):
     with RayExecutor(settings, num_workers=2, hosts="localhost:2") as ex:
         ex.start(extra_env_vars={"KOLO_TEST_VAR": "here"})
-        assert ex.run(lambda a, b=0: (a, b, os.environ["KOLO_TEST_VAR"]), args=[1], kwargs={"b": 2}) == [(1, 2, "here")] * 2
+        assert (
+            ex.run(lambda a, b=0: (a, b, os.environ["KOLO_TEST_VAR"]), args=[1], kwargs={"b": 2})
+            == [(1, 2, "here")] * 2
+        )
         handles = ex.run_remote(lambda x: int(os.environ["RANK"]) * x, args=[3])
         assert kolo.get(handles) == [0, 3]
         assert handles[1].result(timeout=30) == 3
@@ -137,7 +145,9 @@ def test_a_hung_worker_raises_within_the_heartbeat_timeout_and_is_not_left(setti
         # the heartbeat timeout is 5 s; a generous bound for a loaded machine
         assert time.monotonic() - began < 20
     for pid in pids:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        state = (
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        )
         assert state in ("gone", "Z"), f"worker {pid} is still there ({state})"
 
 
@@ -197,20 +207,24 @@ def test_report_outside_a_worker_call_warns_once():
 
 def test_worker_output_reaches_the_driver_with_rank_prefixes_and_nothing_is_left(tmp_path):
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os
         from kolo import Executor
         with Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2") as ex:
             ex.start()
             pids = ex.run(lambda: (print("hello from", os.environ["RANK"], flush=True), os.getpid())[1])
         print("workers", *pids)
-    """))
+    """)
+    )
     out = watch.run([sys.executable, str(script)], timeout=120)
     assert out.returncode == 0, out.stderr
     assert "[0]<stdout>:hello from 0" in out.stdout and "[1]<stdout>:hello from 1" in out.stdout, out.stdout
     pids = [int(p) for p in out.stdout.split("workers", 1)[1].split()]
     for pid in pids:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        state = (
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "gone"
+        )
         assert state in ("gone", "Z"), f"worker {pid} is still running"
 
 
@@ -257,7 +271,8 @@ def stuck_driver(tmp_path, stuck_in):
     import time
 
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, time
         import kolo
         from kolo import Executor
@@ -266,20 +281,28 @@ def stuck_driver(tmp_path, stuck_in):
                 f.write(str(os.getpid()))
         ex = Executor(Executor.create_settings(), num_workers=2, hosts="localhost:2")
         try:
-    """) + textwrap.indent(textwrap.dedent(JOB_STUCK_IN[stuck_in]), "    ") + textwrap.dedent("""
+    """)
+        + textwrap.indent(textwrap.dedent(JOB_STUCK_IN[stuck_in]), "    ")
+        + textwrap.dedent("""
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             raise
-    """))
+    """)
+    )
     marker = str(tmp_path / "started-")
     env = dict(os.environ, MARKER=marker)
     # SIGINT back to its default before Python starts (an ignored signal
     # stays ignored through exec, and Python then keeps ignoring it)
-    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
-                         "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
     driver = subprocess.Popen(
         [sys.executable, "-c", as_from_a_terminal, str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     deadline = time.monotonic() + 60
     markers = [marker + str(rank) for rank in range(2)]
@@ -346,9 +369,20 @@ def test_ctrl_c_reaches_the_driver_where_the_tests_were_started_with_sigint_igno
 
     here = os.path.dirname(os.path.abspath(__file__))
     out = watch.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{here}/test_executor.py",
-         "-k", "test_ctrl_c_in_the_driver_tears_everything_down_at_once and call"],
-        timeout=120, cwd=str(tmp_path), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"{here}/test_executor.py",
+            "-k",
+            "test_ctrl_c_in_the_driver_tears_everything_down_at_once and call",
+        ],
+        timeout=120,
+        cwd=str(tmp_path),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 

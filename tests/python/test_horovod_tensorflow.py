@@ -22,9 +22,9 @@ if importlib.util.find_spec("tensorflow") is None or importlib.util.find_spec("k
         raise ImportError("tensorflow and keras are required (KOLO_REQUIRE_FRAMEWORKS): .ci/run installs them")
     pytest.skip("tensorflow or keras is not installed", allow_module_level=True)
 
-import keras_step  # noqa: E402
-import kolo  # noqa: E402
-import watch  # noqa: E402
+import keras_step
+import kolo
+import watch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANKS = os.path.join(HERE, "tf_ranks.py")
@@ -35,8 +35,7 @@ QUIET = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 def kolo_run(n, scenario, env=None):
-    out = watch.run([KOLO, "run", "-np", str(n), "--", sys.executable, RANKS, scenario], timeout=400,
-                    env=env or QUIET)
+    out = watch.run([KOLO, "run", "-np", str(n), "--", sys.executable, RANKS, scenario], timeout=400, env=env or QUIET)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     oks = [line for line in out.stdout.splitlines() if line.endswith(f":ok {scenario}")]
     assert len(oks) == n, out.stdout
@@ -116,9 +115,27 @@ def test_a_keras_train_function_runs_in_executor_workers():
 def test_elastic_keras_in_place_goes_on_without_a_killed_rank(tmp_path):
     # three processes on two simulated hosts; the one on b is killed in
     # epoch 1: the two on a go on in round 1 from the last commit
-    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:2,b:1",
-                     "-x", "FAULT_AT=b:0:1:2", "--", sys.executable, ELASTIC_RANKS, str(tmp_path)],
-                    timeout=400, env=QUIET)
+    out = watch.run(
+        [
+            KOLO,
+            "run",
+            "--in-place",
+            "--engine",
+            "local",
+            "--min-np",
+            "2",
+            "-H",
+            "a:2,b:1",
+            "-x",
+            "FAULT_AT=b:0:1:2",
+            "--",
+            sys.executable,
+            ELASTIC_RANKS,
+            str(tmp_path),
+        ],
+        timeout=400,
+        env=QUIET,
+    )
     text = out.stdout[-3000:] + out.stderr[-3000:]
     assert out.returncode == 0, text
     assert "round 1: 2 processes on a:2" in out.stderr, text

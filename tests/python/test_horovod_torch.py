@@ -31,7 +31,7 @@ def kolo_run(n, *args, env=None):
 
 def passed(out, n, scenario):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    oks = [l for l in out.stdout.splitlines() if l.endswith(f":ok {scenario}")]
+    oks = [line for line in out.stdout.splitlines() if line.endswith(f":ok {scenario}")]
     assert len(oks) == n, out.stdout
 
 
@@ -57,8 +57,10 @@ def test_process_sets_static_and_dynamic_run_among_their_members():
     passed(out, 4, "sets")
 
 
-@pytest.mark.parametrize("scenario,n", [("ops", 2), ("ops", 3), ("names", 3), ("goes_on", 2), ("join", 3),
-                                        ("fusion", 2), ("optimizer", 2), ("sets", 4)])
+@pytest.mark.parametrize(
+    "scenario,n",
+    [("ops", 2), ("ops", 3), ("names", 3), ("goes_on", 2), ("join", 3), ("fusion", 2), ("optimizer", 2), ("sets", 4)],
+)
 def test_tensors_through_the_device_executor_keep_horovods_semantics(scenario, n):
     # CUDA tensors' path (negotiated by the core, run by torch in the
     # agreed order) taken by CPU tensors through torch's gloo: the same
@@ -90,34 +92,63 @@ def test_a_test_failing_on_one_rank_with_a_collective_left_unmatched_leaves_the_
     # a suite written as Horovod's own (init in each test, barrier and
     # shutdown in tearDown), run as upstream runs it: one pytest per rank
     suite = os.path.join(HERE, "hvd_suite_ranks.py")
-    out = watch.run([KOLO, "run", "-np", str(n), "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                     "--noconftest", suite], timeout=240)
+    out = watch.run(
+        [
+            KOLO,
+            "run",
+            "-np",
+            str(n),
+            "--",
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--noconftest",
+            suite,
+        ],
+        timeout=240,
+    )
     lines = out.stdout.splitlines()
     # rank 1's first test fails; on the others its tearDown's barrier fails
     # with the shutdown rank 1's tearDown made, naming it; the tests after
     # it pass everywhere
     for r in range(n):
-        assert any(l.startswith(f"[{r}]<stdout>:1 failed, 2 passed") for l in lines), out.stdout
+        assert any(line.startswith(f"[{r}]<stdout>:1 failed, 2 passed") for line in lines), out.stdout
         cause = "rank 1 fails here" if r == 1 else "(kolo: shut down by rank 1 (hvd.shutdown() was called)"
-        assert any(l.startswith(f"[{r}]<stdout>:") and cause in l for l in lines), out.stdout
+        assert any(line.startswith(f"[{r}]<stdout>:") and cause in line for line in lines), out.stdout
 
 
 def test_the_hang_report_of_a_stalled_job_carries_the_stall_warning():
     out = watch.run(
-        [KOLO, "run", "-np", "2", "--hang-timeout", "4", "-x", "HOROVOD_STALL_CHECK_TIME_SECONDS=1", "--",
-         sys.executable, RANKS, "stalled"],
+        [
+            KOLO,
+            "run",
+            "-np",
+            "2",
+            "--hang-timeout",
+            "4",
+            "-x",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS=1",
+            "--",
+            sys.executable,
+            RANKS,
+            "stalled",
+        ],
         timeout=120,
     )
     assert out.returncode != 0, out.stderr
     assert "the job hung" in out.stderr, out.stderr
-    report = out.stderr[out.stderr.index("the job hung"):]
+    report = out.stderr[out.stderr.index("the job hung") :]
     assert "Horovod's stall inspector on rank 0: One or more tensors were submitted" in report, report
     assert "kolo: 1: [allreduce.never]" in report, report
 
 
 def test_a_collective_waits_for_a_peer_busier_than_the_start_timeout():
     out = watch.run(
-        [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"], timeout=120,
+        [KOLO, "run", "-np", "2", "--start-timeout", "1", "--", sys.executable, RANKS, "patient"],
+        timeout=120,
     )
     passed(out, 2, "patient")
 
@@ -169,18 +200,20 @@ def test_a_scheduler_over_a_distributed_optimizer_pickles_in_a_rank():
     # sends it: cloudpickle copies the optimizer's class by value and, with
     # torch's step wrapper, the global step hooks (kolo's rank counts steps
     # with one)
-    code = ("import cloudpickle, torch\n"
-            "import horovod.torch as hvd\n"
-            "hvd.init()\n"
-            "m = torch.nn.Linear(2, 2)\n"
-            "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),"
-            " named_parameters=m.named_parameters())\n"
-            "sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)\n"
-            "m(torch.ones(1, 2)).sum().backward()\n"
-            "opt.step()\n"
-            "sched.step()\n"
-            "copy = cloudpickle.loads(cloudpickle.dumps(sched))\n"
-            "print('sent', type(copy).__name__, copy.last_epoch, flush=True)\n")
+    code = (
+        "import cloudpickle, torch\n"
+        "import horovod.torch as hvd\n"
+        "hvd.init()\n"
+        "m = torch.nn.Linear(2, 2)\n"
+        "opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),"
+        " named_parameters=m.named_parameters())\n"
+        "sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)\n"
+        "m(torch.ones(1, 2)).sum().backward()\n"
+        "opt.step()\n"
+        "sched.step()\n"
+        "copy = cloudpickle.loads(cloudpickle.dumps(sched))\n"
+        "print('sent', type(copy).__name__, copy.last_epoch, flush=True)\n"
+    )
     out = kolo_run(2, "-c", code)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("sent CosineAnnealingLR 1") == 2, out.stdout

@@ -1,7 +1,6 @@
 """kolo on a real Ray cluster: Horovod's test_ray.py cases that need Ray,
-through kolo's Ray engine. The cluster has three nodes on this machine
-(ray.cluster_utils.Cluster): a head without GPUs and two nodes with 4 CPUs
-and 2 fake GPUs each, so that colocation lands on distinct node ids."""
+through kolo's Ray engine, on the cluster of `ray_cluster.py`; horovod.ray
+by its own names is test_horovod_ray.py's."""
 
 import glob
 import os
@@ -19,66 +18,29 @@ if os.environ.get("KOLO_REQUIRE_FRAMEWORKS"):
 else:
     ray = pytest.importorskip("ray", reason="Ray is not installed (.ci/run installs it)")
 
-import ddp_step  # noqa: E402
-import keras_step  # noqa: E402
-import kolo  # noqa: E402
-import watch  # noqa: E402
-from conftest import alive, environ, live_agents, ours  # noqa: E402
-from kolo import Executor as RayExecutor  # noqa: E402
+import ddp_step
+import keras_step
+import watch
+from conftest import alive, environ, ours
+from kolo import Executor as RayExecutor
+from ray_cluster import agents, placement_groups_alive
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    from ray.cluster_utils import Cluster
-
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    # named as a discovery object of horovod.ray's names hosts
-    made.add_node(num_cpus=4, num_gpus=2, resources={"node:kolo-a": 1})
-    made.add_node(num_cpus=4, num_gpus=2, resources={"node:kolo-b": 1})
-    made.wait_for_nodes()
-    ray.init(address=made.address, log_to_driver=False)
-    yield made
-    ray.shutdown()
-    made.shutdown()
-
-
-@pytest.fixture
-def settings():
-    return RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
-
-
-def agents():
-    """Live kolo worker agents on this machine (conftest's), sorted."""
-    return sorted(live_agents())
-
-
-def placement_groups_alive():
-    return [pg for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"]
-
-
-@pytest.fixture
-def nothing_left(cluster, request):
-    """After the test: none of its agents on the machine, no placement
-    group or launcher actor of kolo's on the cluster."""
-    groups_before = len(placement_groups_alive())
-    agents_before = set(agents())
-    yield
-    deadline = time.monotonic() + 30
-    while (set(agents()) - agents_before or len(placement_groups_alive()) > groups_before) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in set(agents()) - agents_before:
-        watch.dump(pid, f"kolo worker agent {pid} outlived {request.node.nodeid}")
-    assert set(agents()) - agents_before == set(), f"{request.node.nodeid} left these agents"
-    assert len(placement_groups_alive()) == groups_before, \
-        f"{request.node.nodeid} left placement groups: {placement_groups_alive()}"
+pytest_plugins = ["ray_cluster"]
 
 
 def where():
-    return {k: os.environ.get(k) for k in ["HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK",
-                                            "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_SIZE", "KOLO_NODE_ID",
-                                            "CUDA_VISIBLE_DEVICES"]}
+    return {
+        k: os.environ.get(k)
+        for k in [
+            "HOROVOD_RANK",
+            "HOROVOD_LOCAL_RANK",
+            "HOROVOD_CROSS_RANK",
+            "HOROVOD_LOCAL_SIZE",
+            "HOROVOD_CROSS_SIZE",
+            "KOLO_NODE_ID",
+            "CUDA_VISIBLE_DEVICES",
+        ]
+    }
 
 
 def gpu_node_ids():
@@ -89,10 +51,22 @@ def test_colocated_two_hosts_by_two_workers_land_on_distinct_nodes(cluster, sett
     with RayExecutor(settings, num_hosts=2, num_workers_per_host=2, engine="ray") as ex:
         ex.start()
         ranks = ex.run(where)
-    got = [(r["HOROVOD_RANK"], r["HOROVOD_LOCAL_RANK"], r["HOROVOD_CROSS_RANK"], r["HOROVOD_LOCAL_SIZE"],
-            r["HOROVOD_CROSS_SIZE"]) for r in ranks]
-    assert got == [("0", "0", "0", "2", "2"), ("1", "1", "0", "2", "2"), ("2", "0", "1", "2", "2"),
-                   ("3", "1", "1", "2", "2")]
+    got = [
+        (
+            r["HOROVOD_RANK"],
+            r["HOROVOD_LOCAL_RANK"],
+            r["HOROVOD_CROSS_RANK"],
+            r["HOROVOD_LOCAL_SIZE"],
+            r["HOROVOD_CROSS_SIZE"],
+        )
+        for r in ranks
+    ]
+    assert got == [
+        ("0", "0", "0", "2", "2"),
+        ("1", "1", "0", "2", "2"),
+        ("2", "0", "1", "2", "2"),
+        ("3", "1", "1", "2", "2"),
+    ]
     nodes = [r["KOLO_NODE_ID"] for r in ranks]
     assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
     assert set(nodes) <= {n["NodeID"] for n in ray.nodes()}
@@ -139,7 +113,9 @@ ex.shutdown()
 
 
 def test_a_driver_not_connected_to_ray_runs_the_bridge_in_a_python_of_its_own(cluster, nothing_left):
-    out = watch.run([sys.executable, "-c", UNCONNECTED_DRIVER], env=dict(os.environ, RAY_ADDRESS=cluster.address), timeout=180)
+    out = watch.run(
+        [sys.executable, "-c", UNCONNECTED_DRIVER], env=dict(os.environ, RAY_ADDRESS=cluster.address), timeout=180
+    )
     assert out.returncode == 0, out.stderr
     # the job ran on the cluster, and this Python never imported Ray: its bridge did
     assert out.stdout.strip() == "[2, 2] False", out.stdout + out.stderr
@@ -199,14 +175,33 @@ def test_ctrl_c_while_ray_cannot_place_the_workers_ends_the_driver_at_once(clust
         command = [sys.executable, "-c", UNPLACEABLE_DRIVER]
     else:
         kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
-        command = [kolo_command, "run", "--engine", "ray", "--ray-python", sys.executable,
-                   "--placement-timeout", "120", "-np", "4", "--workers-per-host", "1", "--", "true"]
+        command = [
+            kolo_command,
+            "run",
+            "--engine",
+            "ray",
+            "--ray-python",
+            sys.executable,
+            "--placement-timeout",
+            "120",
+            "-np",
+            "4",
+            "--workers-per-host",
+            "1",
+            "--",
+            "true",
+        ]
     # SIGINT at its default, as in a terminal, whatever pytest inherited
-    as_from_a_terminal = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); " \
-                         "os.execv(sys.argv[1], sys.argv[1:])"
-    driver = subprocess.Popen([sys.executable, "-c", as_from_a_terminal, *command],
-                              env=dict(os.environ, RAY_ADDRESS=cluster.address),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    as_from_a_terminal = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-c", as_from_a_terminal, *command],
+        env=dict(os.environ, RAY_ADDRESS=cluster.address),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while len(placement_groups_alive()) == groups:
@@ -262,8 +257,9 @@ def test_a_workers_actor_killed_mid_job_is_reported_and_nothing_is_left(cluster,
         ex.start()
         pids = ex.run(os.getpid)
         parents = [int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) for pid in pids]
-        launched = [rank for rank, parent in enumerate(parents)
-                    if b"Launcher" in open(f"/proc/{parent}/cmdline", "rb").read()]
+        launched = [
+            rank for rank, parent in enumerate(parents) if b"Launcher" in open(f"/proc/{parent}/cmdline", "rb").read()
+        ]
         assert launched, "no worker was started by a launcher actor"
         os.kill(parents[launched[0]], signal.SIGKILL)
         began = time.monotonic()
@@ -307,9 +303,25 @@ def test_a_keras_train_function_through_the_ray_engine(cluster, settings, nothin
 def test_kolo_run_places_a_command_through_ray(cluster, nothing_left):
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     out = watch.run(
-        [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
-         "-np", "4", "--workers-per-host", "2", "--", sys.executable, "-c",
-         "import os; print('rank', os.environ['RANK'], 'node', os.environ['KOLO_NODE_ID'])"], timeout=120,
+        [
+            kolo_command,
+            "run",
+            "--engine",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--ray-python",
+            sys.executable,
+            "-np",
+            "4",
+            "--workers-per-host",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            "import os; print('rank', os.environ['RANK'], 'node', os.environ['KOLO_NODE_ID'])",
+        ],
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     lines = sorted(line.split(":", 1)[1] for line in out.stdout.splitlines() if "rank" in line)
@@ -375,8 +387,9 @@ def test_an_elastic_executor_on_ray_goes_on_without_a_failed_node(cluster, setti
     assert ray.available_resources().get("CPU", 0) == cpus
 
 
-def test_horovods_elastic_api_through_the_ray_engine_goes_on_without_a_lost_worker(cluster, settings, nothing_left,
-                                                                                   tmp_path):
+def test_horovods_elastic_api_through_the_ray_engine_goes_on_without_a_lost_worker(
+    cluster, settings, nothing_left, tmp_path
+):
     ddp_step.torch_or_skip()
     ex = RayExecutor(settings, min_workers=2, max_workers=3, engine="ray", cpus_per_worker=2)
     with ex:
@@ -451,15 +464,16 @@ def test_kolo_run_restarts_and_runs_in_place_on_ray(cluster, nothing_left):
     assert "exited with code 3; restarting the job" in out.stderr, out.stderr
     assert "ok 0 after 1" in out.stdout and "ok 1 after 1" in out.stdout, out.stdout
     # in place: one round on the cluster's nodes
-    out = watch.run(base + ["--in-place", "-np", "2", "--", "sh", "-c", "echo rank $RANK in round $KOLO_ELASTIC_ROUND"], timeout=180)
+    out = watch.run(
+        base + ["--in-place", "-np", "2", "--", "sh", "-c", "echo rank $RANK in round $KOLO_ELASTIC_ROUND"], timeout=180
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "kolo: round 0: 2 processes on" in out.stderr, out.stderr
     assert "rank 0 in round 0" in out.stdout and "rank 1 in round 0" in out.stdout, out.stdout
 
 
 @pytest.mark.parametrize("flavour", ["hvd", "kolo", "gloo"])
-def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cluster, nothing_left, tmp_path,
-                                                                                 flavour):
+def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cluster, nothing_left, tmp_path, flavour):
     """Horovod's elastic API and DDP (the kolo backend, and gloo with the
     default group re-made from kolo's store) in place, placed by Ray: a
     (fake) GPU a rank puts two ranks on each GPU node; rank 3 SIGKILLs
@@ -470,9 +484,33 @@ def test_pytorch_in_place_under_kolo_run_on_ray_goes_on_without_a_killed_rank(cl
 
     kolo_command = os.path.join(os.path.dirname(sys.executable), "kolo")
     out = watch.run(
-        [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
-         "--in-place", "-np", "4", "--min-np", "2", "--gpus-per-worker", "1", "-x", "FAULT=kill",
-         "-x", "FAULT_AT=rank3:3", "--", sys.executable, checks.RANKS, flavour, str(tmp_path)], timeout=240,
+        [
+            kolo_command,
+            "run",
+            "--engine",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--ray-python",
+            sys.executable,
+            "--in-place",
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+            "--gpus-per-worker",
+            "1",
+            "-x",
+            "FAULT=kill",
+            "-x",
+            "FAULT_AT=rank3:3",
+            "--",
+            sys.executable,
+            checks.RANKS,
+            flavour,
+            str(tmp_path),
+        ],
+        timeout=240,
     )
     text = out.stdout[-3000:] + out.stderr[-3000:]
     assert out.returncode == 0, text
@@ -517,8 +555,12 @@ ex.run(train, on_event=lambda e: print(e["message"], flush=True))
 
 def test_a_killed_elastic_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     cpus = ray.cluster_resources()["CPU"]
-    driver = subprocess.Popen([sys.executable, "-c", ELASTIC_DRIVER, cluster.address], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", ELASTIC_DRIVER, cluster.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         first = driver.stdout.readline()
         assert first.startswith("round 0: 3 processes"), first
@@ -548,12 +590,29 @@ def test_a_killed_driver_leaves_nothing_on_the_cluster(cluster, nothing_left):
     # directories other jobs left are not this job's to remove
     before = _rank_dirs()
     driver = subprocess.Popen(
-        [kolo_command, "run", "--engine", "ray", "--ray-address", cluster.address, "--ray-python", sys.executable,
-         "-np", "2", "--", "sleep", "600"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            kolo_command,
+            "run",
+            "--engine",
+            "ray",
+            "--ray-address",
+            cluster.address,
+            "--ray-python",
+            sys.executable,
+            "-np",
+            "2",
+            "--",
+            "sleep",
+            "600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
+
     def sleepers():
-        return [p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "sleep" and _parent_is_agent(p) and ours(p)]
+        return [
+            p for p in os.listdir("/proc") if p.isdigit() and _comm(p) == "sleep" and _parent_is_agent(p) and ours(p)
+        ]
 
     deadline = time.monotonic() + 60
     while len(sleepers()) < 2 and time.monotonic() < deadline:
@@ -590,315 +649,3 @@ def _parent_is_agent(pid):
         return int(parent) in agents()
     except OSError:
         return False
-
-
-
-# ---- horovod.ray by its own names --------------------------------------------
-
-
-def horovod_ray():
-    """horovod.ray as a driver script imports it (kolo's, through the alias
-    the wheel installs in every Python)."""
-    import horovod.ray
-
-    return horovod.ray
-
-
-def test_horovod_ray_runs_a_driver_script_unchanged(cluster, nothing_left):
-    hr = horovod_ray()
-    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
-
-    class Executable:
-        def __init__(self, epochs):
-            import horovod.torch as hvd
-
-            hvd.init()
-            self.hvd, self.epochs = hvd, epochs
-
-        def rank_epoch(self):
-            return self.hvd.rank() * self.epochs
-
-    def ranks(scale):
-        import horovod.torch as hvd
-
-        hvd.init()
-        return (hvd.rank() * scale, hvd.size(), int(os.environ["HOROVOD_LOCAL_SIZE"]))
-
-    executor = hr.RayExecutor(settings, num_hosts=2, num_workers_per_host=2)
-    executor.start(executable_cls=Executable, executable_args=[2], extra_env_vars={"KOLO_TEST_MARK": "on"})
-    try:
-        assert executor.adapter.strategy._created_placement_group
-        assert sorted(executor.execute(lambda w: w.rank_epoch())) == [0, 2, 4, 6]
-        assert executor.execute_single(lambda w: os.environ["KOLO_TEST_MARK"]) == "on"
-        assert executor.run(ranks, args=[3]) == [(3 * r, 4, 2) for r in range(4)]
-        # run_remote gives Ray object refs, as upstream's actors do
-        refs = executor.run_remote(ranks, kwargs={"scale": 5})
-        assert all(isinstance(r, ray.ObjectRef) for r in refs)
-        assert ray.get(refs) == [(5 * r, 4, 2) for r in range(4)]
-        # a failing call raises from ray.get, naming the rank
-
-        def fails():
-            raise KeyError("missing")
-
-        with pytest.raises(Exception, match="missing"):
-            ray.get(executor.run_remote(fails)[1])
-    finally:
-        executor.shutdown()
-
-
-def test_horovod_ray_logs_reach_the_callbacks_from_every_rank(cluster, nothing_left):
-    hr = horovod_ray()
-    executor = hr.RayExecutor(hr.RayExecutor.create_settings(timeout_s=60), num_workers=3)
-    executor.start()
-    heard = []
-
-    def train():
-        from horovod.ray import ray_logger
-
-        ray_logger.log({"rank": int(os.environ["HOROVOD_RANK"])})
-        return True
-
-    try:
-        assert executor.run(train, callbacks=[heard.append]) == [True] * 3
-    finally:
-        executor.shutdown()
-    assert sorted(h["rank"] for h in heard) == [0, 1, 2], heard
-
-
-def test_horovod_ray_an_infeasible_placement_is_a_timeout_error(cluster, nothing_left):
-    hr = horovod_ray()
-    settings = hr.RayExecutor.create_settings(timeout_s=30, placement_group_timeout_s=2)
-    executor = hr.RayExecutor(settings, num_workers=40)
-    with pytest.raises(TimeoutError, match="could not place"):
-        executor.start()
-    executor.shutdown()
-
-
-def test_horovod_ray_conflicting_arguments_are_upstreams_errors():
-    hr = horovod_ray()
-    settings = hr.RayExecutor.create_settings()
-    with pytest.raises(ValueError, match="Both `min_workers` and `num_workers`"):
-        hr.RayExecutor(settings, num_workers=2, min_workers=1)
-    with pytest.raises(ValueError, match="without any positive `min_workers`"):
-        hr.RayExecutor(settings, max_workers=2)
-    with pytest.raises(ValueError, match="use_gpu must be True"):
-        hr.RayExecutor(settings, num_workers=2, gpus_per_worker=1)
-
-
-def test_horovod_ray_uses_the_placement_group_its_caller_runs_in(cluster, nothing_left):
-    hr = horovod_ray()
-    pg, _ = hr.strategy.create_placement_group({"CPU": 1}, 2, 60, "PACK")
-
-    @ray.remote(num_cpus=0)
-    class Driver:
-        def run(self):
-            import horovod.ray as inner
-
-            executor = inner.RayExecutor(inner.RayExecutor.create_settings(timeout_s=60), num_workers=2)
-            executor.start()
-            try:
-                made = executor.adapter.strategy._created_placement_group
-                return made, executor.run(lambda: os.environ["HOROVOD_SIZE"])
-            finally:
-                executor.shutdown()
-
-    try:
-        driver = Driver.options(placement_group=pg, placement_group_capture_child_tasks=True).remote()
-        assert ray.get(driver.run.remote(), timeout=180) == (False, ["2", "2"])
-        ray.kill(driver)
-    finally:
-        ray.util.remove_placement_group(pg)
-
-
-def test_horovod_ray_worker_class_and_discovery_on_the_cluster(cluster):
-    hr = horovod_ray()
-    actor = ray.remote(hr.BaseHorovodWorker).remote()
-    actor.update_env_vars.remote({"KOLO_TEST_VALUE": 7})
-    assert ray.get(actor.env_vars.remote())["KOLO_TEST_VALUE"] == "7"
-    assert ray.get(actor.node_id.remote()) in {n["NodeID"] for n in ray.nodes()}
-    ray.kill(actor)
-    from horovod.ray.elastic import RayHostDiscovery
-    from horovod.ray.elastic_v2 import RayHostDiscovery as RayHostDiscoveryV2
-
-    # hosts by address, as upstream's: this cluster's three nodes share
-    # this machine's; the head has 2 CPUs and no GPU, the others 4 CPUs
-    # and 2 GPUs each
-    addresses = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-    by_cpu = RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots()
-    assert set(by_cpu) == addresses and set(by_cpu.values()) <= {1, 2}, by_cpu
-    by_gpu = RayHostDiscoveryV2(use_gpu=True, gpus_per_worker=1).find_available_hosts_and_slots()
-    assert by_gpu == dict.fromkeys(addresses, 2), by_gpu
-    assert RayHostDiscoveryV2(use_gpu=True, gpus_per_worker=4).find_available_hosts_and_slots() == {}
-
-
-def test_horovod_ray_elastic_executor_runs_on_the_clusters_nodes(cluster, nothing_left):
-    hr = horovod_ray()
-    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
-    executor = hr.RayExecutor(settings, min_workers=2, max_workers=3, cpus_per_worker=2)
-    executor.start()
-
-    def train():
-        import horovod.torch as hvd
-        import torch
-
-        hvd.init()
-        state = hvd.elastic.ObjectState(steps=0)
-
-        @hvd.elastic.run
-        def loop(state):
-            while state.steps < 5:
-                hvd.allreduce(torch.ones(1))
-                state.steps += 1
-                state.commit()
-            return hvd.rank(), hvd.size()
-
-        return loop(state)
-
-    try:
-        assert sorted(executor.run(train)) == [(0, 3), (1, 3), (2, 3)]
-    finally:
-        executor.shutdown()
-
-
-def test_horovod_ray_elastic_with_the_callers_discovery_finds_hosts_by_their_node_resource(
-    cluster, nothing_left, tmp_path
-):
-    hr = horovod_ray()
-    from horovod.runner.elastic.discovery import HostDiscovery
-
-    trained_alone = tmp_path / "trained-alone"
-
-    class Growing(HostDiscovery):
-        """kolo-a alone until its process has trained there, then kolo-b too."""
-
-        def find_available_hosts_and_slots(self):
-            return {"kolo-a": 1, "kolo-b": 1, "kolo-gone": 0} if trained_alone.exists() else {"kolo-a": 1}
-
-    settings = hr.RayExecutor.create_settings(timeout_s=60, placement_group_timeout_s=60)
-    settings.discovery = Growing()
-    executor = hr.RayExecutor(settings, min_workers=1, max_workers=2, override_discovery=False)
-    executor.start()
-
-    def train():
-        import time
-
-        import horovod.torch as hvd
-        import torch
-
-        hvd.init()
-        state = hvd.elastic.ObjectState(steps=0, sizes=[])
-
-        @hvd.elastic.run
-        def loop(state):
-            # until the job has grown to both hosts, and a few steps more
-            while state.steps < 2000 and (hvd.size() < 2 or state.sizes.count(2) < 3):
-                hvd.allreduce(torch.ones(1))
-                state.sizes.append(hvd.size())
-                state.steps += 1
-                time.sleep(0.01)
-                state.commit()
-                if hvd.size() == 1:
-                    trained_alone.touch()
-            return os.environ["HOROVOD_HOSTNAME"], hvd.size(), state.sizes[0]
-
-        return loop(state)
-
-    try:
-        results = executor.run(train)
-    finally:
-        executor.shutdown()
-    # began on kolo-a alone, grew to kolo-b: each process on the host it was named for
-    assert sorted(results) == [("kolo-a", 2, 1), ("kolo-b", 2, 1)], results
-
-
-def test_horovod_ray_elastic_executors_driver_says_which_slots_have_joined(cluster, nothing_left, tmp_path):
-    hr = horovod_ray()
-    from horovod.runner.elastic.discovery import HostDiscovery
-
-    both_seen = tmp_path / "both-joined"
-
-    class Watching(HostDiscovery):
-        """kolo-a, and kolo-b too once the driver says kolo-a's process
-        joined; notes what the driver says at each call, and says when it
-        has seen both joined."""
-
-        executor = None
-
-        def __init__(self):
-            self.seen = []
-
-        def find_available_hosts_and_slots(self):
-            d = self.executor.driver if self.executor else None
-            if d is None:
-                return {"kolo-a": 1}
-            a, b = d.get_slot_info("kolo-a", 0), d.get_slot_info("kolo-b", 0)
-            a_joined = bool(a.hostname and d.get_worker_client(a))
-            self.seen.append((a.rank, a_joined, b.rank, bool(b.hostname and d.get_worker_client(b)),
-                              d.get_slot_info("kolo-nowhere", 0).hostname))
-            if self.seen[-1][:4] == (0, True, 1, True):
-                both_seen.touch()
-            return {"kolo-a": 1, "kolo-b": 1} if a_joined else {"kolo-a": 1}
-
-    settings = hr.ElasticRayExecutor.create_settings(min_num_proc=1, max_num_proc=2, timeout_s=60)
-    settings.discovery = Watching()
-    executor = hr.ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
-    settings.discovery.executor = executor
-    executor.start()
-    marker = str(both_seen)
-
-    def train():
-        import os
-        import time
-
-        import horovod.torch as hvd
-        import torch
-
-        hvd.init()
-        state = hvd.elastic.ObjectState(steps=0)
-
-        @hvd.elastic.run
-        def loop(state):
-            # at size two until the driver's discovery has seen both joined
-            # (the ranks agree on when: the first to see it says so)
-            while state.steps < 20000:
-                seen = float(hvd.size() == 2 and os.path.exists(marker))
-                if hvd.allreduce(torch.tensor([seen]), op=hvd.Max).item():
-                    break
-                state.steps += 1
-                time.sleep(0.01)
-                state.commit()
-            return hvd.size()
-
-        return loop(state)
-
-    assert executor.run(train) == [2, 2], settings.discovery.seen
-    seen = settings.discovery.seen
-    # kolo-a alone (rank 0, kolo-b without a slot), then both in rank order
-    assert (0, True, -1, False, "") in seen, seen
-    assert (0, True, 1, True, "") in seen, seen
-    # as upstream's worker registrations: once joined, joined for good
-    first = next(i for i, s in enumerate(seen) if s[1])
-    assert all(s[1] for s in seen[first:]), seen
-    # the job over, the driver has no round and so no slot
-    assert executor.driver.get_slot_info("kolo-a", 0).hostname == ""
-
-
-def test_horovod_ray_test_discovery_takes_the_clusters_hosts_out_and_back(cluster, capsys):
-    horovod_ray()
-    from horovod.ray.elastic import RayHostDiscovery, TestDiscovery
-    from horovod.ray.elastic_v2 import TestDiscovery as TestDiscoveryV2
-
-    # this cluster's nodes share one address: one host
-    full = RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots()
-    assert len(full) == 1, full
-    for discovery in (TestDiscovery(0, 1, 0, cpus_per_slot=2), TestDiscoveryV2(0, 1, 0, cpus_per_worker=2)):
-        # at the most hosts one goes out, at the fewest it comes back
-        got = [discovery.find_available_hosts_and_slots() for _ in range(4)]
-        assert got == [{}, full, {}, full], got
-    out = capsys.readouterr().out
-    assert f"Remaining hosts: 1 -- {full}" in out and "Remaining hosts: 0 -- {}" in out, out
-    assert "Total hosts: 1" in out, out
-    # only what was taken out comes back: none was, so none to add
-    quiet = TestDiscoveryV2(1, 3, 0, cpus_per_worker=2, verbose=False)
-    assert quiet.find_available_hosts_and_slots() == full
-    assert "No hosts to add." in capsys.readouterr().out

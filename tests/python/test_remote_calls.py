@@ -92,7 +92,9 @@ def test_functions_and_arguments_holding_mutable_objects_are_unpickled_afresh_ea
 def test_functions_pickled_by_reference_and_immutable_arguments_are_shared():
     payload, results = calls_of(os.getpid)
     assert results == [os.getpid()] * 3 and rebuilt(payload)
-    payload, results = calls_of(lambda a, b=None: (a, b), args=[(1, "x", 2.5, None, b"y")], kwargs={"b": frozenset({3})})
+    payload, results = calls_of(
+        lambda a, b=None: (a, b), args=[(1, "x", 2.5, None, b"y")], kwargs={"b": frozenset({3})}
+    )
     assert results == [((1, "x", 2.5, None, b"y"), frozenset({3}))] * 3 and rebuilt(payload)
     loads = [_remote._load(payload)[1] for _ in range(2)]
     assert loads[0] is not loads[1] and loads[0].__code__ is loads[1].__code__

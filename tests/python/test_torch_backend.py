@@ -32,7 +32,7 @@ def kolo_run(n, scenario, timeout=240):
 
 
 def oks(out, scenario):
-    return sorted(l for l in out.stdout.splitlines() if l.endswith(f":ok {scenario}"))
+    return sorted(line for line in out.stdout.splitlines() if line.endswith(f":ok {scenario}"))
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -53,8 +53,14 @@ def test_ranks_that_disagree_on_a_size_get_an_error_naming_the_rank_and_both_siz
     out = kolo_run(2, "mismatch")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # each rank sees the other's call: 100 floats against 128
-    assert "[0]<stdout>:error: rank 1 called allreduce(sum) of 128 f32 while this rank called allreduce(sum) of 100 f32" in out.stdout, out.stdout
-    assert "[1]<stdout>:error: rank 0 called allreduce(sum) of 100 f32 while this rank called allreduce(sum) of 128 f32" in out.stdout, out.stdout
+    assert (
+        "[0]<stdout>:error: rank 1 called allreduce(sum) of 128 f32 while this rank called allreduce(sum) of 100 f32"
+        in out.stdout
+    ), out.stdout
+    assert (
+        "[1]<stdout>:error: rank 0 called allreduce(sum) of 100 f32 while this rank called allreduce(sum) of 128 f32"
+        in out.stdout
+    ), out.stdout
 
 
 def test_a_group_is_destroyed_and_formed_again_in_the_same_processes():
@@ -88,7 +94,10 @@ def test_an_exit_waits_only_so_long_for_a_call_no_peer_makes():
     out = kolo_run(2, "unmet_at_exit")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert len(oks(out, "unmet_at_exit")) == 2, out.stdout
-    assert "[0]<stderr>:kolo: exiting with 1 torch collective call(s) still queued or running: none ended in 10 s" in out.stderr, out.stderr
+    assert (
+        "[0]<stderr>:kolo: exiting with 1 torch collective call(s) still queued or running: none ended in 10 s"
+        in out.stderr
+    ), out.stderr
 
 
 def free_port():
@@ -104,7 +113,11 @@ def plain_ranks(n, scenario):
     for r in range(n):
         env = {k: v for k, v in os.environ.items() if not k.startswith("KOLO_")}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, RANKS, scenario], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, RANKS, scenario], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     return procs
 
 
@@ -168,11 +181,14 @@ def test_the_executor_runs_a_kolo_backend_function_twice_on_the_same_workers():
 
 def test_cuda_tensors_go_to_nccl_in_the_backend_and_horovods_api():
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device here: the CUDA paths (torch's NCCL under kolo, Horovod's CUDA tensors through "
-                    "its core) are tested where one is; test_horovod_torch runs the core's device path with gloo")
+        pytest.skip(
+            "no CUDA device here: the CUDA paths (torch's NCCL under kolo, Horovod's CUDA tensors through "
+            "its core) are tested where one is; test_horovod_torch runs the core's device path with gloo"
+        )
     gpus = torch.cuda.device_count()
     out = watch.run(
-        [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")], timeout=300,
+        [KOLO, "run", "-np", str(gpus), "--", sys.executable, os.path.join(HERE, "cuda_ranks.py")],
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("ok cuda") == gpus, out.stdout

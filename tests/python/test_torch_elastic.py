@@ -194,8 +194,16 @@ def test_a_host_added_by_discovery_mid_epoch_joins_at_a_commit_with_the_survivor
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\necho a:2\n[ -f {grow} ] && echo b:2\nexit 0\n")
     script.chmod(0o755)
-    out = in_place(tmp_path, flavour, "--host-discovery-script", str(script), "--max-np", "4", hosts=None,
-                   env=[("GROW_AT", "2"), ("GROW_FROM", "2"), ("GROW_FILE", str(grow))])
+    out = in_place(
+        tmp_path,
+        flavour,
+        "--host-discovery-script",
+        str(script),
+        "--max-np",
+        "4",
+        hosts=None,
+        env=[("GROW_AT", "2"), ("GROW_FROM", "2"), ("GROW_FILE", str(grow))],
+    )
     got = results(tmp_path)
     check_trained(out, got, ["a-0", "a-1", "b-0", "b-1"])
     assert "round 1: 4 processes on a:2,b:2" in out.stderr, out.stderr
@@ -219,17 +227,27 @@ def test_a_fault_redoes_only_the_steps_since_the_last_commit(tmp_path, flavour):
         assert redone == 1, (redone, r["ranks"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="DDP on NCCL in place needs two CUDA devices (one per rank); this machine has fewer")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="DDP on NCCL in place needs two CUDA devices (one per rank); this machine has fewer",
+)
 def test_ddp_on_nccl_goes_on_in_place_on_the_gpus(tmp_path):
-    out = in_place(tmp_path, "nccl", hosts="a:1,b:1", env=[("FAULT", "kill"), ("FAULT_AT", "b:0:3"), ("DEVICE", "cuda")],
-                   min_np=1)
+    out = in_place(
+        tmp_path, "nccl", hosts="a:1,b:1", env=[("FAULT", "kill"), ("FAULT_AT", "b:0:3"), ("DEVICE", "cuda")], min_np=1
+    )
     check_trained(out, results(tmp_path), ["a-0"])
 
 
 def test_past_the_reset_limit_the_job_stops_saying_so_and_leaves_nothing(tmp_path):
-    out = in_place(tmp_path, "hvd", "--reset-limit", "1", min_np=1,
-                   env=[("FAULT", "kill"), ("FAULT_AT", "b:1:3,a:1:6")], hosts="a:2,b:2,c:2")
+    out = in_place(
+        tmp_path,
+        "hvd",
+        "--reset-limit",
+        "1",
+        min_np=1,
+        env=[("FAULT", "kill"), ("FAULT_AT", "b:1:3,a:1:6")],
+        hosts="a:2,b:2,c:2",
+    )
     assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "reset limit" in out.stderr, out.stderr
 
@@ -238,29 +256,48 @@ def test_hvd_init_whose_round_ends_under_it_joins_the_next_round(tmp_path):
     # rank 0 joins round 0 beside rank 1, then fails before its core starts:
     # rank 1's hvd.init, waiting on it, is interrupted by round 1 and joins
     # that (without a, as upstream's init gets the world it is given)
-    code = ("import os, sys\n"
-            "import horovod.torch as hvd\n"
-            "from kolo import _rounds\n"
-            "if os.environ['HOROVOD_RANK'] == '0':\n"
-            "    _rounds.join('test')\n"
-            "    sys.exit(3)\n"
-            "hvd.init()\n"
-            "print('INIT size', hvd.size(), 'round', _rounds.current().number, flush=True)\n")
-    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "1", "-H", "a:1,b:1",
-                     "--", sys.executable, "-c", code], timeout=120)
+    code = (
+        "import os, sys\n"
+        "import horovod.torch as hvd\n"
+        "from kolo import _rounds\n"
+        "if os.environ['HOROVOD_RANK'] == '0':\n"
+        "    _rounds.join('test')\n"
+        "    sys.exit(3)\n"
+        "hvd.init()\n"
+        "print('INIT size', hvd.size(), 'round', _rounds.current().number, flush=True)\n"
+    )
+    out = watch.run(
+        [
+            KOLO,
+            "run",
+            "--in-place",
+            "--engine",
+            "local",
+            "--min-np",
+            "1",
+            "-H",
+            "a:1,b:1",
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        timeout=120,
+    )
     assert "INIT size 1 round 1" in out.stdout, out.stdout + out.stderr
     assert "rank 0 on host a exited with code 3" in out.stderr, out.stderr
     assert out.returncode == 0, out.stderr
 
 
 def test_the_elastic_api_outside_an_in_place_job_says_how_to_start_one(tmp_path):
-    code = ("import torch, horovod.torch as hvd\n"
-            "state = hvd.elastic.ObjectState(step=0)\n"
-            "@hvd.elastic.run\n"
-            "def train(state):\n    pass\n"
-            "train(state)\n")
-    out = watch.run([KOLO, "run", "-np", "2", "--", sys.executable, "-c", code],
-                         timeout=120)
+    code = (
+        "import torch, horovod.torch as hvd\n"
+        "state = hvd.elastic.ObjectState(step=0)\n"
+        "@hvd.elastic.run\n"
+        "def train(state):\n    pass\n"
+        "train(state)\n"
+    )
+    out = watch.run([KOLO, "run", "-np", "2", "--", sys.executable, "-c", code], timeout=120)
     assert out.returncode != 0
     assert "hvd.elastic.run needs an in-place elastic job" in out.stderr, out.stderr
     assert "kolo run --in-place" in out.stderr, out.stderr
@@ -300,8 +337,14 @@ def test_an_elastic_executor_grows_when_discovery_adds_a_host_and_the_new_worker
     script.chmod(0o755)
     settings = kolo.Executor.create_settings(timeout_s=60)
     events = []
-    with kolo.Executor(settings, min_workers=2, max_workers=3, engine="local",
-                       host_discovery_script=str(script), discovery_interval=0.2) as ex:
+    with kolo.Executor(
+        settings,
+        min_workers=2,
+        max_workers=3,
+        engine="local",
+        host_discovery_script=str(script),
+        discovery_interval=0.2,
+    ) as ex:
         ex.start()
         got = ex.run(ddp_step.train_horovod_elastic_growing, args=[10, 4, str(grow), 3], on_event=events.append)
     rounds = [e for e in events if e["event"] == "round"]
@@ -328,8 +371,25 @@ def test_an_elastic_executor_runs_a_ddp_function_through_a_lost_worker(tmp_path,
 
 def test_the_readme_ddp_example_runs_in_place():
     example = os.path.join(HERE, "..", "..", "examples", "ddp_in_place.py")
-    out = watch.run([KOLO, "run", "--in-place", "--engine", "local", "--min-np", "2", "-H", "a:1,b:1", "-x",
-                          "EPOCHS=2", "--", sys.executable, example], timeout=180)
+    out = watch.run(
+        [
+            KOLO,
+            "run",
+            "--in-place",
+            "--engine",
+            "local",
+            "--min-np",
+            "2",
+            "-H",
+            "a:1,b:1",
+            "-x",
+            "EPOCHS=2",
+            "--",
+            sys.executable,
+            example,
+        ],
+        timeout=180,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "epoch 2: loss" in out.stdout and "on 2 ranks (round 0)" in out.stdout, out.stdout
     assert "done: final loss" in out.stdout, out.stdout

@@ -8,18 +8,23 @@ import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 def check(got, want, what, rtol=1e-6):
     got, want = np.asarray(got), np.asarray(want)
     if got.dtype == np.float16:
         rtol = 1e-2
-    ok = got.shape == want.shape and (np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
-                                                  atol=rtol) if got.dtype.kind in "fc" else np.array_equal(got, want))
+    ok = got.shape == want.shape and (
+        np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=rtol)
+        if got.dtype.kind in "fc"
+        else np.array_equal(got, want)
+    )
     if not ok or got.dtype != want.dtype:
-        raise AssertionError(f"{what}: got {got.ravel()[:6].tolist()} {got.dtype} {got.shape}, "
-                             f"expected {want.ravel()[:6].tolist()} {want.dtype} {want.shape}")
+        raise AssertionError(
+            f"{what}: got {got.ravel()[:6].tolist()} {got.dtype} {got.shape}, "
+            f"expected {want.ravel()[:6].tolist()} {want.dtype} {want.shape}"
+        )
 
 
 def values(r, shape, dtype, salt=0):
@@ -43,6 +48,9 @@ def ops():
     assert hvd.local_rank() == r and hvd.local_size() == n and hvd.cross_size() == 1
     assert int(hvd.size_op()) == n and int(hvd.rank_op()) == r and int(hvd.local_size_op()) == n
     assert int(hvd.process_set_included_op()) == 1
+    root = n - 1
+    # alltoall: rank p sends p+q+1 rows to rank q
+    splits = [r + q + 1 for q in range(n)]
     for mode in ("eager", "function"):
         wrap = (lambda f: f) if mode == "eager" else (lambda f: tf.function(f))
         for dtype in (np.float32, np.float64, np.float16, np.int32, np.int64):
@@ -57,8 +65,11 @@ def ops():
             check(wrap(lambda t: hvd.allreduce(t, average=False))(mine), total.astype(dtype), f"average=False {what}")
             check(wrap(lambda t: hvd.allreduce(t, op=hvd.Min))(mine), np.min(everyone, 0), f"min {what}")
             check(wrap(lambda t: hvd.allreduce(t, op=hvd.Max))(mine), np.max(everyone, 0), f"max {what}")
-            check(wrap(lambda t: hvd.allreduce(t, op=hvd.Product))(mine),
-                  np.prod(np.stack(everyone).astype(np.float64), 0).astype(dtype), f"product {what}")
+            check(
+                wrap(lambda t: hvd.allreduce(t, op=hvd.Product))(mine),
+                np.prod(np.stack(everyone).astype(np.float64), 0).astype(dtype),
+                f"product {what}",
+            )
             if np.dtype(dtype).kind == "f":
                 got = wrap(lambda t: hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5))(mine)
                 check(got, total.astype(dtype), f"scaled {what}")
@@ -70,10 +81,7 @@ def ops():
             check(wrap(lambda t: hvd.allgather(t))(tf.constant(rows[r])), np.concatenate(rows), f"allgather {what}")
             g1, g2 = wrap(lambda a, b: hvd.grouped_allgather([a, b]))(tf.constant(rows[r]), tf.constant(everyone[r]))
             check(g2, np.concatenate(everyone), f"grouped_allgather {what}")
-            root = n - 1
             check(wrap(lambda t: hvd.broadcast(t, root))(mine), everyone[root], f"broadcast {what}")
-            # alltoall: rank p sends p+q+1 rows to rank q
-            splits = [r + q + 1 for q in range(n)]
             send = np.concatenate([np.full((s, 2), 10 * r + q) for q, s in enumerate(splits)]).astype(dtype)
             out, received = wrap(lambda t: hvd.alltoall(t, splits=splits))(tf.constant(send))
             want = np.concatenate([np.full((p + r + 1, 2), 10 * p + r) for p in range(n)]).astype(dtype)
@@ -84,19 +92,26 @@ def ops():
                 big = [values(p, (2 * n + 1, 3), dtype, salt=2) for p in range(n)]
                 summed = np.sum(np.stack(big).astype(np.float64), 0).astype(dtype)
                 start = 2 * r + min(r, 1)
-                mine_rows = summed[start:start + 2 + (1 if r < 1 else 0)]
+                mine_rows = summed[start : start + 2 + (1 if r < 1 else 0)]
                 got = wrap(lambda t: hvd.reducescatter(t, op=hvd.Sum))(tf.constant(big[r]))
                 check(got, mine_rows, f"reducescatter {what}")
-                got = wrap(lambda a, b: hvd.grouped_reducescatter([a, b], op=hvd.Sum))(tf.constant(big[r]),
-                                                                                      tf.constant(big[r]))
+                got = wrap(lambda a, b: hvd.grouped_reducescatter([a, b], op=hvd.Sum))(
+                    tf.constant(big[r]), tf.constant(big[r])
+                )
                 check(got[1], mine_rows, f"grouped_reducescatter {what}")
         # uint8, int8, bool move
         for dtype in (np.uint8, np.int8, np.bool_):
             everyone = [values(p, (4,), dtype) for p in range(n)]
-            check(wrap(lambda t: hvd.allgather(t))(tf.constant(everyone[r])), np.concatenate(everyone),
-                  f"allgather {mode} {np.dtype(dtype).name}")
-            check(wrap(lambda t: hvd.broadcast(t, 0))(tf.constant(everyone[r])), everyone[0],
-                  f"broadcast {mode} {np.dtype(dtype).name}")
+            check(
+                wrap(lambda t: hvd.allgather(t))(tf.constant(everyone[r])),
+                np.concatenate(everyone),
+                f"allgather {mode} {np.dtype(dtype).name}",
+            )
+            check(
+                wrap(lambda t: hvd.broadcast(t, 0))(tf.constant(everyone[r])),
+                everyone[0],
+                f"broadcast {mode} {np.dtype(dtype).name}",
+            )
     # sparse: IndexedSlices are gathered (values averaged by the set's size)
     s = tf.IndexedSlices(tf.constant([[float(r)] * 2]), tf.constant([r]), tf.constant([n, 2]))
     got = hvd.allreduce(s)
@@ -131,7 +146,7 @@ def grads():
     for mode in ("eager", "function"):
         wrap = (lambda f: f) if mode == "eager" else tf.function
 
-        def grad_of(fn, x, upstream=None):
+        def grad_of(fn, x, upstream=None, wrap=wrap):
             def run(x):
                 with tf.GradientTape() as tape:
                     tape.watch(x)
@@ -142,28 +157,37 @@ def grads():
 
         x = tf.constant(np.full((2, 3), float(r + 1), np.float32))
         # d(sum(allreduce_sum(x)))/dx: the sum of every rank's ones
-        check(grad_of(lambda t: hvd.allreduce(t, op=hvd.Sum), x), np.full((2, 3), n, np.float32),
-              f"allreduce grad {mode}")
-        check(grad_of(lambda t: hvd.allreduce(t, op=hvd.Average), x), np.ones((2, 3), np.float32),
-              f"allreduce average grad {mode}")
+        check(
+            grad_of(lambda t: hvd.allreduce(t, op=hvd.Sum), x), np.full((2, 3), n, np.float32), f"allreduce grad {mode}"
+        )
+        check(
+            grad_of(lambda t: hvd.allreduce(t, op=hvd.Average), x),
+            np.ones((2, 3), np.float32),
+            f"allreduce average grad {mode}",
+        )
         # allgather: the averaged gradient's rows of this rank
         rows = tf.constant(np.ones((r + 1, 2), np.float32))
         total = sum(p + 1 for p in range(n))
         upstream = tf.constant(np.arange(total * 2, dtype=np.float32).reshape(total, 2))
         start = sum(p + 1 for p in range(r))
-        check(grad_of(lambda t: hvd.allgather(t), rows, upstream), upstream.numpy()[start:start + r + 1],
-              f"allgather grad {mode}")
+        check(
+            grad_of(lambda t: hvd.allgather(t), rows, upstream),
+            upstream.numpy()[start : start + r + 1],
+            f"allgather grad {mode}",
+        )
         # broadcast: the average on the root, zeros elsewhere
         got = grad_of(lambda t: hvd.broadcast(t, 0), x)
         check(got, np.ones((2, 3), np.float32) * (1.0 if r == 0 else 0.0), f"broadcast grad {mode}")
         # alltoall: gradients go back where they came from
         t = tf.constant(np.ones((n, 2), np.float32))
-        check(grad_of(lambda t: hvd.alltoall(t), t, tf.constant(np.full((n, 2), float(r), np.float32))),
-              np.tile(np.arange(n, dtype=np.float32)[:, None], (1, 2)), f"alltoall grad {mode}")
+        check(
+            grad_of(lambda t: hvd.alltoall(t), t, tf.constant(np.full((n, 2), float(r), np.float32))),
+            np.tile(np.arange(n, dtype=np.float32)[:, None], (1, 2)),
+            f"alltoall grad {mode}",
+        )
         # reducescatter (sum): size * gathered upstream gradients
         t = tf.constant(np.ones((n, 2), np.float32))
-        got = grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum), t, tf.constant(np.full((1, 2), float(r),
-                                                                                        np.float32)))
+        got = grad_of(lambda t: hvd.reducescatter(t, op=hvd.Sum), t, tf.constant(np.full((1, 2), float(r), np.float32)))
         check(got, np.tile(np.arange(n, dtype=np.float32)[:, None] * n, (1, 2)), f"reducescatter grad {mode}")
     hvd.shutdown()
 
@@ -191,8 +215,9 @@ def goes_on():
                 pass
             else:
                 raise AssertionError(f"{mode} {what} mismatch did not raise FailedPreconditionError")
-            check(hvd.allreduce(tf.constant([1.0]), op=hvd.Sum), np.array([float(n)], np.float32),
-                  f"after {mode} {what}")
+            check(
+                hvd.allreduce(tf.constant([1.0]), op=hvd.Sum), np.array([float(n)], np.float32), f"after {mode} {what}"
+            )
     try:
         hvd.allreduce(tf.constant([1.0]), op=hvd.Adasum)
     except NotImplementedError:
@@ -220,8 +245,11 @@ def sets():
     if r in (0, 2):
         got = hvd.allreduce(tf.constant([float(r)]), op=hvd.Sum, process_set=even)
         check(got, np.array([2.0], np.float32), "set allreduce")
-        check(tf.function(lambda: hvd.allgather(tf.constant([r]), process_set=even))(), np.array([0, 2], np.int32),
-              "set allgather in a function")
+        check(
+            tf.function(lambda: hvd.allgather(tf.constant([r]), process_set=even))(),
+            np.array([0, 2], np.int32),
+            "set allgather in a function",
+        )
         assert int(hvd.size_op(process_set_id=even.process_set_id)) == 2
     else:
         try:
@@ -282,11 +310,19 @@ def lazy_model_is_broadcast(keras, hvd, x, y):
     keras.utils.set_random_seed(hvd.rank())
     # named: the gradients' names must agree across ranks, whatever models
     # each made before
-    lazy = keras.Sequential([keras.layers.Dense(3, name="lazy_in"), keras.layers.Dense(1, name="lazy_out")],
-                            name="lazy")
+    lazy = keras.Sequential(
+        [keras.layers.Dense(3, name="lazy_in"), keras.layers.Dense(1, name="lazy_out")], name="lazy"
+    )
     lazy.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
-    lazy.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
-             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    lazy.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     for w in lazy.get_weights():
         every = hvd.allgather(np.asarray(w)[np.newaxis])
         assert np.allclose(every, every[0]), every
@@ -323,9 +359,15 @@ def keras_fit():
     assert type(opt).__name__ == "SGD" and isinstance(opt, keras.optimizers.SGD)
     m.compile(optimizer=opt, loss="mse")
     mine = slice(4 * r, 4 * (r + 1))
-    history = m.fit(x[mine], y[mine], batch_size=4, epochs=3, shuffle=False, verbose=0,
-                    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                               hvd.callbacks.MetricAverageCallback()])
+    history = m.fit(
+        x[mine],
+        y[mine],
+        batch_size=4,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()],
+    )
     for got, want in zip(m.get_weights(), reference.get_weights()):
         check(got, want, f"fit on {keras.backend.backend()}", rtol=1e-4)
     # the averaged loss is the same on every rank
@@ -356,12 +398,7 @@ def keras_api():
         def update_step(self, gradient, variable, learning_rate):
             variable.assign_add(gradient)
 
-    # backward passes: every 4th step applies the sum (or mean) of 4 steps' averaged gradients
-    for average in (False, True):
-        opt = hvd.DistributedOptimizer(AddGradient(learning_rate=0.1), backward_passes_per_step=4,
-                                       average_aggregated_gradients=average, sparse_as_dense=True)
-        x, y = tf.Variable([0.0]), tf.Variable([1.0, 2.0])
-
+    def aggregation_step(opt, x, y):
         @tf.function
         def step():
             with tf.GradientTape() as tape:
@@ -369,6 +406,18 @@ def keras_api():
             grads = tape.gradient(loss, [x, y])
             opt.apply_gradients(zip(grads, [x, y]))
 
+        return step
+
+    # backward passes: every 4th step applies the sum (or mean) of 4 steps' averaged gradients
+    for average in (False, True):
+        opt = hvd.DistributedOptimizer(
+            AddGradient(learning_rate=0.1),
+            backward_passes_per_step=4,
+            average_aggregated_gradients=average,
+            sparse_as_dense=True,
+        )
+        x, y = tf.Variable([0.0]), tf.Variable([1.0, 2.0])
+        step = aggregation_step(opt, x, y)
         for i in range(10):
             step()
             updates = (i + 1) // 4 * (1 if average else 4)
@@ -409,8 +458,7 @@ def keras_api():
         m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
         seen.clear()
-        return m, m.fit(xs, ys, batch_size=4, epochs=epochs, verbose=0, shuffle=False,
-                        callbacks=callbacks + [Watch()])
+        return m, m.fit(xs, ys, batch_size=4, epochs=epochs, verbose=0, shuffle=False, callbacks=callbacks + [Watch()])
 
     _, history = fit([hvd.callbacks.LearningRateScheduleCallback(0.1, multiplier=0.5, start_epoch=1)], 3)
     assert np.allclose(history.history["lr"], [0.1, 0.1, 0.05]), history.history["lr"]
@@ -431,8 +479,14 @@ def keras_api():
     m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
     local_kernel = m.layers[1].kernel
     before = local_kernel.numpy()
-    m.fit(xs, ys, batch_size=8, epochs=1, verbose=0,
-          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[local_kernel])])
+    m.fit(
+        xs,
+        ys,
+        batch_size=8,
+        epochs=1,
+        verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=[local_kernel])],
+    )
     check(local_kernel.numpy(), before, "local variable not broadcast")
     firsts = hvd.allgather(m.layers[0].kernel.numpy()[None])
     assert all(np.array_equal(f, firsts[0]) for f in firsts), "the others were not broadcast"
@@ -498,8 +552,10 @@ def keras2():
         reference.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
         return reference.get_weights()
 
-    for make in (lambda: keras.optimizers.SGD(0.05, momentum=0.5),
-                 lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.5)):
+    for make in (
+        lambda: keras.optimizers.SGD(0.05, momentum=0.5),
+        lambda: keras.optimizers.legacy.SGD(0.05, momentum=0.5),
+    ):
         want = fit_whole(make(), 3, 4 * n)
         # every rank makes the same models (the ops' names come from the
         # layers': Horovod matches by name), then starts from its own
@@ -511,9 +567,15 @@ def keras2():
         opt = hvd.DistributedOptimizer(make())
         assert type(opt).__name__ == "SGD" and isinstance(opt, type(make()))
         m.compile(optimizer=opt, loss="mse")
-        history = m.fit(x[mine], y[mine], batch_size=4, epochs=3, shuffle=False, verbose=0,
-                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-                                   hvd.callbacks.MetricAverageCallback()])
+        history = m.fit(
+            x[mine],
+            y[mine],
+            batch_size=4,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()],
+        )
         for got, w in zip(m.get_weights(), want):
             check(got, w, f"Keras 2 fit with {type(opt).__module__}", rtol=1e-4)
         losses = hvd.allgather(np.array([history.history["loss"][-1]]))
@@ -524,8 +586,9 @@ def keras2():
     # step on the whole batch; Keras 2 counts every pass as an iteration
     want = fit_whole(keras.optimizers.SGD(0.05), 2, 4 * n)
     m = model(0)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), backward_passes_per_step=2,
-                                   average_aggregated_gradients=True)
+    opt = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), backward_passes_per_step=2, average_aggregated_gradients=True
+    )
     m.compile(optimizer=opt, loss="mse")
     m.fit(x[mine], y[mine], batch_size=2, epochs=2, shuffle=False, verbose=0)
     for got, w in zip(m.get_weights(), want):
@@ -568,8 +631,15 @@ def keras2():
 
     m = model(0)
     m.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
-    m.fit(x[mine], y[mine], batch_size=2, epochs=3, verbose=0, shuffle=False,
-          callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=2), Watch()])
+    m.fit(
+        x[mine],
+        y[mine],
+        batch_size=2,
+        epochs=3,
+        verbose=0,
+        shuffle=False,
+        callbacks=[hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2, steps_per_epoch=2), Watch()],
+    )
     want = [0.1 / n * ((e + (b + 1) / 2) * (n - 1) / 2 + 1) for e in range(2) for b in range(2)]
     assert np.allclose(seen[:4], want, rtol=1e-5), (seen, want)
 
@@ -647,8 +717,12 @@ def syncbn():
     want = whole(x, training=True).numpy()[mine]
     check(sync(x[mine], training=True), want, "sync batch norm", rtol=1e-4)
     check(sync.moving_mean, whole.moving_mean.numpy(), "moving mean", rtol=1e-5)
-    check(tf.function(lambda t: sync(t, training=True))(x[mine]), whole(x, training=True).numpy()[mine],
-          "sync batch norm in a function", rtol=1e-4)
+    check(
+        tf.function(lambda t: sync(t, training=True))(x[mine]),
+        whole(x, training=True).numpy()[mine],
+        "sync batch norm in a function",
+        rtol=1e-4,
+    )
     try:
         hvd.SyncBatchNormalization(fused=True)
     except ValueError:

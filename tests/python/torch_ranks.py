@@ -77,12 +77,16 @@ def ops():
             inp = torch.cat([data(rank, n, dtype, salt=10 + p) for p in range(size)])
             out = torch.empty_like(inp)
             dist.all_to_all_single(out, inp)
-            close(out, torch.cat([data(p, n, dtype, salt=10 + rank) for p in range(size)]), f"all_to_all_single {dtype}")
+            close(
+                out, torch.cat([data(p, n, dtype, salt=10 + rank) for p in range(size)]), f"all_to_all_single {dtype}"
+            )
             send_splits = [p + 1 for p in range(size)]  # rank sends p+1 rows to p
             inp = torch.cat([data(rank, p + 1, dtype, salt=20 + p) for p in range(size)])
             out = torch.empty((rank + 1) * size, dtype=dtype)
             dist.all_to_all_single(out, inp, [rank + 1] * size, send_splits)
-            close(out, torch.cat([data(p, rank + 1, dtype, salt=20 + rank) for p in range(size)]), f"uneven a2a {dtype}")
+            close(
+                out, torch.cat([data(p, rank + 1, dtype, salt=20 + rank) for p in range(size)]), f"uneven a2a {dtype}"
+            )
     # all_to_all (lists), gather, scatter, send/recv, barrier, other types as bytes
     ins = [torch.full((3, 2), float(10 * rank + p)) for p in range(size)]
     outs = [torch.empty(3, 2) for _ in range(size)]

@@ -98,8 +98,9 @@ def stacks(root, why):
         text = None
         if py_spy:
             try:
-                done = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)],
-                                      capture_output=True, text=True, timeout=LOOK_S)
+                done = subprocess.run(
+                    [py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True, timeout=LOOK_S
+                )
                 if done.returncode == 0:
                     text = done.stdout
                 else:
@@ -167,8 +168,10 @@ def communicate(proc, timeout, what=None):
     except subprocess.TimeoutExpired:
         what = _overran(proc, timeout, what)
     out, err = proc.communicate()
-    pytest.fail(f"{what} still ran after {timeout} s (its stacks are above); it printed:\n"
-                f"--- stdout\n{out}\n--- stderr\n{err}", pytrace=False)
+    pytest.fail(
+        f"{what} still ran after {timeout} s (its stacks are above); it printed:\n--- stdout\n{out}\n--- stderr\n{err}",
+        pytrace=False,
+    )
 
 
 def wait(proc, timeout, what=None):

@@ -5,7 +5,7 @@ Horovod is not, `import horovod.torch as hvd` gives `kolo.horovod.torch`
 alias off)."""
 
 # the Horovod release whose API this follows
-__version__ = "0.28.1"
+from ._version import __version__ as __version__
 
 
 def __getattr__(name):

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from .. import _kolo, _rounds
 from .. import torch as _backend
-from .._rounds import (  # noqa: F401  (kolo.torch.elastic's API: rounds are every framework's)
+from .._rounds import (
     _require_in_place,
     _the_worker,
     current,
@@ -60,7 +60,7 @@ from .._rounds import (  # noqa: F401  (kolo.torch.elastic's API: rounds are eve
     join,
     leave,
 )
-from ..horovod.common.exceptions import HostsUpdatedInterrupt
+from .._errors import HostsUpdatedInterrupt
 
 MembershipError = _kolo.MembershipError
 CollectiveError = _kolo.CollectiveError
@@ -124,7 +124,7 @@ def _broadcast_tensors(tensors, root):
             comm.run(comm.broadcast(staged.data_ptr(), staged.numel(), _WIRE[staged.dtype], root))
         else:
             raw = staged.view(torch.uint8) if staged.dim() else staged.reshape(1).view(torch.uint8)
-            comm.run(comm.broadcast(raw.data_ptr(), raw.numel(), "u8", root))
+            comm.run(comm.broadcast(raw.data_ptr(), raw.numel(), "uint8", root))
         if staged is not t:
             with torch.no_grad():
                 t.copy_(staged)
@@ -162,7 +162,7 @@ class State(_rounds.State):
         comm = current().comm
         mine = torch.tensor([int(value)], dtype=torch.int64)
         every = torch.empty(comm.size, dtype=torch.int64)
-        comm.run(comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "i64"))
+        comm.run(comm.allgather(mine.data_ptr(), every.data_ptr(), [1] * comm.size, "int64"))
         return every.tolist()
 
     def _broadcast_int(self, value, root):
@@ -171,7 +171,7 @@ class State(_rounds.State):
             return int(outside.broadcast_object(int(value), root))
         flag = torch.tensor([int(value)], dtype=torch.int64)
         comm = current().comm
-        comm.run(comm.broadcast(flag.data_ptr(), 1, "i64", root))
+        comm.run(comm.broadcast(flag.data_ptr(), 1, "int64", root))
         return int(flag[0])
 
 
@@ -409,8 +409,16 @@ def form_group(backend="kolo", timeout=None):
 
 # what torch keeps of a collective's failure is its text: kolo's backend's
 # (the exception's name), gloo's and NCCL's words for a lost peer
-_PEER_SIGNS = ("membershiperror", "connection closed", "connection reset", "broken pipe", "timed out", "peer", "gloo",
-               "nccl")
+_PEER_SIGNS = (
+    "membershiperror",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "peer",
+    "gloo",
+    "nccl",
+)
 
 
 def _peer_lost(error):
@@ -420,9 +428,10 @@ def _peer_lost(error):
         return True
     dist_error = getattr(dist, "DistError", ())
     text = str(error).lower()
-    if not (isinstance(error, (CollectiveError, dist_error)) or (
-        isinstance(error, RuntimeError) and any(sign in text for sign in _PEER_SIGNS)
-    )):
+    if not (
+        isinstance(error, (CollectiveError, dist_error))
+        or (isinstance(error, RuntimeError) and any(sign in text for sign in _PEER_SIGNS))
+    ):
         return False
     # a dead peer reaches the driver first; its round follows
     wait = float(os.environ.get(_kolo.ENV["ELASTIC_TIMEOUT_SECONDS"]) or 600)
@@ -459,10 +468,18 @@ def run(func=None, *, backend="kolo", timeout=None):
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         if not isinstance(state, State):
-            raise TypeError(f"the first argument must be a kolo.torch.elastic state (TorchState, ObjectState), got {type(state).__name__}")
+            raise TypeError(
+                f"the first argument must be a kolo.torch.elastic state (TorchState, ObjectState), got {type(state).__name__}"
+            )
         _require_in_place("kolo.torch.elastic.run")
-        return _rounds.run_rounds(state, lambda: func(state, *args, **kwargs), join_round=join_round,
-                                  finish=finish, abandon=abandon, peer_lost=_peer_lost)
+        return _rounds.run_rounds(
+            state,
+            lambda: func(state, *args, **kwargs),
+            join_round=join_round,
+            finish=finish,
+            abandon=abandon,
+            peer_lost=_peer_lost,
+        )
 
     return wrapper
 

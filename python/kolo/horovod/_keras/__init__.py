@@ -13,26 +13,54 @@ from .variables import is_keras2
 
 _BACKENDS = ("tensorflow", "torch", "jax")
 
+# horovod.tensorflow reduces the TensorFlow backend's (and Keras 2's)
+# gradients. It sits above this package (its DistributedOptimizer wraps
+# Keras optimizers here), so the packages above hand it over: horovod.keras,
+# horovod.tensorflow.keras and horovod.tensorflow call `use_tensorflow`.
+_load_tensorflow = None
+
+
+def use_tensorflow(load):
+    """`load()` returns horovod.tensorflow (`kolo.horovod.tensorflow`),
+    imported when a TensorFlow backend first needs it."""
+    global _load_tensorflow
+    _load_tensorflow = load
+
+
+def _tensorflow():
+    if _load_tensorflow is None:
+        raise RuntimeError(
+            "kolo.horovod._keras needs horovod.tensorflow for the TensorFlow backend: use it through "
+            "horovod.keras, horovod.tensorflow.keras or horovod.tensorflow"
+        )
+    return _load_tensorflow()
+
 
 def _backend():
     name = keras.backend.backend()
     if name not in _BACKENDS:
-        raise NotImplementedError(f"kolo's Horovod Keras support runs on the {', '.join(_BACKENDS)} backends, "
-                                  f"not {name}")
+        raise NotImplementedError(
+            f"kolo's Horovod Keras support runs on the {', '.join(_BACKENDS)} backends, not {name}"
+        )
     return name
 
 
-def _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
-                      process_set):
+def _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set):
     """`reduce(grads, variables)` for the backend's tensors."""
     if backend == "tensorflow":
-        from .. import tensorflow as hvd_tf
+        hvd_tf = _tensorflow()
 
         def reduce(grads, variables):
-            return hvd_tf.reduce_gradients(grads, variables, compression=compression,
-                                           sparse_as_dense=sparse_as_dense, op=op,
-                                           gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                                           process_set=process_set)
+            return hvd_tf.reduce_gradients(
+                grads,
+                variables,
+                compression=compression,
+                sparse_as_dense=sparse_as_dense,
+                op=op,
+                gradient_predivide_factor=gradient_predivide_factor,
+                groups=groups,
+                process_set=process_set,
+            )
 
         return reduce
     if backend == "torch":
@@ -44,8 +72,13 @@ def _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_prediv
                 return grads
             pre, post = basics.predivide_scales(op, gradient_predivide_factor)
             out = list(grads)
-            reduced = hvd_torch.grouped_allreduce([grads[i].contiguous() for i in present], op=op,
-                                                  prescale_factor=pre, postscale_factor=post, process_set=process_set)
+            reduced = hvd_torch.grouped_allreduce(
+                [grads[i].contiguous() for i in present],
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=process_set,
+            )
             for i, r in zip(present, reduced):
                 out[i] = r
             return out
@@ -69,8 +102,13 @@ def _jax_reducer(op, gradient_predivide_factor, process_set):
         shapes = [jax.ShapeDtypeStruct(grads[i].shape, grads[i].dtype) for i in present]
 
         def on_host(*arrays):
-            return numpy_ops.grouped_allreduce([np.asarray(a) for a in arrays], op=op, prescale_factor=pre,
-                                               postscale_factor=post, process_set=process_set)
+            return numpy_ops.grouped_allreduce(
+                [np.asarray(a) for a in arrays],
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=process_set,
+            )
 
         reduced = jax.experimental.io_callback(on_host, shapes, *[grads[i] for i in present], ordered=True)
         out = list(grads)
@@ -81,10 +119,19 @@ def _jax_reducer(op, gradient_predivide_factor, process_set):
     return reduce
 
 
-def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_as_dense=False,
-                                 gradient_predivide_factor=1.0, op=basics.Average, backward_passes_per_step=1,
-                                 average_aggregated_gradients=False, groups=None,
-                                 process_set=basics.global_process_set, scale_local_gradients=True):
+def create_distributed_optimizer(
+    optimizer,
+    name=None,
+    compression=None,
+    sparse_as_dense=False,
+    gradient_predivide_factor=1.0,
+    op=basics.Average,
+    backward_passes_per_step=1,
+    average_aggregated_gradients=False,
+    groups=None,
+    process_set=basics.global_process_set,
+    scale_local_gradients=True,
+):
     """A new optimizer of `optimizer`'s class and configuration (the class
     keeps its name, so saved models load without kolo) whose `apply`
     averages the gradients over the set's ranks first.
@@ -104,21 +151,27 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
     elif keras_2:
         backend = "tensorflow"
     else:
-        raise ValueError(f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
-                         f"{type(optimizer).__name__}")
+        raise ValueError(
+            f"DistributedOptimizer wraps a Keras 3 optimizer (or a tf-keras one, Keras 2), not "
+            f"{type(optimizer).__name__}"
+        )
     if compression is None and backend == "tensorflow":
         # TensorFlow only where it is the backend: beside torch's triton it aborts the process
-        from ..tensorflow.compression import Compression
-
-        compression = Compression.none
-    reduce = _gradient_reducer(backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups,
-                               process_set)
+        compression = _tensorflow().Compression.none
+    reduce = _gradient_reducer(
+        backend, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set
+    )
     if keras_2:
         from . import keras2
 
-        return keras2.create_distributed_optimizer(optimizer, reduce, name, sparse_as_dense,
-                                                   backward_passes_per_step, average_aggregated_gradients,
-                                                   process_set, scale_local_gradients)
+        hvd_tf = _tensorflow()
+
+        def scale(grads, variables, locals_):
+            return hvd_tf._scale_locals(grads, variables, locals_, scale_local_gradients, process_set)
+
+        return keras2.create_distributed_optimizer(
+            optimizer, reduce, scale, name, sparse_as_dense, backward_passes_per_step, average_aggregated_gradients
+        )
     base = optimizer.__class__
     passes = backward_passes_per_step
     # Keras averages the accumulated gradients; upstream sums them unless asked
@@ -144,12 +197,16 @@ def create_distributed_optimizer(optimizer, name=None, compression=None, sparse_
         # every copy its own (from_config too): registrations are per object
         self._kolo_local_vars = LocalVariables()
 
-    cls = type(base.__name__, (base,), {
-        "__init__": init,
-        "apply": apply,
-        "register_local_var": register_local_var,
-        "__module__": base.__module__,
-    })
+    cls = type(
+        base.__name__,
+        (base,),
+        {
+            "__init__": init,
+            "apply": apply,
+            "register_local_var": register_local_var,
+            "__module__": base.__module__,
+        },
+    )
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name

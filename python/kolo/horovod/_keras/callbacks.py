@@ -55,8 +55,7 @@ class MetricAverageCallback:
     def on_epoch_end(self, epoch, logs=None):
         if not logs:
             return
-        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype,
-                                                                                        np.number))
+        names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
         if not names:
             return
         values = np.array([float(logs[k]) for k in names], dtype=np.float64)
@@ -71,8 +70,16 @@ class LearningRateScheduleCallback:
     `momentum_correction` scales a momentum held in a variable for the
     batch the rate changes in."""
 
-    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
-                 momentum_correction=True, steps_per_epoch=None):
+    def __init__(
+        self,
+        initial_lr,
+        multiplier,
+        start_epoch=0,
+        end_epoch=None,
+        staircase=True,
+        momentum_correction=True,
+        steps_per_epoch=None,
+    ):
         super().__init__()
         self.initial_lr = initial_lr
         self.start_epoch = start_epoch
@@ -93,8 +100,10 @@ class LearningRateScheduleCallback:
     def _autodetect_steps_per_epoch(self):
         if self.params.get("steps"):
             return self.params["steps"]
-        raise ValueError("Could not autodetect the number of steps per epoch. Please specify the steps_per_epoch "
-                         "parameter to the LearningRateScheduleCallback() or upgrade to the latest version of Keras.")
+        raise ValueError(
+            "Could not autodetect the number of steps per epoch. Please specify the steps_per_epoch "
+            "parameter to the LearningRateScheduleCallback() or upgrade to the latest version of Keras."
+        )
 
     def _adjust_learning_rate(self, epoch):
         optimizer = self.model.optimizer
@@ -121,8 +130,9 @@ class LearningRateScheduleCallback:
         self.current_epoch = epoch
 
     def on_batch_begin(self, batch, logs=None):
-        if self.current_epoch < self.start_epoch or (self.end_epoch is not None and
-                                                     self.current_epoch >= self.end_epoch):
+        if self.current_epoch < self.start_epoch or (
+            self.end_epoch is not None and self.current_epoch >= self.end_epoch
+        ):
             return
         if self.staircase and batch == 0:
             self._adjust_learning_rate(self.current_epoch)
@@ -146,14 +156,23 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             epoch += 1.0 / self.steps_per_epoch
             return 1.0 / basics.size() * (epoch * (basics.size() - 1) / warmup_epochs + 1)
 
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        super().__init__(
+            initial_lr,
+            multiplier,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
         self.verbose = verbose
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_learning_rate(self.model.optimizer):g}.")
+            print(
+                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {_learning_rate(self.model.optimizer):g}."
+            )
 
 
 class BestModelCheckpoint:
@@ -162,24 +181,37 @@ class BestModelCheckpoint:
 
     _BASE = "ModelCheckpoint"
 
-    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath=None,
-                 save_weights_only=False):
+    def __init__(
+        self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", filepath=None, save_weights_only=False
+    ):
         placeholder = "best.weights.h5" if save_weights_only else "best.keras"
-        super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose, save_best_only=True,
-                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        super().__init__(
+            filepath=filepath or placeholder,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
         if filepath is None:
             self.filepath = None
 
     def _save_model(self, *args, **kwargs):
         if self.filepath is None:
-            warnings.warn("BestModelCheckpoint has no filepath yet: nothing saved")
+            warnings.warn("BestModelCheckpoint has no filepath yet: nothing saved", stacklevel=1)
             return
         if basics.rank() == 0:
             return super()._save_model(*args, **kwargs)
 
 
-_MIXINS = (BroadcastGlobalVariablesCallback, MetricAverageCallback, LearningRateScheduleCallback,
-           LearningRateWarmupCallback, BestModelCheckpoint)
+_MIXINS = (
+    BroadcastGlobalVariablesCallback,
+    MetricAverageCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    BestModelCheckpoint,
+)
 
 
 def callbacks_for(keras_module, module):

@@ -4,22 +4,9 @@
 as numpy arrays through the round's Horovod core. The callbacks are
 mixins, made into each Keras's classes by `callbacks_for`."""
 
-import keras
-
-from ..common import elastic as _common
 from ..common import numpy_ops
 from ..common.elastic import ObjectState, State  # noqa: F401
 from .variables import classes_for, model_variables, value_of
-
-
-def run(func):
-    """Horovod's `hvd.elastic.run` (see `common/elastic.py`); on the
-    TensorFlow backend a lost peer also shows as TensorFlow's AbortedError."""
-    if keras.backend.backend() == "tensorflow":
-        from ..tensorflow.elastic import run as tf_run
-
-        return tf_run(func)
-    return _common.run(func)
 
 
 class KerasState(ObjectState):
@@ -106,5 +93,4 @@ class UpdateEpochStateCallback:
 
 def callbacks_for(keras_module, module):
     """The state callbacks as classes of `keras_module`'s `Callback`."""
-    return classes_for(keras_module, (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback),
-                       module)
+    return classes_for(keras_module, (CommitStateCallback, UpdateBatchStateCallback, UpdateEpochStateCallback), module)

@@ -9,7 +9,6 @@ gradients add up locally and are reduced and applied every N passes
 
 import tensorflow as tf
 
-from .. import tensorflow as hvd_tf
 from ..common.gradients import LocalVariables, reduce_with_locals
 
 
@@ -38,8 +37,10 @@ class _Aggregation:
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
-                    raise ValueError("IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
-                                     "`sparse_as_dense` is False.")
+                    raise ValueError(
+                        "IndexedSlices are not supported when `backward_passes_per_step` > 1 and "
+                        "`sparse_as_dense` is False."
+                    )
                 g = tf.convert_to_tensor(g)
             if g is None:
                 summed.append(None)
@@ -76,28 +77,40 @@ class _Aggregation:
         return tf.cond(tf.equal(self.counter, 0), apply_step, count_only)
 
 
-def create_distributed_optimizer(optimizer, reduce_globals, name, sparse_as_dense, backward_passes_per_step,
-                                 average_aggregated_gradients, process_set, scale_local_gradients):
+def create_distributed_optimizer(
+    optimizer,
+    reduce_globals,
+    scale_locals,
+    name,
+    sparse_as_dense,
+    backward_passes_per_step,
+    average_aggregated_gradients,
+):
     """A new optimizer of `optimizer`'s class (keeping its name, so saved
     models load without kolo) and configuration, distributed as
     upstream's Keras 2 DistributedOptimizer; `reduce_globals(grads,
-    variables)` reduces the gradients of the variables not local."""
+    variables)` reduces the gradients of the variables not local,
+    `scale_locals(grads, variables, local_variables)` scales the local
+    ones' (horovod.tensorflow's, for both)."""
     if not tf.executing_eagerly():
-        raise NotImplementedError("kolo's Keras 2 DistributedOptimizer runs eagerly or in tf.function (TF2), not "
-                                  "in a TF1 graph: use horovod.tensorflow.DistributedOptimizer there")
+        raise NotImplementedError(
+            "kolo's Keras 2 DistributedOptimizer runs eagerly or in tf.function (TF2), not "
+            "in a TF1 graph: use horovod.tensorflow.DistributedOptimizer there"
+        )
     base = optimizer.__class__
 
     def reduce(self, grads, variables):
         grads = reduce_with_locals(grads, variables, self._kolo_locals, reduce_globals)
-        return hvd_tf._scale_locals(grads, variables, self._kolo_locals, scale_local_gradients, process_set)
+        return scale_locals(grads, variables, self._kolo_locals)
 
     def init(self, *args, **kwargs):
         base.__init__(self, *args, **kwargs)
         self._kolo_locals = LocalVariables()
         self._agg_helper = None
         if backward_passes_per_step > 1:
-            self._agg_helper = _Aggregation(backward_passes_per_step, lambda g, v: reduce(self, g, v),
-                                            sparse_as_dense, average_aggregated_gradients)
+            self._agg_helper = _Aggregation(
+                backward_passes_per_step, lambda g, v: reduce(self, g, v), sparse_as_dense, average_aggregated_gradients
+            )
 
     def _allreduce(self, grads, variables):
         if self._agg_helper is not None:
@@ -125,7 +138,8 @@ def create_distributed_optimizer(optimizer, reduce_globals, name, sparse_as_dens
         # read twice below (a zip would be empty the second time)
         grads_and_vars = list(grads_and_vars)
         return self._agg_helper.apply_gradients(
-            lambda: base.apply_gradients(self, grads_and_vars, *args, **kwargs), self)
+            lambda: base.apply_gradients(self, grads_and_vars, *args, **kwargs), self
+        )
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""

@@ -17,12 +17,34 @@ from .exceptions import HorovodInternalError
 # what horovod.torch and horovod.tensorflow export of this module as their
 # own (each takes it with `from ..common.basics import *`)
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Product", "ProcessSet", "Sum",
-    "add_process_set", "global_process_set", "remove_process_set",
-    "init", "is_initialized", "shutdown",
-    "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
-    "ccl_built", "ddl_built", "gloo_built", "gloo_enabled", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-    "start_timeline", "stop_timeline",
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "ProcessSet",
+    "Sum",
+    "add_process_set",
+    "global_process_set",
+    "remove_process_set",
+    "init",
+    "is_initialized",
+    "shutdown",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "ccl_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "start_timeline",
+    "stop_timeline",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -45,8 +67,9 @@ class ProcessSet:
         try:
             ranks = sorted(ranks_or_comm)
         except TypeError:
-            raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm "
-                             "object") from None
+            raise ValueError(
+                "ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object"
+            ) from None
         if any(not isinstance(r, int) for r in ranks):
             raise ValueError("ProcessSet should be initialized with a list of process ranks or an mpi4py Comm object")
         self.ranks = ranks
@@ -106,7 +129,7 @@ def add_process_set(process_set):
         process_set = ProcessSet(process_set)
     try:
         handle = _core().add_process_set(process_set.ranks)
-        (_, dims, _), = handle.results()
+        ((_, dims, _),) = handle.results()
     except _kolo.CollectiveError as e:
         raise HorovodInternalError(str(e)) from None
     process_set.process_set_id = dims[0]
@@ -147,6 +170,22 @@ class _State:
 
 
 _state = _State()
+
+
+def _next_handle():
+    """The next of upstream's handle ids, from 1 (again after a shutdown):
+    every framework's submissions count on it, and an unnamed one is named
+    by it (`_wire_name`)."""
+    with _state.lock:
+        _state.last_handle += 1
+        return _state.last_handle
+
+
+def _wire_name(kind, name, handle):
+    """A collective's name as the core matches it: `kind.name`, or, unnamed,
+    `kind.noname.handle` (so unnamed calls match in the order issued)."""
+    return f"{kind}.{name}" if name is not None else f"{kind}.noname.{handle}"
+
 
 # what each framework's module adds: checks before a core starts (raising
 # leaves none behind), its set-up once the core runs, its teardown before
@@ -192,8 +231,9 @@ def _static_sets(process_sets):
         if ps.ranks is None:
             raise ValueError("kolo's Horovod builds process sets from lists of ranks, not MPI communicators")
         if ps.ranks in seen or ps.ranks == []:
-            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
-                             f"duplicate: {ps}")
+            raise ValueError(
+                f"Horovod could not be initialized because process_sets entry number {i} is a duplicate: {ps}"
+            )
         seen.append(ps.ranks)
     return sets, seen
 
@@ -211,7 +251,9 @@ def init(comm=None, process_sets=None):
         # as after this rank's own shutdown
         shutdown()
     if comm is not None:
-        raise ValueError("init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()")
+        raise ValueError(
+            "init(comm=...) takes MPI communicators; kolo's Horovod runs on kolo's collectives: call init()"
+        )
     sets, ranks = _static_sets(process_sets)
     # checked before a core starts, so that bad input leaves none behind
     for check in _checks:
@@ -231,8 +273,14 @@ def init(comm=None, process_sets=None):
                     # hosts came or went): init takes the next one
                     continue
             _state.comm = joined.comm
-            _state.ranks = (joined.rank, joined.size, joined.local_rank, joined.local_size, joined.cross_rank,
-                            joined.cross_size)
+            _state.ranks = (
+                joined.rank,
+                joined.size,
+                joined.local_rank,
+                joined.local_size,
+                joined.cross_rank,
+                joined.cross_size,
+            )
         else:
             core = _join_job(ranks)
     except _kolo.CollectiveError as e:

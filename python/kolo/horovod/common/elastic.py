@@ -82,10 +82,15 @@ def run(func, peer_lost=PEER_LOST, state_types=None, state_names="KerasState, Te
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         if not isinstance(state, state_types or State):
-            raise TypeError(f"the first argument must be an hvd.elastic state ({state_names}), "
-                            f"got {type(state).__name__}")
+            raise TypeError(
+                f"the first argument must be an hvd.elastic state ({state_names}), got {type(state).__name__}"
+            )
         _rounds._require_in_place("hvd.elastic.run")
-        return _rounds.run_rounds(state, lambda: func(state, *args, **kwargs), join_round=join_round,
-                                  peer_lost=lambda e: isinstance(e, peer_lost))
+        return _rounds.run_rounds(
+            state,
+            lambda: func(state, *args, **kwargs),
+            join_round=join_round,
+            peer_lost=lambda e: isinstance(e, peer_lost),
+        )
 
     return wrapper

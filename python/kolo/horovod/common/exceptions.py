@@ -1,14 +1,7 @@
-"""Horovod's exceptions (`horovod.common.exceptions`)."""
+"""Horovod's exceptions (`horovod.common.exceptions`): kolo's own
+(`kolo._errors`), the same classes, so that `except HostsUpdatedInterrupt`
+here catches what kolo's core raises."""
 
+from ..._errors import HorovodInternalError, HostsUpdatedInterrupt
 
-class HorovodInternalError(RuntimeError):
-    """A collective failed: a peer died or disagreed about the call. Elastic
-    jobs restore the last commit and go on."""
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Hosts came or went; `skip_sync` when only removals happened."""
-
-    def __init__(self, skip_sync=False):
-        super().__init__("the job's hosts changed")
-        self.skip_sync = skip_sync
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt"]

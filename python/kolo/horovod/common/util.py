@@ -22,14 +22,18 @@ def num_rank_is_power_2(num_rank):
 def get_average_backwards_compatibility_fun(reduce_ops):
     """`impl(op, average)`: the op from the deprecated `average` flag or
     `op`, not both."""
+
     def impl(op, average):
         if op is not None:
             if average is not None:
                 raise ValueError("The op parameter supersedes average. Please provide only one of them.")
             return op
         if average is not None:
-            warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
-                          DeprecationWarning)
+            warnings.warn(
+                "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                DeprecationWarning,
+                stacklevel=1,
+            )
             return reduce_ops.Average if average else reduce_ops.Sum
         return reduce_ops.Average
 
@@ -47,8 +51,9 @@ def _release(text):
 def is_version_greater_equal_than(ver, target):
     """Whether version `ver` is at least `target` ("major.minor.patch")."""
     if not isinstance(ver, str) or not isinstance(target, str):
-        raise ValueError(f"versions are strings: got {type(ver).__name__} {ver!r} and "
-                         f"{type(target).__name__} {target!r}")
+        raise ValueError(
+            f"versions are strings: got {type(ver).__name__} {ver!r} and {type(target).__name__} {target!r}"
+        )
     if len(target.split(".")) != 3:
         raise ValueError(f"the target version is major.minor.patch, not {target!r}")
     try:
@@ -66,7 +71,8 @@ def extension_available(ext_base_name, verbose=False):
     import importlib.util
 
     framework = {"horovod.torch": "torch", "horovod.tensorflow": "tensorflow", "horovod.keras": "keras"}.get(
-        ext_base_name)
+        ext_base_name
+    )
     return framework is not None and importlib.util.find_spec(framework) is not None
 
 
@@ -85,9 +91,21 @@ def nccl_built(verbose=False):
     else 0."""
     if not extension_available("horovod.torch"):
         return 0
-    from ..torch.ops import nccl_built as torch_nccl
+    return _torch_nccl_version()
 
-    return torch_nccl()
+
+def _torch_nccl_version():
+    """The NCCL version code of torch's NCCL (kolo sends CUDA tensors
+    through it; `horovod.torch.nccl_built()`), 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except Exception:
+        return 0
+    return major * 10000 + minor * 100 + patch
 
 
 @contextlib.contextmanager
@@ -118,4 +136,4 @@ def is_iterable(x):
 def split_list(items, n):
     """`items` in `n` contiguous chunks whose lengths differ by at most one."""
     size, extra = divmod(len(items), n)
-    return [items[i * size + min(i, extra):(i + 1) * size + min(i + 1, extra)] for i in range(n)]
+    return [items[i * size + min(i, extra) : (i + 1) * size + min(i + 1, extra)] for i in range(n)]

@@ -2,9 +2,20 @@
 (TensorFlow, JAX, PyTorch): DistributedOptimizer averages gradients where
 Keras 3 applies them; the callbacks and `load_model` as upstream's."""
 
-from .._keras.common import *  # noqa: F401,F403  (horovod.keras's API: _keras.common's __all__)
+from .. import _keras
+from .._keras.common import *  # noqa: F403  (horovod.keras's API: _keras.common's __all__)
 from .._keras.common import load_model  # noqa: F401
 from . import callbacks, elastic  # noqa: F401
+
+
+def _tensorflow():
+    # imported only where TensorFlow is the backend: beside torch's triton it aborts the process
+    from .. import tensorflow
+
+    return tensorflow
+
+
+_keras.use_tensorflow(_tensorflow)
 
 
 class Compression:

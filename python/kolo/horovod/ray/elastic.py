@@ -29,8 +29,17 @@ class TestDiscovery(_HostChurn, RayHostDiscovery):
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, min_hosts, max_hosts, change_frequency_s, use_gpu=False, cpus_per_slot=1, gpus_per_slot=1,
-                 verbose=True, _graceful=True):
+    def __init__(
+        self,
+        min_hosts,
+        max_hosts,
+        change_frequency_s,
+        use_gpu=False,
+        cpus_per_slot=1,
+        gpus_per_slot=1,
+        verbose=True,
+        _graceful=True,
+    ):
         RayHostDiscovery.__init__(self, use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, gpus_per_slot=gpus_per_slot)
         self._churn_init(min_hosts, max_hosts, change_frequency_s, verbose, _graceful)
 
@@ -86,25 +95,51 @@ class ElasticRayExecutor:
     workers of the last round."""
 
     @staticmethod
-    def create_settings(min_num_proc: int = 1, max_num_proc: int = None, reset_limit: int = None,
-                        elastic_timeout: int = 600, timeout_s: int = 30, ssh_identity_file: str = None,
-                        nics: str = None, min_np=None, max_np=None, **kwargs):
+    def create_settings(
+        min_num_proc: int = 1,
+        max_num_proc: int = None,
+        reset_limit: int = None,
+        elastic_timeout: int = 600,
+        timeout_s: int = 30,
+        ssh_identity_file: str = None,
+        nics: str = None,
+        min_np=None,
+        max_np=None,
+        **kwargs,
+    ):
         if min_np is not None:
             min_num_proc = min_np
             warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
         if max_np is not None:
             max_num_proc = max_np
             warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
-        return ElasticSettings(discovery=None, min_num_proc=min_num_proc, max_num_proc=max_num_proc,
-                               elastic_timeout=elastic_timeout, reset_limit=reset_limit, num_proc=min_num_proc,
-                               ssh_identity_file=ssh_identity_file, nics=nics, timeout_s=timeout_s, **kwargs)
+        return ElasticSettings(
+            discovery=None,
+            min_num_proc=min_num_proc,
+            max_num_proc=max_num_proc,
+            elastic_timeout=elastic_timeout,
+            reset_limit=reset_limit,
+            num_proc=min_num_proc,
+            ssh_identity_file=ssh_identity_file,
+            nics=nics,
+            timeout_s=timeout_s,
+            **kwargs,
+        )
 
-    def __init__(self, settings, use_gpu: bool = False, cpus_per_slot: int = 1,
-                 gpus_per_slot: Optional[int] = None, env_vars: dict = None, override_discovery=True):
+    def __init__(
+        self,
+        settings,
+        use_gpu: bool = False,
+        cpus_per_slot: int = 1,
+        gpus_per_slot: Optional[int] = None,
+        env_vars: dict = None,
+        override_discovery=True,
+    ):
         gpus_per_slot = _check_gpus(use_gpu, gpus_per_slot, per="gpus_per_slot")
         if override_discovery:
-            settings.discovery = RayHostDiscovery(use_gpu=use_gpu, cpus_per_slot=cpus_per_slot,
-                                                  gpus_per_slot=gpus_per_slot)
+            settings.discovery = RayHostDiscovery(
+                use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, gpus_per_slot=gpus_per_slot
+            )
         self.settings = settings
         self.use_gpu, self.cpus_per_slot, self.gpus_per_slot = use_gpu, cpus_per_slot, gpus_per_slot
         self.env_vars = env_vars or {}
@@ -116,11 +151,17 @@ class ElasticRayExecutor:
         """Checks the job; its workers start in `run`, as hosts come."""
         s = self.settings
         self._executor = RayExecutor(
-            s, min_workers=s.min_num_proc, max_workers=s.max_num_proc, reset_limit=s.reset_limit,
-            cooldown_range=getattr(s, "cooldown_range", None), elastic_timeout=s.elastic_timeout,
-            cpus_per_worker=self.cpus_per_slot, use_gpu=self.use_gpu,
+            s,
+            min_workers=s.min_num_proc,
+            max_workers=s.max_num_proc,
+            reset_limit=s.reset_limit,
+            cooldown_range=getattr(s, "cooldown_range", None),
+            elastic_timeout=s.elastic_timeout,
+            cpus_per_worker=self.cpus_per_slot,
+            use_gpu=self.use_gpu,
             gpus_per_worker=self.gpus_per_slot if self.use_gpu else None,
-            override_discovery=self._override_discovery)
+            override_discovery=self._override_discovery,
+        )
         self.driver = _DriverView()
         self._executor.start(extra_env_vars=self.env_vars)
 

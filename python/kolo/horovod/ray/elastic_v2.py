@@ -114,8 +114,18 @@ class TestDiscovery(_HostChurn, RayHostDiscovery):
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, min_hosts, max_hosts, change_frequency_s, use_gpu=False, cpus_per_worker=1,
-                 gpus_per_worker=1, verbose=True, _graceful=True):
-        RayHostDiscovery.__init__(self, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
-                                  gpus_per_worker=gpus_per_worker)
+    def __init__(
+        self,
+        min_hosts,
+        max_hosts,
+        change_frequency_s,
+        use_gpu=False,
+        cpus_per_worker=1,
+        gpus_per_worker=1,
+        verbose=True,
+        _graceful=True,
+    ):
+        RayHostDiscovery.__init__(
+            self, use_gpu=use_gpu, cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker
+        )
         self._churn_init(min_hosts, max_hosts, change_frequency_s, verbose, _graceful)

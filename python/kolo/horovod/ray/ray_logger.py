@@ -22,5 +22,6 @@ def log(info_dict):
     global _warned
     if not _kolo.report(cloudpickle.dumps(info_dict)) and not _warned:
         _warned = True
-        warnings.warn("`ray_logger.log` called but logging is not configured: no call of a RayExecutor runs here",
-                      stacklevel=2)
+        warnings.warn(
+            "`ray_logger.log` called but logging is not configured: no call of a RayExecutor runs here", stacklevel=2
+        )

@@ -76,7 +76,8 @@ class Coordinator:
 
     def establish_rendezvous(self):
         raise NotImplementedError(
-            "kolo's driver runs the job's rendezvous itself when a RayExecutor starts: there is none to make here")
+            "kolo's driver runs the job's rendezvous itself when a RayExecutor starts: there is none to make here"
+        )
 
 
 def _check_gpus(use_gpu, gpus_per_worker, per="gpus_per_worker"):
@@ -124,12 +125,22 @@ class _Adapter:
         if self.elastic:
             return None
         if p["num_hosts"]:
-            return ColocatedStrategy(settings=self.settings, num_hosts=p["num_hosts"],
-                                     num_workers_per_host=p["num_workers_per_host"], use_gpu=p["use_gpu"],
-                                     cpus_per_worker=p["cpus_per_worker"], gpus_per_worker=p["gpus_per_worker"])
-        return PGStrategy(settings=self.settings, num_workers=p["num_workers"], use_gpu=p["use_gpu"],
-                          cpus_per_worker=p["cpus_per_worker"], gpus_per_worker=p["gpus_per_worker"],
-                          force_create_placement_group=not p["use_current_placement_group"])
+            return ColocatedStrategy(
+                settings=self.settings,
+                num_hosts=p["num_hosts"],
+                num_workers_per_host=p["num_workers_per_host"],
+                use_gpu=p["use_gpu"],
+                cpus_per_worker=p["cpus_per_worker"],
+                gpus_per_worker=p["gpus_per_worker"],
+            )
+        return PGStrategy(
+            settings=self.settings,
+            num_workers=p["num_workers"],
+            use_gpu=p["use_gpu"],
+            cpus_per_worker=p["cpus_per_worker"],
+            gpus_per_worker=p["gpus_per_worker"],
+            force_create_placement_group=not p["use_current_placement_group"],
+        )
 
     def start(self, executable_cls=None, executable_args=None, executable_kwargs=None, extra_env_vars=None):
         import ray
@@ -138,8 +149,12 @@ class _Adapter:
             ray.init()  # as Ray's own first call would: RAY_ADDRESS, or a cluster here
         p = self.params
         self.strategy = self._make_strategy()
-        common = dict(cpus_per_worker=p["cpus_per_worker"], use_gpu=p["use_gpu"],
-                      gpus_per_worker=p["gpus_per_worker"] or None, engine="ray")
+        common = dict(
+            cpus_per_worker=p["cpus_per_worker"],
+            use_gpu=p["use_gpu"],
+            gpus_per_worker=p["gpus_per_worker"] or None,
+            engine="ray",
+        )
         if self.elastic:
             from ..runner.elastic import driver
 
@@ -147,15 +162,25 @@ class _Adapter:
             # their `node:<host>` resource, as horovod.ray places them;
             # without one, the cluster's alive nodes
             executor = kolo.Executor(
-                _executor_settings(self.settings), min_workers=p["min_workers"], max_workers=p["max_workers"],
-                reset_limit=p["reset_limit"], cooldown_range=p["cooldown_range"],
-                elastic_timeout=p["elastic_timeout"], host_discovery=self._discovery,
-                discovery_interval=driver.DISCOVER_HOSTS_FREQUENCY_SECS, **common)
+                _executor_settings(self.settings),
+                min_workers=p["min_workers"],
+                max_workers=p["max_workers"],
+                reset_limit=p["reset_limit"],
+                cooldown_range=p["cooldown_range"],
+                elastic_timeout=p["elastic_timeout"],
+                host_discovery=self._discovery,
+                discovery_interval=driver.DISCOVER_HOSTS_FREQUENCY_SECS,
+                **common,
+            )
         else:
             executor = kolo.Executor(
-                _executor_settings(self.settings), num_workers=p["num_workers"], num_hosts=p["num_hosts"],
+                _executor_settings(self.settings),
+                num_workers=p["num_workers"],
+                num_hosts=p["num_hosts"],
                 num_workers_per_host=p["num_workers_per_host"],
-                use_current_placement_group=p["use_current_placement_group"], **common)
+                use_current_placement_group=p["use_current_placement_group"],
+                **common,
+            )
         executor.start(executable_cls, executable_args, executable_kwargs, extra_env_vars)
         self._executor = executor
 
@@ -255,25 +280,45 @@ class RayExecutor:
     `min_workers` an elastic job on the cluster's alive nodes."""
 
     @classmethod
-    def create_settings(cls, timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100,
-                        nics=None):
+    def create_settings(
+        cls, timeout_s=30, ssh_identity_file=None, ssh_str=None, placement_group_timeout_s=100, nics=None
+    ):
         """horovod.ray's settings. `ssh_str`, a private key's text, is
         written to `ssh_identity_file` (0600) unless that exists."""
         if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
             with os.fdopen(os.open(ssh_identity_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(ssh_str)
-        return MiniSettings(ssh_identity_file=ssh_identity_file, timeout_s=timeout_s,
-                            placement_group_timeout_s=placement_group_timeout_s, nics=nics)
+        return MiniSettings(
+            ssh_identity_file=ssh_identity_file,
+            timeout_s=timeout_s,
+            placement_group_timeout_s=placement_group_timeout_s,
+            nics=nics,
+        )
 
-    def __init__(self, settings, num_workers: Optional[int] = None, num_hosts: Optional[int] = None,
-                 num_workers_per_host: int = 1, cpus_per_worker: int = 1, use_gpu: bool = False,
-                 gpus_per_worker: Optional[int] = None, use_current_placement_group: bool = True,
-                 min_workers: Optional[int] = None, max_workers: Optional[int] = None,
-                 reset_limit: Optional[int] = None, cooldown_range: Optional[List[int]] = None,
-                 elastic_timeout: int = 600, override_discovery: bool = True, **legacy):
+    def __init__(
+        self,
+        settings,
+        num_workers: Optional[int] = None,
+        num_hosts: Optional[int] = None,
+        num_workers_per_host: int = 1,
+        cpus_per_worker: int = 1,
+        use_gpu: bool = False,
+        gpus_per_worker: Optional[int] = None,
+        use_current_placement_group: bool = True,
+        min_workers: Optional[int] = None,
+        max_workers: Optional[int] = None,
+        reset_limit: Optional[int] = None,
+        cooldown_range: Optional[List[int]] = None,
+        elastic_timeout: int = 600,
+        override_discovery: bool = True,
+        **legacy,
+    ):
         # horovod.ray's first names for these, still in its examples
-        for old, new in (("num_slots", "num_workers_per_host"), ("cpus_per_slot", "cpus_per_worker"),
-                         ("gpus_per_slot", "gpus_per_worker")):
+        for old, new in (
+            ("num_slots", "num_workers_per_host"),
+            ("cpus_per_slot", "cpus_per_worker"),
+            ("gpus_per_slot", "gpus_per_worker"),
+        ):
             if old in legacy:
                 import warnings
 
@@ -288,29 +333,49 @@ class RayExecutor:
         if legacy:
             raise TypeError(f"RayExecutor got unexpected keyword arguments: {', '.join(sorted(legacy))}")
         if max_workers and (not min_workers or min_workers <= 0):
-            raise ValueError("`max_workers` provided without any positive `min_workers`. "
-                             "Elastic workloads require a positive `min_workers`")
+            raise ValueError(
+                "`max_workers` provided without any positive `min_workers`. "
+                "Elastic workloads require a positive `min_workers`"
+            )
         if min_workers and num_workers:
-            raise ValueError("Both `min_workers` and `num_workers` provided. Only one of the above is allowed "
-                             "as workloads cannot be elastic and non-elastic.")
+            raise ValueError(
+                "Both `min_workers` and `num_workers` provided. Only one of the above is allowed "
+                "as workloads cannot be elastic and non-elastic."
+            )
         gpus_per_worker = _check_gpus(use_gpu, gpus_per_worker)
         # upstream's callers pass None for "not given"
         num_workers_per_host = 1 if num_workers_per_host is None else num_workers_per_host
         cpus_per_worker = 1 if cpus_per_worker is None else cpus_per_worker
         self.settings = settings
         elastic = min_workers is not None
-        self.params = dict(num_workers=num_workers, num_hosts=num_hosts, num_workers_per_host=num_workers_per_host,
-                           cpus_per_worker=cpus_per_worker, use_gpu=use_gpu, gpus_per_worker=gpus_per_worker,
-                           use_current_placement_group=use_current_placement_group, min_workers=min_workers,
-                           max_workers=max_workers, reset_limit=reset_limit,
-                           cooldown_range=tuple(cooldown_range) if cooldown_range else None,
-                           elastic_timeout=elastic_timeout, override_discovery=override_discovery)
+        self.params = dict(
+            num_workers=num_workers,
+            num_hosts=num_hosts,
+            num_workers_per_host=num_workers_per_host,
+            cpus_per_worker=cpus_per_worker,
+            use_gpu=use_gpu,
+            gpus_per_worker=gpus_per_worker,
+            use_current_placement_group=use_current_placement_group,
+            min_workers=min_workers,
+            max_workers=max_workers,
+            reset_limit=reset_limit,
+            cooldown_range=tuple(cooldown_range) if cooldown_range else None,
+            elastic_timeout=elastic_timeout,
+            override_discovery=override_discovery,
+        )
         self.settings.elastic = elastic
         if not elastic:
             # the job's shape is checked now, as kolo.Executor checks it
-            kolo.Executor(_executor_settings(settings), num_workers=num_workers, num_hosts=num_hosts,
-                          num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
-                          use_gpu=use_gpu, gpus_per_worker=gpus_per_worker or None, engine="ray")
+            kolo.Executor(
+                _executor_settings(settings),
+                num_workers=num_workers,
+                num_hosts=num_hosts,
+                num_workers_per_host=num_workers_per_host,
+                cpus_per_worker=cpus_per_worker,
+                use_gpu=use_gpu,
+                gpus_per_worker=gpus_per_worker or None,
+                engine="ray",
+            )
         self.adapter = None
         self._is_remote = False
 
@@ -341,8 +406,13 @@ class RayExecutor:
             return ray.get(getattr(self.adapter, name).remote(*args, **kwargs))
         return getattr(self.adapter, name)(*args, **kwargs)
 
-    def start(self, executable_cls: type = None, executable_args: Optional[List] = None,
-              executable_kwargs: Optional[Dict] = None, extra_env_vars: Optional[Dict] = None):
+    def start(
+        self,
+        executable_cls: type = None,
+        executable_args: Optional[List] = None,
+        executable_kwargs: Optional[Dict] = None,
+        extra_env_vars: Optional[Dict] = None,
+    ):
         """Places and starts the workers, and in each `executable_cls(*args,
         **kwargs)` if given, with `extra_env_vars` set first.
         `TimeoutError` if Ray cannot place them within the settings'
@@ -351,8 +421,13 @@ class RayExecutor:
             raise RuntimeError("this RayExecutor was started already")
         self._initialize_adapter()
         try:
-            return self._call("start", executable_cls=executable_cls, executable_args=executable_args,
-                              executable_kwargs=executable_kwargs, extra_env_vars=extra_env_vars)
+            return self._call(
+                "start",
+                executable_cls=executable_cls,
+                executable_args=executable_args,
+                executable_kwargs=executable_kwargs,
+                extra_env_vars=extra_env_vars,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -361,14 +436,20 @@ class RayExecutor:
         """`fn(executable)` on every worker; the results in rank order."""
         return self._call("execute", fn, callbacks=callbacks)
 
-    def run(self, fn: Callable[..., Any], args: Optional[List] = None, kwargs: Optional[Dict] = None,
-            callbacks: Optional[List[Callable]] = None) -> List[Any]:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Optional[List] = None,
+        kwargs: Optional[Dict] = None,
+        callbacks: Optional[List[Callable]] = None,
+    ) -> List[Any]:
         """`fn(*args, **kwargs)` on every worker; the results in rank order.
         Each callback gets every value a worker logs (`ray_logger.log`)."""
         return self._call("run", fn, args=args, kwargs=kwargs, callbacks=callbacks)
 
-    def run_remote(self, fn: Callable[..., Any], args: Optional[List] = None,
-                   kwargs: Optional[Dict] = None) -> List[Any]:
+    def run_remote(
+        self, fn: Callable[..., Any], args: Optional[List] = None, kwargs: Optional[Dict] = None
+    ) -> List[Any]:
         """As `run`, at once: a Ray ObjectRef per rank (`ray.get(refs)`)."""
         return self._call("run_remote", fn, args=args, kwargs=kwargs)
 

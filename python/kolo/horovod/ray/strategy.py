@@ -8,8 +8,7 @@ keeps the one it used as `adapter.strategy`."""
 from typing import Dict
 
 
-def create_placement_group(resources_per_bundle: Dict[str, int], num_bundles: int, pg_timeout: float,
-                           pg_strategy: str):
+def create_placement_group(resources_per_bundle: Dict[str, int], num_bundles: int, pg_timeout: float, pg_strategy: str):
     """A placement group of `num_bundles` copies of `resources_per_bundle`
     with `pg_strategy`, ready; `(group, bundles)`. `TimeoutError` if Ray
     cannot place it within `pg_timeout` seconds (the group is removed)."""
@@ -23,7 +22,8 @@ def create_placement_group(resources_per_bundle: Dict[str, int], num_bundles: in
         raise TimeoutError(
             f"Placement group creation timed out after {pg_timeout} s: asked for {num_bundles} bundle(s) of "
             f"{resources_per_bundle} with {pg_strategy}; the cluster has {ray.available_resources()} available. "
-            "Make sure the cluster has enough resources, or use an autoscaling cluster.")
+            "Make sure the cluster has enough resources, or use an autoscaling cluster."
+        )
     return group, bundles
 
 
@@ -40,7 +40,8 @@ class BaseStrategy:
     def create_workers(self):
         raise NotImplementedError(
             "kolo's RayExecutor starts its workers itself, through kolo's Ray engine (as kolo agents in the "
-            "placement group this strategy describes), not as BaseHorovodWorker actors: use RayExecutor.start()")
+            "placement group this strategy describes), not as BaseHorovodWorker actors: use RayExecutor.start()"
+        )
 
     def shutdown(self):
         """Nothing: kolo's engine removes the placement group it made when the executor shuts down."""
@@ -49,8 +50,16 @@ class BaseStrategy:
 class ColocatedStrategy(BaseStrategy):
     """`num_workers_per_host` workers on each of `num_hosts` distinct nodes."""
 
-    def __init__(self, *, settings, num_hosts: int, num_workers_per_host: int, use_gpu: bool,
-                 cpus_per_worker: int, gpus_per_worker: int):
+    def __init__(
+        self,
+        *,
+        settings,
+        num_hosts: int,
+        num_workers_per_host: int,
+        use_gpu: bool,
+        cpus_per_worker: int,
+        gpus_per_worker: int,
+    ):
         self.settings = settings
         self.num_hosts, self.num_workers_per_host = num_hosts, num_workers_per_host
         self.use_gpu, self.cpus_per_worker = use_gpu, cpus_per_worker
@@ -61,8 +70,10 @@ class ColocatedStrategy(BaseStrategy):
         return int(self.num_hosts * self.num_workers_per_host)
 
     def _resources_per_host(self):
-        return dict(CPU=self.cpus_per_worker * self.num_workers_per_host,
-                    GPU=self.gpus_per_worker * self.num_workers_per_host * int(self.use_gpu))
+        return dict(
+            CPU=self.cpus_per_worker * self.num_workers_per_host,
+            GPU=self.gpus_per_worker * self.num_workers_per_host * int(self.use_gpu),
+        )
 
 
 class PGStrategy(BaseStrategy):
@@ -70,8 +81,17 @@ class PGStrategy(BaseStrategy):
     caller's placement group (`placement_group`, else the one the caller
     runs in), which kolo then uses instead of making one."""
 
-    def __init__(self, *, settings, num_workers, use_gpu, cpus_per_worker, gpus_per_worker,
-                 placement_group=None, force_create_placement_group=False):
+    def __init__(
+        self,
+        *,
+        settings,
+        num_workers,
+        use_gpu,
+        cpus_per_worker,
+        gpus_per_worker,
+        placement_group=None,
+        force_create_placement_group=False,
+    ):
         self.settings = settings
         self._num_workers = num_workers
         self.use_gpu, self.cpus_per_worker, self.gpus_per_worker = use_gpu, cpus_per_worker, gpus_per_worker

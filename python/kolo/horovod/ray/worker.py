@@ -43,8 +43,9 @@ class BaseHorovodWorker:
         """This process's environment."""
         return dict(os.environ)
 
-    def start_executable(self, executable_cls: type = None, executable_args: list = None,
-                         executable_kwargs: dict = None):
+    def start_executable(
+        self, executable_cls: type = None, executable_args: list = None, executable_kwargs: dict = None
+    ):
         """Makes `executable_cls(*args, **kwargs)` this worker's executable."""
         if executable_cls:
             self.executable = executable_cls(*(executable_args or []), **(executable_kwargs or {}))

@@ -22,11 +22,34 @@ class _HorovodArgs:
         self.nic = None
 
 
-def run(func, args=(), kwargs=None, num_proc=None, min_num_proc=None, max_num_proc=None, slots=None,
-        reset_limit=None, cooldown_range=None, hosts=None, hostfile=None, start_timeout=None, ssh_port=None,
-        ssh_identity_file=None, disable_cache=None, output_filename=None, verbose=None, use_gloo=None,
-        use_mpi=None, mpi_args=None, network_interfaces=None, executable=None, host_discovery_script=None,
-        np=None, min_np=None, max_np=None):
+def run(
+    func,
+    args=(),
+    kwargs=None,
+    num_proc=None,
+    min_num_proc=None,
+    max_num_proc=None,
+    slots=None,
+    reset_limit=None,
+    cooldown_range=None,
+    hosts=None,
+    hostfile=None,
+    start_timeout=None,
+    ssh_port=None,
+    ssh_identity_file=None,
+    disable_cache=None,
+    output_filename=None,
+    verbose=None,
+    use_gloo=None,
+    use_mpi=None,
+    mpi_args=None,
+    network_interfaces=None,
+    executable=None,
+    host_discovery_script=None,
+    np=None,
+    min_np=None,
+    max_np=None,
+):
     """Runs `func(*args, **kwargs)` in each of `num_proc` processes of a
     job (on `hosts`, `localhost:num_proc` by default) and returns every
     process's result, in rank order. With `min_num_proc` or

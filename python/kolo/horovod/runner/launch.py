@@ -44,7 +44,7 @@ def _nics(deprecated):
 def _check_build_table():
     import importlib.util
 
-    from ... import horovod
+    from .._version import __version__ as horovod_version
     from ..common import basics, util
 
     def have(module):
@@ -53,14 +53,25 @@ def _check_build_table():
     def mark(yes):
         return "[X]" if yes else "[ ]"
 
-    lines = [f"Horovod v{getattr(horovod, '__version__', '?')} (kolo {_kolo_version()}):", "",
-             "Available Frameworks:",
-             f"    {mark(have('tensorflow'))} TensorFlow", f"    {mark(have('torch'))} PyTorch", "    [ ] MXNet", "",
-             "Available Controllers:",
-             f"    {mark(basics.mpi_built())} MPI", f"    {mark(basics.gloo_built())} Gloo (kolo's core)", "",
-             "Available Tensor Operations:",
-             f"    {mark(util.nccl_built())} NCCL", "    [ ] DDL", "    [ ] CCL",
-             f"    {mark(basics.mpi_built())} MPI", f"    {mark(basics.gloo_built())} Gloo (kolo's collectives)"]
+    lines = [
+        f"Horovod v{horovod_version} (kolo {_kolo_version()}):",
+        "",
+        "Available Frameworks:",
+        f"    {mark(have('tensorflow'))} TensorFlow",
+        f"    {mark(have('torch'))} PyTorch",
+        "    [ ] MXNet",
+        "",
+        "Available Controllers:",
+        f"    {mark(basics.mpi_built())} MPI",
+        f"    {mark(basics.gloo_built())} Gloo (kolo's core)",
+        "",
+        "Available Tensor Operations:",
+        f"    {mark(util.nccl_built())} NCCL",
+        "    [ ] DDL",
+        "    [ ] CCL",
+        f"    {mark(basics.mpi_built())} MPI",
+        f"    {mark(basics.gloo_built())} Gloo (kolo's collectives)",
+    ]
     return "\n".join(lines)
 
 
@@ -83,24 +94,55 @@ def make_parser():
     """horovodrun's command line, its options by their own spellings."""
     p = argparse.ArgumentParser(prog="horovodrun", description=_DESCRIPTION, allow_abbrev=False)
     p.add_argument("-v", "--version", action="version", version=f"horovodrun on kolo {_kolo_version()}")
-    p.add_argument("-np", "--num-proc", "-num-proc", dest="num_proc", type=int,
-                   help="processes to run (default: the slots of the hosts)")
-    p.add_argument("-cb", "--check-build", action=_CheckBuild,
-                   help="show which frameworks, controllers and operations this build has, and exit")
-    p.add_argument("--disable-cache", action="store_true", dest="disable_cache",
-                   help="accepted: kolo keeps no cache of host checks")
-    p.add_argument("--start-timeout", dest="start_timeout", type=int,
-                   help="seconds for every process to start and connect (default: HOROVOD_START_TIMEOUT or 30)")
-    p.add_argument("--network-interfaces", "--network-interface", action=_nics(False), dest="nics",
-                   help="network interfaces for the job's traffic, comma-separated")
-    p.add_argument("--output-filename", dest="output_filename",
-                   help="also write each rank's output to DIR/rank.N/stdout and stderr")
+    p.add_argument(
+        "-np",
+        "--num-proc",
+        "-num-proc",
+        dest="num_proc",
+        type=int,
+        help="processes to run (default: the slots of the hosts)",
+    )
+    p.add_argument(
+        "-cb",
+        "--check-build",
+        action=_CheckBuild,
+        help="show which frameworks, controllers and operations this build has, and exit",
+    )
+    p.add_argument(
+        "--disable-cache",
+        action="store_true",
+        dest="disable_cache",
+        help="accepted: kolo keeps no cache of host checks",
+    )
+    p.add_argument(
+        "--start-timeout",
+        dest="start_timeout",
+        type=int,
+        help="seconds for every process to start and connect (default: HOROVOD_START_TIMEOUT or 30)",
+    )
+    p.add_argument(
+        "--network-interfaces",
+        "--network-interface",
+        action=_nics(False),
+        dest="nics",
+        help="network interfaces for the job's traffic, comma-separated",
+    )
+    p.add_argument(
+        "--output-filename",
+        dest="output_filename",
+        help="also write each rank's output to DIR/rank.N/stdout and stderr",
+    )
     p.add_argument("--verbose", action="store_true", dest="verbose")
     p.add_argument("--config-file", dest="config_file", help="YAML file of tunables (horovodrun's sections)")
     p.add_argument("-p", "--ssh-port", dest="ssh_port", type=int)
     p.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file")
-    p.add_argument("-x", dest="env_vars", action="append", metavar="VAR[=VALUE]",
-                   help="kolo's: pass a variable to the ranks (its value here, or VALUE)")
+    p.add_argument(
+        "-x",
+        dest="env_vars",
+        action="append",
+        metavar="VAR[=VALUE]",
+        help="kolo's: pass a variable to the ranks (its value here, or VALUE)",
+    )
     t = p.add_argument_group("tunables (HOROVOD_* variables of the ranks)")
     t.add_argument("--fusion-threshold-mb", dest="fusion_threshold_mb", type=int)
     t.add_argument("--cycle-time-ms", dest="cycle_time_ms", type=float)
@@ -130,17 +172,29 @@ def make_parser():
     t.add_argument("--gloo-timeout-seconds", dest="gloo_timeout_seconds", type=int)
     t.add_argument("--tcp", dest="tcp_flag", action="store_true", help="NCCL_IB_DISABLE=1 in the ranks")
     t.add_argument("--log-level", dest="log_level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"])
-    t.add_argument("--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp",
-                   action="store_const", const=True)
-    t.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp",
-                   action="store_const", const=False)
-    t.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", dest="prefix_output_with_timestamp",
-                   action="store_true", help="start each output line with the time")
+    t.add_argument(
+        "--log-with-timestamp", "--no-log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=True
+    )
+    t.add_argument(
+        "--log-without-timestamp", "--log-hide-timestamp", dest="log_with_timestamp", action="store_const", const=False
+    )
+    t.add_argument(
+        "-prefix-timestamp",
+        "--prefix-output-with-timestamp",
+        dest="prefix_output_with_timestamp",
+        action="store_true",
+        help="start each output line with the time",
+    )
     e = p.add_argument_group("elastic (kolo's in-place elastic driver)")
     e.add_argument("--min-np", "--min-num-proc", "-min-num-proc", dest="min_num_proc", type=int)
     e.add_argument("--max-np", "--max-num-proc", "-max-num-proc", dest="max_num_proc", type=int)
-    e.add_argument("--slots-per-host", "--slots", dest="slots", type=int,
-                   help="slots of a host the discovery script prints without :slots")
+    e.add_argument(
+        "--slots-per-host",
+        "--slots",
+        dest="slots",
+        type=int,
+        help="slots of a host the discovery script prints without :slots",
+    )
     e.add_argument("--elastic-timeout", dest="elastic_timeout", type=int)
     e.add_argument("--reset-limit", dest="reset_limit", type=int)
     e.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=int, nargs=2, metavar=("MIN", "MAX"))
@@ -190,8 +244,10 @@ class _JobFailed(RuntimeError):
         self.exit_code = exit_code
 
 
-_FAILED = ("Horovod detected that one or more processes exited with non-zero status, thus causing the job to be "
-           "terminated. The first process to do so was:\n{}")
+_FAILED = (
+    "Horovod detected that one or more processes exited with non-zero status, thus causing the job to be "
+    "terminated. The first process to do so was:\n{}"
+)
 
 
 def _refuse_mpi(args):
@@ -244,9 +300,15 @@ def _kolo_argv(args, elastic, outcome_file):
     if args.verbose:
         argv.append("-v")
     if elastic:
-        argv += ["--in-place", "--min-np", str(args.min_num_proc or args.num_proc),
-                 "--elastic-timeout", str(math.ceil(_elastic_timeout(args))),
-                 "--discovery-interval", str(elastic_driver.DISCOVER_HOSTS_FREQUENCY_SECS)]
+        argv += [
+            "--in-place",
+            "--min-np",
+            str(args.min_num_proc or args.num_proc),
+            "--elastic-timeout",
+            str(math.ceil(_elastic_timeout(args))),
+            "--discovery-interval",
+            str(elastic_driver.DISCOVER_HOSTS_FREQUENCY_SECS),
+        ]
         if args.max_num_proc is not None:
             argv += ["--max-np", str(args.max_num_proc)]
         if args.host_discovery_script:
@@ -263,8 +325,9 @@ def _kolo_argv(args, elastic, outcome_file):
     for var in getattr(args, "env_vars", None) or []:
         argv += ["-x", var]
     if not args.command:
-        raise ValueError("horovodrun: no command to run: put it after the options, e.g. horovodrun -np 2 python "
-                         "train.py")
+        raise ValueError(
+            "horovodrun: no command to run: put it after the options, e.g. horovodrun -np 2 python train.py"
+        )
     return argv + ["--"] + list(args.command)
 
 
@@ -343,25 +406,36 @@ def _run_function(args, elastic):
     """`horovod.run`: `args.run_func` in every process, through kolo.Executor."""
     import kolo
 
-    for name, what in (("ssh_port", "ssh_port"), ("output_filename", "output_filename"),
-                       ("hostfile", "hostfile")):
+    for name, what in (("ssh_port", "ssh_port"), ("output_filename", "output_filename"), ("hostfile", "hostfile")):
         if getattr(args, name, None):
-            raise ValueError(f"horovod.run({what}=...) is not supported by kolo's horovod.run yet: use horovodrun "
-                             f"(kolo run) for a command, or leave {what} out")
+            raise ValueError(
+                f"horovod.run({what}=...) is not supported by kolo's horovod.run yet: use horovodrun "
+                f"(kolo run) for a command, or leave {what} out"
+            )
     executable = getattr(args, "executable", None)
     if executable and os.path.realpath(executable) != os.path.realpath(sys.executable):
-        raise ValueError(f"horovod.run(executable={executable!r}): kolo's workers are this Python "
-                         f"({sys.executable}); run horovod.run from the Python you want the workers to be")
-    settings = kolo.Executor.create_settings(timeout_s=_start_timeout(args), ssh_identity_file=args.ssh_identity_file,
-                                             nics=set(args.nics) if args.nics else None)
+        raise ValueError(
+            f"horovod.run(executable={executable!r}): kolo's workers are this Python "
+            f"({sys.executable}); run horovod.run from the Python you want the workers to be"
+        )
+    settings = kolo.Executor.create_settings(
+        timeout_s=_start_timeout(args),
+        ssh_identity_file=args.ssh_identity_file,
+        nics=set(args.nics) if args.nics else None,
+    )
     env = _env(args)
     if elastic:
         executor = kolo.Executor(
-            settings, hosts=args.hosts, min_workers=args.min_num_proc or args.num_proc,
-            max_workers=args.max_num_proc, reset_limit=args.reset_limit,
+            settings,
+            hosts=args.hosts,
+            min_workers=args.min_num_proc or args.num_proc,
+            max_workers=args.max_num_proc,
+            reset_limit=args.reset_limit,
             cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
-            elastic_timeout=_elastic_timeout(args), host_discovery_script=args.host_discovery_script,
-            discovery_interval=elastic_driver.DISCOVER_HOSTS_FREQUENCY_SECS)
+            elastic_timeout=_elastic_timeout(args),
+            host_discovery_script=args.host_discovery_script,
+            discovery_interval=elastic_driver.DISCOVER_HOSTS_FREQUENCY_SECS,
+        )
     else:
         executor = kolo.Executor(settings, num_workers=args.num_proc, hosts=args.hosts)
     try:
@@ -371,8 +445,7 @@ def _run_function(args, elastic):
         return executor.run(args.run_func, fail_fast=True)
     except kolo.JobStopped as e:
         if getattr(e, "kind", None) == "reset_limit":
-            raise RuntimeError(constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(args.reset_limit) + f" (kolo: {e})") \
-                from e
+            raise RuntimeError(constants.RESET_LIMIT_EXCEEDED_MESSAGE.format(args.reset_limit) + f" (kolo: {e})") from e
         raise RuntimeError(_FAILED.format(f"(kolo: {e})")) from e
     except (kolo.WorkerError, kolo.WorkerLost) as e:
         raise RuntimeError(_FAILED.format(f"(kolo: {e})")) from e

@@ -11,6 +11,8 @@ eagerly and in `tf.function`, with upstream's gradients. Not built
 kernels (GPU tensors are copied to the CPU ops by TensorFlow) and XLA
 (`jit_compile=True`)."""
 
+import sys
+
 import tensorflow as tf
 
 from ..common import basics as _basics
@@ -25,7 +27,7 @@ from .functions import (  # noqa: F401
     broadcast_object_fn,
     broadcast_variables,
 )
-from ..common.basics import *  # noqa: F401,F403  (horovod.tensorflow's API: basics' __all__)
+from ..common.basics import *  # noqa: F403  (horovod.tensorflow's API: basics' __all__)
 from .mpi_ops import (  # noqa: F401
     Adasum,
     Average,
@@ -57,8 +59,10 @@ from .mpi_ops import (  # noqa: F401
 
 def _check_sparse_op(op):
     if op == Adasum:
-        raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
-                                  "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+        raise NotImplementedError(
+            "The Adasum reduction does not currently support sparse tensors. As a "
+            "workaround please pass sparse_as_dense=True to DistributedOptimizer"
+        )
     if op not in (Sum, Average):
         raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
 
@@ -69,9 +73,19 @@ def _sparse_reduced(values, indices, like, op, process_set):
     return tf.IndexedSlices(values, indices, dense_shape=like.dense_shape)
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
-              ignore_name_scope=False):
+def allreduce(
+    tensor,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    name=None,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+):
     """`tensor` reduced over the set's ranks (op Average by default). A
     `tf.IndexedSlices` is gathered instead (values and indices), as
     upstream does."""
@@ -85,15 +99,31 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         return _sparse_reduced(values, indices, tensor, op, process_set)
     tensor = tf.convert_to_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
-    reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor, process_set=process_set,
-                         ignore_name_scope=ignore_name_scope)
+    reduced = _allreduce(
+        compressed,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        ignore_name_scope=ignore_name_scope,
+    )
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
-                      ignore_name_scope=False, name=None):
+def grouped_allreduce(
+    tensors,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+    name=None,
+):
     """Each of `tensors` reduced as one group (fused by the core); sparse
     ones gathered."""
     if not tensors:
@@ -104,48 +134,71 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
         _check_sparse_op(op)
-        values = grouped_allgather([tensors[i].values for i in sparse], process_set=process_set,
-                                   ignore_name_scope=ignore_name_scope)
-        indices = grouped_allgather([tensors[i].indices for i in sparse], process_set=process_set,
-                                    ignore_name_scope=ignore_name_scope)
+        values = grouped_allgather(
+            [tensors[i].values for i in sparse], process_set=process_set, ignore_name_scope=ignore_name_scope
+        )
+        indices = grouped_allgather(
+            [tensors[i].indices for i in sparse], process_set=process_set, ignore_name_scope=ignore_name_scope
+        )
         for i, v, x in zip(sparse, values, indices):
             out[i] = _sparse_reduced(v, x, tensors[i], op, process_set)
     if dense:
         compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-        reduced = _grouped_allreduce([c for c, _ in compressed], name=name, op=op, prescale_factor=prescale_factor,
-                                     postscale_factor=postscale_factor, process_set=process_set,
-                                     ignore_name_scope=ignore_name_scope)
+        reduced = _grouped_allreduce(
+            [c for c, _ in compressed],
+            name=name,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+            ignore_name_scope=ignore_name_scope,
+        )
         for i, r, (_, ctx) in zip(dense, reduced, compressed):
             out[i] = compression.decompress(r, ctx)
     return out
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
-                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
-                  postscale_factor=1.0):
+def reducescatter(
+    tensor,
+    device_dense="",
+    compression=Compression.none,
+    op=Average,
+    name=None,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """`tensor` reduced over the set's ranks, dim 0 scattered: this rank's
     rows (the first dim0 % size ranks get one more)."""
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    out, = _reducescatter([compressed], name, op, prescale_factor, postscale_factor, process_set,
-                          ignore_name_scope)
+    (out,) = _reducescatter([compressed], name, op, prescale_factor, postscale_factor, process_set, ignore_name_scope)
     return compression.decompress(out, ctx)
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    device_dense="",
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     if not tensors:
         return tensors
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-    outs = _reducescatter([c for c, _ in compressed], None, op, prescale_factor, postscale_factor, process_set,
-                          False)
+    outs = _reducescatter([c for c, _ in compressed], None, op, prescale_factor, postscale_factor, process_set, False)
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
 def broadcast_global_variables(root_rank):
     """TF1's global variables from `root_rank` (graph mode only, as upstream)."""
     if tf.executing_eagerly():
-        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
-                           "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. "
+            "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead."
+        )
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
@@ -159,7 +212,7 @@ def _group_indices(grads, variables, groups):
     dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
     if isinstance(groups, int) and groups > 0:
         n = min(groups, len(dense)) or 1
-        chunks = [dense[k * len(dense) // n:(k + 1) * len(dense) // n] for k in range(n)]
+        chunks = [dense[k * len(dense) // n : (k + 1) * len(dense) // n] for k in range(n)]
     elif isinstance(groups, list):
         position = {id(v): i for i, v in enumerate(variables or [])}
         chunks, placed = [], set()
@@ -173,8 +226,16 @@ def _group_indices(grads, variables, groups):
     return [c for c in chunks if c]
 
 
-def reduce_gradients(grads, variables=None, compression=Compression.none, sparse_as_dense=False, op=Average,
-                     gradient_predivide_factor=1.0, groups=None, process_set=global_process_set):
+def reduce_gradients(
+    grads,
+    variables=None,
+    compression=Compression.none,
+    sparse_as_dense=False,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    groups=None,
+    process_set=global_process_set,
+):
     """Every gradient reduced over the set's ranks, as upstream's
     DistributedGradientTape and DistributedOptimizer reduce them: None
     passes, sparse ones are gathered (or made dense), the dense ones in
@@ -198,8 +259,14 @@ def reduce_gradients(grads, variables=None, compression=Compression.none, sparse
         if isinstance(g, tf.IndexedSlices):
             out[i] = allreduce(g, op=op, process_set=process_set)
     for chunk in _group_indices(grads, variables, groups):
-        reduced = grouped_allreduce([grads[i] for i in chunk], compression=compression, op=op,
-                                    prescale_factor=prescale, postscale_factor=postscale, process_set=process_set)
+        reduced = grouped_allreduce(
+            [grads[i] for i in chunk],
+            compression=compression,
+            op=op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=process_set,
+        )
         for i, r in zip(chunk, reduced):
             out[i] = r
     return out
@@ -224,11 +291,17 @@ class _ReducesGradients:
     worker's (scaled by the set's size unless `scale_local_gradients`
     is False)."""
 
-    def _kolo_setup(self, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
-                    scale_local_gradients):
-        self._kolo_reduce = dict(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
-                                 gradient_predivide_factor=gradient_predivide_factor, groups=groups,
-                                 process_set=process_set)
+    def _kolo_setup(
+        self, compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set, scale_local_gradients
+    ):
+        self._kolo_reduce = dict(
+            compression=compression,
+            sparse_as_dense=sparse_as_dense,
+            op=op,
+            gradient_predivide_factor=gradient_predivide_factor,
+            groups=groups,
+            process_set=process_set,
+        )
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self._kolo_locals = LocalVariables()
@@ -266,9 +339,19 @@ class _DistributedGradientTape(_ReducesGradients, tf.GradientTape):
         return grads[0] if single else grads
 
 
-def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=global_process_set, scale_local_gradients=True):
+def DistributedGradientTape(
+    gradtape,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    process_set=global_process_set,
+    scale_local_gradients=True,
+):
     """`gradtape`, whose `gradient()` returns gradients reduced over the
     set's ranks (averaged by default). Record with the tape as usual."""
     if num_groups != 0 and groups is None:
@@ -278,20 +361,41 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     cls = type(gradtape.__class__.__name__, (_DistributedGradientTape, gradtape.__class__), {})
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
-    tape._kolo_setup(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
-                     scale_local_gradients)
+    tape._kolo_setup(
+        compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set, scale_local_gradients
+    )
     return tape
 
 
-def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                                   groups=None, process_set=global_process_set, local_layers=None,
-                                   scale_local_gradients=True):
+def PartialDistributedGradientTape(
+    gradtape,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    process_set=global_process_set,
+    local_layers=None,
+    scale_local_gradients=True,
+):
     """A DistributedGradientTape whose `local_layers`' weights keep this
     worker's gradients."""
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, num_groups, groups, process_set,
-                                   scale_local_gradients)
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
     layers = local_layers if isinstance(local_layers, (list, tuple)) else [local_layers] if local_layers else []
     for layer in layers:
         for w in layer.trainable_weights:
@@ -299,10 +403,23 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
     return tape
 
 
-def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
-                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+def DistributedOptimizer(
+    optimizer,
+    name=None,
+    use_locking=False,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    average_aggregated_gradients=False,
+    num_groups=0,
+    groups=None,
+    process_set=global_process_set,
+    scale_local_gradients=True,
+):
     """A Keras 3 optimizer (see `horovod.tensorflow.keras`) whose updates
     use gradients averaged over the set's ranks."""
     if num_groups != 0 and groups is None:
@@ -311,32 +428,64 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         if op == Adasum:
             raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
         if backward_passes_per_step != 1:
-            raise NotImplementedError("backward_passes_per_step > 1 is not available in kolo for TF1 optimizers: "
-                                      "use a Keras optimizer")
-        return _DistributedOptimizer(optimizer, name, use_locking, compression, sparse_as_dense, op,
-                                     gradient_predivide_factor, groups, process_set, scale_local_gradients)
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 is not available in kolo for TF1 optimizers: use a Keras optimizer"
+            )
+        return _DistributedOptimizer(
+            optimizer,
+            name,
+            use_locking,
+            compression,
+            sparse_as_dense,
+            op,
+            gradient_predivide_factor,
+            groups,
+            process_set,
+            scale_local_gradients,
+        )
     if op == Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
     from .. import _keras
 
+    # _keras reduces a TensorFlow backend's gradients with this module
+    _keras.use_tensorflow(lambda: sys.modules[__name__])
     return _keras.create_distributed_optimizer(
-        optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        optimizer,
+        name=name,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
         backward_passes_per_step=backward_passes_per_step,
-        average_aggregated_gradients=average_aggregated_gradients, groups=groups, process_set=process_set,
-        scale_local_gradients=scale_local_gradients)
+        average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
 
 
 class _DistributedOptimizer(_ReducesGradients, tf.compat.v1.train.Optimizer):
     """A TF1 optimizer whose `compute_gradients` returns gradients reduced
     over the set's ranks (upstream's graph-mode wrapper)."""
 
-    def __init__(self, optimizer, name, use_locking, compression, sparse_as_dense, op, gradient_predivide_factor,
-                 groups, process_set, scale_local_gradients):
+    def __init__(
+        self,
+        optimizer,
+        name,
+        use_locking,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        groups,
+        process_set,
+        scale_local_gradients,
+    ):
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking)
         self._optimizer = optimizer
-        self._kolo_setup(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
-                         scale_local_gradients)
+        self._kolo_setup(
+            compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set, scale_local_gradients
+        )
 
     def register_local_var(self, var):
         """The gradient of `var` stays this worker's (not reduced)."""

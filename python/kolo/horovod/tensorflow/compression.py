@@ -2,7 +2,7 @@
 
 import tensorflow as tf
 
-from ..common.compression import Compressor, NoneCompressor  # noqa: F401
+from ..common.compression import Compressor, NoneCompressor
 
 
 class FP16Compressor(Compressor):

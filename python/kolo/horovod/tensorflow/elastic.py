@@ -11,6 +11,7 @@ from ..common.elastic import ObjectState, State  # noqa: F401
 from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
 from .functions import broadcast_object, broadcast_variables
 
+
 class TensorFlowState(ObjectState):
     """A list of `tf.Variable`s (eager TensorFlow 2) and attributes."""
 

@@ -18,9 +18,10 @@ from tensorflow.python.framework import op_def_registry
 from kolo import _kolo
 
 from ..common import basics as _basics
+from ..common.numpy_ops import is_homogeneous as is_homogeneous
 from ..common.util import get_average_backwards_compatibility_fun
 from .util import _executing_eagerly
-from ..common.basics import *  # noqa: F401,F403  (horovod.tensorflow's API: basics' __all__)
+from ..common.basics import *  # noqa: F403  (horovod.tensorflow's API: basics' __all__)
 from ..common.basics import Adasum, Average, Sum, global_process_set, local_rank, local_size, rank
 
 
@@ -44,7 +45,7 @@ def _load_ops():
     for key, value in namespace.items():
         if key.startswith("kolo_horovod_") and not key.endswith("_eager_fallback"):
             # generated code has no source for AutoGraph to read: it is a plain op call
-            setattr(ops, key[len("kolo_horovod_"):], tf.autograph.experimental.do_not_convert(value))
+            setattr(ops, key[len("kolo_horovod_") :], tf.autograph.experimental.do_not_convert(value))
     return ops
 
 
@@ -68,12 +69,6 @@ def rocm_built():
 
 def nccl_built():
     return 0
-
-
-def is_homogeneous():
-    from .functions import allgather_object
-
-    return len(set(allgather_object(local_size()))) == 1
 
 
 # upstream's rule: `op` wins; `average` True/False means Average/Sum
@@ -110,26 +105,52 @@ def _graph_name(kind, tensor, name):
 # ---- the ops -----------------------------------------------------------------
 
 
-def _allreduce(tensor, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set, ignore_name_scope=False):
+def _allreduce(
+    tensor,
+    name=None,
+    op=Sum,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+):
     """`tensor` reduced over the set's ranks (the raw op; `allreduce` adds
     compression and sparse tensors)."""
     _check_op(op)
     name = _graph_name("HorovodAllreduce", tensor, name)
-    return _ops.allreduce([tensor], reduce_op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set_id=_set_id(process_set, "Allreduce"),
-                          ignore_name_scope=ignore_name_scope, name=name)[0]
+    return _ops.allreduce(
+        [tensor],
+        reduce_op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set_id=_set_id(process_set, "Allreduce"),
+        ignore_name_scope=ignore_name_scope,
+        name=name,
+    )[0]
 
 
-def _grouped_allreduce(tensors, name=None, op=Sum, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set, ignore_name_scope=False):
+def _grouped_allreduce(
+    tensors,
+    name=None,
+    op=Sum,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+):
     _check_op(op)
     if not tensors:
         return tensors
     name = _graph_name("HorovodGroupedAllreduce", tensors[0], name)
-    return _ops.allreduce(list(tensors), reduce_op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set_id=_set_id(process_set, "Allreduce"),
-                          ignore_name_scope=ignore_name_scope, name=name)
+    return _ops.allreduce(
+        list(tensors),
+        reduce_op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set_id=_set_id(process_set, "Allreduce"),
+        ignore_name_scope=ignore_name_scope,
+        name=name,
+    )
 
 
 @tf.RegisterGradient("KoloHorovodAllreduce")
@@ -138,9 +159,14 @@ def _allreduce_grad(op, *grads):
     reduce_op = op.get_attr("reduce_op")
     set_id = op.get_attr("process_set_id")
     grads = [g if g is not None else tf.zeros_like(x) for g, x in zip(grads, op.inputs)]
-    return _ops.allreduce(grads, reduce_op=reduce_op, prescale_factor=op.get_attr("prescale_factor"),
-                          postscale_factor=op.get_attr("postscale_factor"), process_set_id=set_id,
-                          ignore_name_scope=op.get_attr("ignore_name_scope"))
+    return _ops.allreduce(
+        grads,
+        reduce_op=reduce_op,
+        prescale_factor=op.get_attr("prescale_factor"),
+        postscale_factor=op.get_attr("postscale_factor"),
+        process_set_id=set_id,
+        ignore_name_scope=op.get_attr("ignore_name_scope"),
+    )
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -155,8 +181,9 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         return tensors
     kind = "HorovodAllgather" if len(tensors) == 1 else "HorovodGroupedAllgather"
     name = _graph_name(kind, tensors[0], name)
-    outs = _ops.allgather(tensors, process_set_id=_set_id(process_set, "Allgather"),
-                          ignore_name_scope=ignore_name_scope, name=name)
+    outs = _ops.allgather(
+        tensors, process_set_id=_set_id(process_set, "Allgather"), ignore_name_scope=ignore_name_scope, name=name
+    )
     for t, out in zip(tensors, outs):
         out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]) if t.shape.rank else tf.TensorShape(None))
     return list(outs)
@@ -168,15 +195,14 @@ def _allgather_grad(op, *grads):
     own rows (by every rank's dim 0, gathered)."""
     set_id = op.get_attr("process_set_id")
     grads = [g if g is not None else tf.zeros_like(y) for g, y in zip(grads, op.outputs)]
-    reduced = _ops.allreduce(grads, reduce_op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set_id=set_id)
+    reduced = _ops.allreduce(grads, reduce_op=Average, prescale_factor=1.0, postscale_factor=1.0, process_set_id=set_id)
     dims = [tf.shape(x, out_type=tf.int64)[:1] for x in op.inputs]
     gathered = _ops.allgather(dims, process_set_id=set_id)
     me = _basics._core().process_set_ranks(set_id).index(rank())
     outs = []
     for g, d in zip(reduced, gathered):
         offset = tf.reduce_sum(d[:me])
-        outs.append(g[offset: offset + d[me]])
+        outs.append(g[offset : offset + d[me]])
     return outs
 
 
@@ -184,16 +210,26 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
     """Rank `root_rank`'s `tensor` (a global rank), on every rank of the set."""
     tensor = tf.convert_to_tensor(tensor)
     name = _graph_name("HorovodBroadcast", tensor, name)
-    return _ops.broadcast(tensor, root_rank=root_rank, process_set_id=_set_id(process_set, "Broadcast"),
-                          ignore_name_scope=ignore_name_scope, name=name)
+    return _ops.broadcast(
+        tensor,
+        root_rank=root_rank,
+        process_set_id=_set_id(process_set, "Broadcast"),
+        ignore_name_scope=ignore_name_scope,
+        name=name,
+    )
 
 
 @tf.RegisterGradient("KoloHorovodBroadcast")
 def _broadcast_grad(op, grad):
     """Upstream's: the average of the gradients on the root, zeros elsewhere."""
     root = op.get_attr("root_rank")
-    reduced = _ops.allreduce([grad], reduce_op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set_id=op.get_attr("process_set_id"))[0]
+    reduced = _ops.allreduce(
+        [grad],
+        reduce_op=Average,
+        prescale_factor=1.0,
+        postscale_factor=1.0,
+        process_set_id=op.get_attr("process_set_id"),
+    )[0]
     return reduced if rank() == root else reduced * 0
 
 
@@ -201,9 +237,10 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Overwrites each of `variables` with rank `root_rank`'s value; returns them."""
     single = not isinstance(variables, (list, tuple))
     variables = [variables] if single else list(variables)
-    assigned = [v.assign(broadcast(v, root_rank, name=None if name is None else f"{name}_{i}",
-                                   process_set=process_set))
-                for i, v in enumerate(variables)]
+    assigned = [
+        v.assign(broadcast(v, root_rank, name=None if name is None else f"{name}_{i}", process_set=process_set))
+        for i, v in enumerate(variables)
+    ]
     # in a graph the assignments run when their results are evaluated
     out = variables if _executing_eagerly() else assigned
     return out[0] if single else out
@@ -222,8 +259,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         if splits.dtype != tf.int32:
             splits = tf.cast(splits, tf.int32)
     name = _graph_name("HorovodAlltoall", tensor, name)
-    output, received = _ops.alltoall(tensor, splits, process_set_id=_set_id(process_set, "Alltoall"),
-                                     ignore_name_scope=ignore_name_scope, name=name)
+    output, received = _ops.alltoall(
+        tensor, splits, process_set_id=_set_id(process_set, "Alltoall"), ignore_name_scope=ignore_name_scope, name=name
+    )
     if tensor.shape.rank:
         output.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
     return (output, received) if given else output
@@ -246,10 +284,15 @@ def _reducescatter(tensors, name, op, prescale_factor, postscale_factor, process
             raise ValueError("Reducescatter does not support scalar inputs")
     kind = "HorovodReducescatter" if len(tensors) == 1 else "HorovodGroupedReducescatter"
     name = _graph_name(kind, tensors[0], name)
-    outs = _ops.reducescatter(tensors, reduce_op=op, prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor,
-                              process_set_id=_set_id(process_set, "Reducescatter"),
-                              ignore_name_scope=ignore_name_scope, name=name)
+    outs = _ops.reducescatter(
+        tensors,
+        reduce_op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set_id=_set_id(process_set, "Reducescatter"),
+        ignore_name_scope=ignore_name_scope,
+        name=name,
+    )
     for t, out in zip(tensors, outs):
         if t.shape.rank is not None:
             out.set_shape(tf.TensorShape([None]).concatenate(t.shape[1:]))

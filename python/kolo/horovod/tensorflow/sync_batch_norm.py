@@ -26,8 +26,7 @@ class _Synced:
         wide = tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
         mean, variance = tf.cast(mean, wide), tf.cast(variance, wide)
         # Var[X] = E[X^2] - E[X]^2, over every rank's batch
-        both = _allreduce(tf.stack([mean, variance + tf.square(mean)]), op=Average,
-                          process_set=self._kolo_process_set)
+        both = _allreduce(tf.stack([mean, variance + tf.square(mean)]), op=Average, process_set=self._kolo_process_set)
         mean, mean_of_squares = both[0], both[1]
         variance = tf.maximum(mean_of_squares - tf.square(mean), 0.0)
         return tf.cast(mean, dtype), tf.cast(variance, dtype)

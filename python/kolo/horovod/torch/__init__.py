@@ -16,11 +16,13 @@ upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built
 and reducescatter of CUDA tensors. `hvd.elastic` runs under `kolo run
 --in-place` and in elastic `kolo.Executor`s."""
 
-from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from .compression import Compression
-from .functions import broadcast_optimizer_state, broadcast_parameters
-from ..common.basics import *  # noqa: F401,F403  (horovod.torch's API: basics' __all__)
-from .ops import (
+# horovod.torch's API, imported here as upstream's module imports it (no
+# __all__: `import *` takes every public name, as from upstream's)
+from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # noqa: F401
+from .compression import Compression  # noqa: F401
+from .functions import broadcast_optimizer_state, broadcast_parameters  # noqa: F401
+from ..common.basics import *  # noqa: F403  (horovod.torch's API: basics' __all__)
+from .ops import (  # noqa: F401
     allgather,
     allgather_async,
     allgather_object,
@@ -55,6 +57,6 @@ from .ops import (
     sparse_allreduce_async,
     synchronize,
 )
-from . import elastic
-from .optimizer import DistributedOptimizer
-from .sync_batch_norm import SyncBatchNorm
+from . import elastic  # noqa: F401
+from .optimizer import DistributedOptimizer  # noqa: F401
+from .sync_batch_norm import SyncBatchNorm  # noqa: F401

@@ -23,8 +23,15 @@ from kolo import _kolo
 _CPU_DEVICE = -1
 
 _DTYPES = {
-    "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
-    "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
     "bool": torch.bool,
 }
 
@@ -170,7 +177,7 @@ class Executor:
         elif kind == "allgather":
             n = len(ranks)
             for i, rec in enumerate(records):
-                self._allgather(group, rec, sizes[i * n:(i + 1) * n], ranks.index(self.rank))
+                self._allgather(group, rec, sizes[i * n : (i + 1) * n], ranks.index(self.rank))
         elif kind == "broadcast":
             for rec in records:
                 self._broadcast(group, rec, ranks.index(rec.root))
@@ -200,8 +207,7 @@ class Executor:
         if self.size == 1:
             store = dist.HashStore()
         else:
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size, False,
-                                  timeout)
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.size, False, timeout)
         members = ",".join(map(str, ranks))
         store = dist.PrefixStore(f"kolo-hvd-{backend}/{self.generation}/{members}/", store)
         if backend == "nccl":
@@ -244,8 +250,9 @@ class Executor:
         flat = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
         _scale(flat, prescale)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = {_MIN: dist.ReduceOp.MIN, _MAX: dist.ReduceOp.MAX,
-                         _PRODUCT: dist.ReduceOp.PRODUCT}.get(op, dist.ReduceOp.SUM)
+        opts.reduceOp = {_MIN: dist.ReduceOp.MIN, _MAX: dist.ReduceOp.MAX, _PRODUCT: dist.ReduceOp.PRODUCT}.get(
+            op, dist.ReduceOp.SUM
+        )
         work = group.allreduce([flat], opts)
         # an average sums, then divides: the exact quotient where the
         # postscale is 1 (as the core's own path), else one scaling
@@ -263,7 +270,7 @@ class Executor:
             if len(tensors) > 1:
                 at = 0
                 for t in tensors:
-                    t.copy_(flat[at:at + t.numel()])
+                    t.copy_(flat[at : at + t.numel()])
                     at += t.numel()
 
         batch = Batch([work], after)
@@ -278,7 +285,7 @@ class Executor:
         self._wait_ready(rec)
         most = max(rows)
         padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        padded[:rows[me]] = t
+        padded[: rows[me]] = t
         padded = _rows_of_bytes(padded, most)
         outs = [torch.empty_like(padded) for _ in rows]
         work = group.allgather([outs], [padded])
@@ -318,8 +325,12 @@ class Executor:
         received = received.tolist()
         output = torch.empty((sum(received), *t.shape[1:]), dtype=t.dtype, device=t.device)
         send_rows = sum(splits)
-        work = group.alltoall_base(_rows_of_bytes(output, sum(received)),
-                                   _rows_of_bytes(t[:send_rows].contiguous(), send_rows), received, splits)
+        work = group.alltoall_base(
+            _rows_of_bytes(output, sum(received)),
+            _rows_of_bytes(t[:send_rows].contiguous(), send_rows),
+            received,
+            splits,
+        )
 
         def after():
             rec.result = (output, torch.tensor(received, dtype=torch.int32))
@@ -346,7 +357,7 @@ class Executor:
 
         def after():
             # (an average came as a sum with the postscale divided by the size)
-            mine = whole[start:start + count]
+            mine = whole[start : start + count]
             _scale(mine, postscale)
             rec.output.copy_(mine)
 

@@ -9,13 +9,32 @@ import torch
 
 from ..common.basics import predivide_scales
 from .compression import Compression
-from .ops import (Adasum, Average, _op_of, allreduce_async_, global_process_set, grouped_allreduce_async_, size,
-                  sparse_allreduce_async, synchronize)
+from .ops import (
+    Adasum,
+    Average,
+    _op_of,
+    allreduce_async_,
+    global_process_set,
+    grouped_allreduce_async_,
+    size,
+    sparse_allreduce_async,
+    synchronize,
+)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, groups, sparse_as_dense, process_set):
+    def __init__(
+        self,
+        params,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    ):
         super(self.__class__, self).__init__(params)
         self._compression = compression
         self.op = op
@@ -37,17 +56,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for j, p in enumerate(group["params"])
             ]
         if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                             "model.named_parameters().")
+            raise ValueError(
+                "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                "model.named_parameters()."
+            )
         names = [k for k, _ in named_parameters]
         duplicates = sorted({k for k in names if names.count(k) > 1})
         if duplicates:
-            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}")
+            raise ValueError(
+                f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+            )
         named_ids = {id(v) for _, v in named_parameters}
         unnamed = [p for p in all_params if id(p) not in named_ids]
         if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
-                             "Python object ids: " + ", ".join(str(id(p)) for p in unnamed))
+            raise ValueError(
+                "named_parameters was specified, but one or more model parameters were not named. "
+                "Python object ids: " + ", ".join(str(id(p)) for p in unnamed)
+            )
         self._parameter_names = {id(v): k for k, v in named_parameters}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {id(p): backward_passes_per_step for p in all_params}
@@ -77,7 +102,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if key in self._handles and self._handles[key][0] is not None and self._allreduce_delay[key] <= 0:
                 raise AssertionError(
                     "Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
+                    "Increase backward_passes_per_step to accumulate gradients locally."
+                )
             assert not p.grad.requires_grad
             assert self._allreduce_delay[key] > 0
             handle, ctx = None, None
@@ -118,8 +144,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return sparse_allreduce_async(p.grad, name=name, op=self.op, process_set=self.process_set), None
         compressed, ctx = self._compressed_grad(p)
         pre, post = self._scale()
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post,
-                                  process_set=self.process_set)
+        handle = allreduce_async_(
+            compressed, name=name, op=self.op, prescale_factor=pre, postscale_factor=post, process_set=self.process_set
+        )
         return handle, (ctx, compressed)
 
     def _allreduce_group_async(self, group):
@@ -129,9 +156,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # named by its first parameter, as upstream's: an unnamed group takes
         # each rank's own handle count, which ranks that joined early or ran
         # other sets' ops no longer share
-        handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._parameter_names.get(id(members[0])),
-                                          op=self.op, prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
+        handle = grouped_allreduce_async_(
+            [c for c, _ in compressed],
+            name=self._parameter_names.get(id(members[0])),
+            op=self.op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self.process_set,
+        )
         for p, (tensor, ctx) in zip(members, compressed):
             self._handles[id(p)] = (handle, (ctx, tensor), p)
         self._ready.pop(group, None)
@@ -188,18 +220,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             if self._synchronized:
                 # upstream's text, which scripts and tests match
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
-                              "code.")
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+                    "code.",
+                    stacklevel=1,
+                )
             self.synchronize()
         self._synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none=True):
         if self._handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
-                                 "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(). This is prohibited as it can cause a race condition."
+            )
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def load_state_dict(self, *args, **kwargs):
@@ -227,7 +264,7 @@ def _groups_of(param_groups, groups):
         runs, start = [], 0
         for i in range(count):
             length = len(params) // count + (1 if i < len(params) % count else 0)
-            runs.append(params[start:start + length])
+            runs.append(params[start : start + length])
             start += length
         return [run for run in runs if run]
     known = {id(p) for p in params}
@@ -247,9 +284,18 @@ def _groups_of(param_groups, groups):
     return result
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=global_process_set,
+):
     """`optimizer`, its gradients reduced over every rank (averaged by
     default) as backward produces them. An instance of a subclass of the
     optimizer's class (isinstance holds), sharing its param_groups."""
@@ -258,8 +304,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError("pass num_groups or groups, not both")
     methods = dict(_DistributedOptimizer.__dict__, _kolo_distributed=True)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-              gradient_predivide_factor, num_groups or groups, sparse_as_dense, process_set)
+    opt = cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        num_groups or groups,
+        sparse_as_dense,
+        process_set,
+    )
     # the state of an optimizer made before (e.g. loaded from a checkpoint)
     opt.state = optimizer.state
     return opt

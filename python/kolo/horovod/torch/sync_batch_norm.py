@@ -15,8 +15,9 @@ from .ops import Sum, allreduce, size
 
 
 class SyncBatchNorm(_BatchNorm):
-    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
-                 device=None, dtype=None):
+    def __init__(
+        self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True, device=None, dtype=None
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
 
     def _check_input_dim(self, input):
@@ -33,8 +34,9 @@ class SyncBatchNorm(_BatchNorm):
     def _local(self, input):
         momentum = self._momentum()
         training = self.training or not self.track_running_stats
-        return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
-                            training, momentum, self.eps)
+        return F.batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias, training, momentum, self.eps
+        )
 
     def _momentum(self):
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -48,15 +50,17 @@ class SyncBatchNorm(_BatchNorm):
         dims = [d for d in range(input.dim()) if d != 1]
         # statistics in float64: a sum of squares loses too much in half types
         x = input.to(torch.float64)
-        local = torch.cat([
-            x.sum(dims),
-            (x * x).sum(dims),
-            torch.tensor([input.numel() // channels], dtype=torch.float64, device=input.device),
-        ])
+        local = torch.cat(
+            [
+                x.sum(dims),
+                (x * x).sum(dims),
+                torch.tensor([input.numel() // channels], dtype=torch.float64, device=input.device),
+            ]
+        )
         total = allreduce(local, op=Sum, name=None)
         count = total[-1]
         mean = total[:channels] / count
-        var = total[channels:2 * channels] / count - mean * mean
+        var = total[channels : 2 * channels] / count - mean * mean
         shape = [1, channels] + [1] * (input.dim() - 2)
         out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         out = out.to(input.dtype)

@@ -29,8 +29,9 @@ class HostDiscoveryScript(HostDiscovery):
                 continue
             host, _, slots = line.partition(":")
             if not slots and self._default_slots is None:
-                raise ValueError(f"the discovery script printed {line!r} without slots, and no --slots-per-host "
-                                 "was given")
+                raise ValueError(
+                    f"the discovery script printed {line!r} without slots, and no --slots-per-host was given"
+                )
             hosts[host] = int(slots) if slots else self._default_slots
         return hosts
 

@@ -3,10 +3,25 @@ horovod.ray's `ElasticRayExecutor.create_settings`'s fields)."""
 
 
 class ElasticSettings:
-    def __init__(self, discovery=None, min_num_proc=None, max_num_proc=None, elastic_timeout=None,
-                 reset_limit=None, cooldown_range=None, num_proc=None, verbose=0, ssh_port=None,
-                 ssh_identity_file=None, nics=None, start_timeout=None, timeout_s=30, output_filename=None,
-                 placement_group_timeout_s=100, **others):
+    def __init__(
+        self,
+        discovery=None,
+        min_num_proc=None,
+        max_num_proc=None,
+        elastic_timeout=None,
+        reset_limit=None,
+        cooldown_range=None,
+        num_proc=None,
+        verbose=0,
+        ssh_port=None,
+        ssh_identity_file=None,
+        nics=None,
+        start_timeout=None,
+        timeout_s=30,
+        output_filename=None,
+        placement_group_timeout_s=100,
+        **others,
+    ):
         self.discovery = discovery
         self.min_num_proc, self.max_num_proc = min_num_proc, max_num_proc
         self.elastic_timeout, self.reset_limit, self.cooldown_range = elastic_timeout, reset_limit, cooldown_range

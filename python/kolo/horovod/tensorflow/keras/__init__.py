@@ -7,12 +7,16 @@ upstream's."""
 
 import tensorflow as tf
 
-from ..._keras.common import *  # noqa: F401,F403  (horovod.tensorflow.keras's API: _keras.common's __all__)
+from ... import _keras
+from ... import tensorflow as _hvd_tf
+from ..._keras.common import *  # noqa: F403  (horovod.tensorflow.keras's API: _keras.common's __all__)
 from ..._keras.common import load_model as _load_model
 from ..compression import Compression  # noqa: F401
 from ..functions import allgather_object, broadcast_object  # noqa: F401
 from ..sync_batch_norm import SyncBatchNormalization  # noqa: F401
 from . import callbacks, elastic  # noqa: F401
+
+_keras.use_tensorflow(lambda: _hvd_tf)
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=None, legacy_opts=False):

@@ -115,10 +115,19 @@ def set_args_from_config(args, config, override_args):
 
 def validate_config_args(args):
     """Non-negative numbers where horovodrun wants them."""
-    for name in ("fusion_threshold_mb", "cycle_time_ms", "cache_capacity", "autotune_warmup_samples",
-                 "autotune_steps_per_sample", "autotune_bayes_opt_max_samples",
-                 "stall_check_warning_time_seconds", "stall_check_shutdown_time_seconds", "num_nccl_streams",
-                 "thread_affinity", "gloo_timeout_seconds"):
+    for name in (
+        "fusion_threshold_mb",
+        "cycle_time_ms",
+        "cache_capacity",
+        "autotune_warmup_samples",
+        "autotune_steps_per_sample",
+        "autotune_bayes_opt_max_samples",
+        "stall_check_warning_time_seconds",
+        "stall_check_shutdown_time_seconds",
+        "num_nccl_streams",
+        "thread_affinity",
+        "gloo_timeout_seconds",
+    ):
         value = getattr(args, name, None)
         if value is not None and value < 0:
             raise ValueError(f"{name}={value} must be >= 0")

@@ -4,8 +4,7 @@ this process, as upstream's scripts and tests read them."""
 import os
 
 # kolo sets Horovod's names; the others are MPI launchers'
-_PAIRS = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-          ("PMI_RANK", "PMI_SIZE"))
+_PAIRS = (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
 
 
 def get_env_rank_and_size():
