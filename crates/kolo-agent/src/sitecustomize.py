@@ -75,9 +75,25 @@ def _kolo_alias_horovod():
 
 
 _KOLO_COLLECTIVES = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier",
-    "monitored_barrier", "send", "recv", "broadcast_object_list", "gather_object", "scatter_object_list",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
 )
 
 

@@ -151,8 +151,10 @@ class Bridge:
         try:
             import ray
         except ImportError as e:
-            return None, {"error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
-                                   "bridge with a Python that has it (kolo run --ray-python PATH)"}
+            return None, {
+                "error": f"{sys.executable} cannot import Ray ({e}): install Ray there, or run kolo's "
+                "bridge with a Python that has it (kolo run --ray-python PATH)"
+            }
         if ray.is_initialized():
             # in the driver's own Python, connected by the caller
             self.ray = ray
@@ -170,15 +172,18 @@ class Bridge:
         ray, error = self.connect(request)
         if error:
             return error
-        return {"nodes": [
-            {
-                "node_id": n["NodeID"],
-                "hostname": n.get("NodeManagerHostname", n["NodeID"]),
-                "cpus": n.get("Resources", {}).get("CPU", 0),
-                "gpus": n.get("Resources", {}).get("GPU", 0),
-            }
-            for n in ray.nodes() if n.get("Alive")
-        ]}
+        return {
+            "nodes": [
+                {
+                    "node_id": n["NodeID"],
+                    "hostname": n.get("NodeManagerHostname", n["NodeID"]),
+                    "cpus": n.get("Resources", {}).get("CPU", 0),
+                    "gpus": n.get("Resources", {}).get("GPU", 0),
+                }
+                for n in ray.nodes()
+                if n.get("Alive")
+            ]
+        }
 
     def place(self, request):
         t0 = time.monotonic()
@@ -265,8 +270,11 @@ class Bridge:
         for b, node in zip(bundles, nodes):
             # a host a discovery object of the caller's named is found as
             # horovod.ray finds it: by the node's `node:<name>` resource
-            where = (dict(scheduling_strategy=affinity(node_id=node, soft=False)) if node in node_ids
-                     else dict(resources={f"node:{node}": 0.01}))
+            where = (
+                dict(scheduling_strategy=affinity(node_id=node, soft=False))
+                if node in node_ids
+                else dict(resources={f"node:{node}": 0.01})
+            )
             actor = launcher.options(
                 num_cpus=b.get("CPU", 0),
                 num_gpus=b.get("GPU", 0),
@@ -277,9 +285,12 @@ class Bridge:
             self.launcher_of.append(actor)
         wheres = [a.where.remote() for a in self.actors]
         if not self._ready(wheres, timeout):
-            return self._gone_or({
-                "error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
-                         f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"})
+            return self._gone_or(
+                {
+                    "error": f"Ray could not start kolo's launchers on nodes {sorted(set(nodes))} within {timeout:g} s "
+                    f"(asked for {bundles}); available now: {_resources(ray.available_resources())}"
+                }
+            )
         places = ray.get(wheres)
         return self._placed([dict(where, bundle=i, node_id=node) for i, (where, node) in enumerate(zip(places, nodes))])
 
@@ -377,7 +388,9 @@ def _ended(code, last_words):
 
 
 def _resources(resources):
-    shown = {k: v for k, v in resources.items() if not k.startswith(("node:", "bundle_group", "memory", "object_store"))}
+    shown = {
+        k: v for k, v in resources.items() if not k.startswith(("node:", "bundle_group", "memory", "object_store"))
+    }
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(shown.items())) + "}"
 
 

@@ -1,4 +1,5 @@
 """Rank 1 raises under torchrun's @record; kolo's report must show it."""
+
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
