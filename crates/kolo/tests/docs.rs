@@ -219,10 +219,10 @@ fn undefined_names(text: &str, files: &[String]) -> Vec<String> {
             }
         } else if is_ident(name)
             && (call || name.starts_with(char::is_uppercase) && name.chars().any(char::is_lowercase))
+            && !defined.contains(name)
+            && !FOREIGN.contains(&name)
         {
-            if !defined.contains(name) && !FOREIGN.contains(&name) {
-                wrong.push(format!("{quoted}: not defined"));
-            }
+            wrong.push(format!("{quoted}: not defined"));
         }
     }
     wrong
