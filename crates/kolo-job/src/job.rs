@@ -115,10 +115,10 @@ impl OptionNames {
                 "ranks failed and the job was restarted {limit} times, its {}; raise it to allow more",
                 self.max_restarts
             ),
-            StopReason::Timeout { needed, available, waited } => format!(
-                "timed out after {:.0} s waiting for {needed} slots ({}) with {available} available on hosts not \
+            StopReason::Timeout { needed, available, timeout } => format!(
+                "timed out after {} waiting for {needed} slots ({}) with {available} available on hosts not \
                  blacklisted; add hosts or lower {}, or raise {}",
-                waited.as_secs_f64(),
+                kolo_topology::format_seconds(*timeout),
                 self.min_np,
                 self.min_np,
                 self.elastic_timeout
@@ -603,7 +603,7 @@ mod tests {
 
     #[test]
     fn stop_reasons_name_the_limits_as_each_front_end_spells_them() {
-        let timeout = StopReason::Timeout { needed: 4, available: 2, waited: Duration::from_secs(30) };
+        let timeout = StopReason::Timeout { needed: 4, available: 2, timeout: Duration::from_secs(30) };
         assert!(CLI.explain(&timeout).contains("waiting for 4 slots (--min-np) with 2 available"));
         let python = OptionNames::HOROVOD_RAY.explain(&timeout);
         assert!(python.contains("(min_workers)") && python.contains("raise elastic_timeout"), "{python}");

@@ -216,8 +216,9 @@ pub enum StopReason {
         needed: u32,
         /// Slots available on hosts not blacklisted.
         available: u32,
-        /// How long the job waited.
-        waited: Duration,
+        /// The elastic timeout it waited out: the limit the user set, not
+        /// the measured wait, which a busy driver overshoots.
+        timeout: Duration,
     },
     /// Every host of the running world failed and was blacklisted
     /// (Horovod's rule for in-place jobs: the job failed, whatever else
@@ -250,6 +251,15 @@ impl StopReason {
     }
 }
 
+/// A duration as users give it: whole seconds as "1 s", fractions to a tenth.
+pub fn format_seconds(duration: Duration) -> String {
+    if duration.subsec_nanos() == 0 {
+        format!("{} s", duration.as_secs())
+    } else {
+        format!("{:.1} s", duration.as_secs_f64())
+    }
+}
+
 /// Said neutrally: the front ends name the limits as their users gave
 /// them (kolo-job's `OptionNames::explain`).
 impl std::fmt::Display for StopReason {
@@ -259,10 +269,10 @@ impl std::fmt::Display for StopReason {
             StopReason::RestartLimit { limit } => {
                 write!(f, "ranks failed and the job was restarted {limit} times, its restart limit")
             }
-            StopReason::Timeout { needed, available, waited } => write!(
+            StopReason::Timeout { needed, available, timeout } => write!(
                 f,
-                "timed out after {:.0} s waiting for {needed} slots with {available} available on hosts not blacklisted",
-                waited.as_secs_f64()
+                "timed out after {} waiting for {needed} slots with {available} available on hosts not blacklisted",
+                format_seconds(*timeout)
             ),
             StopReason::NoSlotsLeft { needed, available } => write!(
                 f,
@@ -513,9 +523,9 @@ impl Membership {
                 return self.stop(StopReason::NoSlotsLeft { needed, available });
             }
             let since = *self.short_since.get_or_insert(now);
-            let waited = now.saturating_sub(since);
-            if waited >= self.config.elastic_timeout {
-                return self.stop(StopReason::Timeout { needed, available, waited });
+            let timeout = self.config.elastic_timeout;
+            if now.saturating_sub(since) >= timeout {
+                return self.stop(StopReason::Timeout { needed, available, timeout });
             }
             let announce = !matches!(self.wait_announced,
                 Some((n, a, at)) if n == needed && a == available && now < at + WAIT_NOTICE_EVERY);

@@ -21,7 +21,9 @@ mod slurm;
 /// `-H host:10000000` must be an error, not an out-of-memory kill.
 pub const MAX_PROCESSES: u32 = 65536;
 
-pub use elastic::{parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, StopReason, World};
+pub use elastic::{
+    format_seconds, parse_discovery, Cooldown, Decision, ElasticConfig, Event, Membership, StopReason, World,
+};
 pub use env::{
     caller_defaults, forwards_caller_var, names as env_names, rank_env, ElasticEnv, JobEnv, CHOSEN_AT_START,
     IFACE_VARS, OMP_NUM_THREADS,

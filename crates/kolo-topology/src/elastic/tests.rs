@@ -150,7 +150,7 @@ fn too_few_slots_wait_and_then_stop_at_the_elastic_timeout() {
     let mut early = m.clone();
     assert_eq!(world_of(&early.on(Event::Discovered(&hosts(&[("a", 2), ("b", 2)])), secs(20))), [("a", 2), ("b", 2)]);
     let Decision::Stop(reason) = m.on(Event::Tick, secs(35)) else { panic!("no stop") };
-    assert_eq!(reason, StopReason::Timeout { needed: 4, available: 2, waited: secs(30) });
+    assert_eq!(reason, StopReason::Timeout { needed: 4, available: 2, timeout: secs(30) });
     assert!(reason.to_string().contains("waiting for 4 slots with 2 available"), "{reason}");
     // and it stays stopped
     assert!(matches!(m.on(Event::Discovered(&hosts(&[("a", 9)])), secs(36)), Decision::Stop(_)));
