@@ -414,6 +414,25 @@ def stall():
     check(hvd.synchronize(got), torch.full((2,), float(hvd.size())), "late")
 
 
+def stall_shutdown():
+    """Rank 1 holds back past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: rank 0's
+    allreduce fails with the coordinator's shutdown, and rank 1's, made
+    once rank 0 has seen that, fails too: the job ends, as upstream's."""
+    import time
+
+    marker = os.environ["KOLO_TEST_MARKER"]
+    if hvd.rank() == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "rank 0 never saw the shutdown"
+            time.sleep(0.05)
+    why = "stalled for longer than 2 seconds. Will shutdown."
+    expect(lambda: hvd.allreduce(torch.ones(2), name="held"), hvd.HorovodInternalError, why)
+    if hvd.rank() == 0:
+        with open(marker, "w"):
+            pass
+
+
 def stalled():
     """Rank 1 never submits what rank 0 waits for: kolo's hang watch ends
     the job, and its report carries the coordinator's stall warning."""

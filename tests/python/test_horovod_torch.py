@@ -76,6 +76,20 @@ def test_the_stall_warning_names_the_ranks_that_have_not_submitted():
     assert "Missing ranks:" in out.stderr, out.stderr
 
 
+def test_past_the_stall_shutdown_time_the_job_shuts_down_naming_the_tensor_and_the_late_rank(tmp_path):
+    # upstream's test/integration/test_stall.py, as kolo's own scenario
+    env = {
+        **os.environ,
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2",
+        "KOLO_TEST_MARKER": str(tmp_path / "rank0-shut-down"),
+    }
+    out = kolo_run(2, RANKS, "stall_shutdown", env=env)
+    passed(out, 2, "stall_shutdown")
+    assert "[ERROR]: One or more tensors were submitted" in out.stderr, out.stderr
+    assert "1!: [allreduce.held]" in out.stderr, out.stderr
+
+
 def test_a_name_stays_taken_until_its_handle_is_seen_done_when_the_peers_were_there_first():
     passed(kolo_run(2, RANKS, "duplicates"), 2, "duplicates")
 
