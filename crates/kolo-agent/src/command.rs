@@ -76,7 +76,17 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
     };
     let mut error_file = false;
     let mut progress = None;
+    let mut timeline = None;
     if let Some(dir) = &rank_dir {
+        if lookup(kolo_timeline::WANTED_VAR).as_deref() == Some("1") {
+            // the rank records there; sent to the driver once it ended
+            let file = dir.path().join("timeline");
+            if let Some(guard) = &guard {
+                let _ = guard.remove_path(&file);
+            }
+            command.env(kolo_timeline::FILE_VAR, &file);
+            timeline = Some(file);
+        }
         // on the driver's host the driver removes it if this agent dies
         if let (Some(registry), Some(record)) = (&agent.group_registry, kolo_proto::launch::dir_record(dir.path())) {
             let _ = nix::unistd::write(registry, &record);
@@ -190,9 +200,34 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
                 let _ = agent.send(&ToDriver::CommandError { message, traceback });
             }
         }
+        if let Some(file) = &timeline {
+            send_timeline(&agent, file);
+        }
         drop(rank_dir);
         let _ = agent.send(&ToDriver::CommandExited { code, signal });
     });
+}
+
+/// What the rank recorded for the job's timeline, in frames of a bounded
+/// size; nothing if it recorded nothing (it made no collective).
+fn send_timeline(agent: &Agent, file: &std::path::Path) {
+    use std::io::Read;
+    const CHUNK: usize = 4 << 20;
+    let Ok(mut file) = File::open(file) else { return };
+    let mut header = [0u8; kolo_timeline::HEADER_BYTES];
+    if file.read_exact(&mut header).is_err() {
+        return;
+    }
+    let Some(len) = kolo_timeline::recorded_len(&header) else { return };
+    let mut bytes = header.to_vec();
+    if file.take((len - header.len()) as u64).read_to_end(&mut bytes).is_err() {
+        return;
+    }
+    for data in kolo_timeline::used_bytes(&bytes).chunks(CHUNK) {
+        if agent.send(&ToDriver::Timeline { data: data.to_vec() }).is_err() {
+            return;
+        }
+    }
 }
 
 /// Sends the command's output to the driver until the command has exited

@@ -205,6 +205,9 @@ pub(crate) fn read_batch(
             }
             ToWorker::Stop if calls.pending.load(Ordering::SeqCst) > 0 => agent.exit(0, agent.kill_grace),
             ToWorker::ProbeDone => crate::nics::stop_listening(),
+            ToWorker::ClockProbe { id } => {
+                agent.send(&ToDriver::ClockReading { id, unix_ns: kolo_timeline::now_ns() })?;
+            }
             ToWorker::WhoOwns { id, client, server } => {
                 let host = format!("host {}", real_hostname());
                 let answer = kolo_sys::sockets::owned_by_this_user(client, server, &host);
@@ -233,6 +236,7 @@ pub(crate) fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State,
         ToWorker::Heartbeat
         | ToWorker::Cancel { .. }
         | ToWorker::ProbeDone
+        | ToWorker::ClockProbe { .. }
         | ToWorker::WhoOwns { .. }
         | ToWorker::Inspect { .. } => return,
         ToWorker::SetEnv(vars) => {

@@ -8,7 +8,9 @@
 //!
 //! Options: --epochs N (10), --samples N (65536), --features N (32),
 //! --batch N (256 per worker), --lr X (0.5), --step-ms N (0: extra time
-//! per step, as a bigger model would take), --commit-every N (16 steps, in
+//! per step, as a bigger model would take), --straggler R with
+//! --straggler-ms N (rank R takes N ms more per step: a slow host, as
+//! `kolo run --timeline` shows it), --commit-every N (16 steps, in
 //! elastic mode). Exits non-zero unless the final loss is below half of the
 //! starting loss.
 //!
@@ -31,11 +33,33 @@ struct Options {
     batch: usize,
     lr: f32,
     step_ms: u64,
+    straggler: Option<usize>,
+    straggler_ms: u64,
     commit_every: usize,
 }
 
+impl Options {
+    /// The extra time this rank takes per step, if any.
+    fn pause(&self, rank: usize) {
+        let ms = self.step_ms + if self.straggler == Some(rank) { self.straggler_ms } else { 0 };
+        if ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
+}
+
 fn options() -> Result<Options, String> {
-    let mut o = Options { epochs: 10, samples: 65536, features: 32, batch: 256, lr: 0.5, step_ms: 0, commit_every: 16 };
+    let mut o = Options {
+        epochs: 10,
+        samples: 65536,
+        features: 32,
+        batch: 256,
+        lr: 0.5,
+        step_ms: 0,
+        straggler: None,
+        straggler_ms: 0,
+        commit_every: 16,
+    };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
         let [flag, value] = pair else { return Err(format!("'{}' needs a value", pair[0])) };
@@ -47,6 +71,8 @@ fn options() -> Result<Options, String> {
             "--batch" => o.batch = value.parse().map_err(|_| bad())?,
             "--lr" => o.lr = value.parse().map_err(|_| bad())?,
             "--step-ms" => o.step_ms = value.parse().map_err(|_| bad())?,
+            "--straggler" => o.straggler = Some(value.parse().map_err(|_| bad())?),
+            "--straggler-ms" => o.straggler_ms = value.parse().map_err(|_| bad())?,
             "--commit-every" => o.commit_every = value.parse().map_err(|_| bad())?,
             other => return Err(format!("unknown option '{other}'")),
         }
@@ -227,9 +253,7 @@ fn train(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
         for step_index in 0..steps {
             let batch = &shard[step_index * o.batch..((step_index + 1) * o.batch).min(shard.len())];
             step(&mut comm, &x, &y, &mut w, batch, &mut grad, &mut avg, o.lr)?;
-            if o.step_ms > 0 {
-                std::thread::sleep(std::time::Duration::from_millis(o.step_ms));
-            }
+            o.pause(comm.rank());
         }
         let seconds = start.elapsed().as_secs_f64();
         last = loss(&mut comm, &x, &y, &w, &shard)?;
@@ -276,9 +300,7 @@ fn train_round(
             let p = &mut **state;
             step(comm, x, y, &mut p.w, batch, grad, avg, o.lr)?;
             p.step += 1;
-            if o.step_ms > 0 {
-                std::thread::sleep(std::time::Duration::from_millis(o.step_ms));
-            }
+            o.pause(rank);
             if state.step.is_multiple_of(o.commit_every) {
                 state.commit()?;
             }

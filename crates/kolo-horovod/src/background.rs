@@ -19,6 +19,7 @@ use kolo_comm::Communicator;
 use crate::controller::{SetLoop, Stop};
 use crate::entry::{Entry, Failure, Output};
 use crate::exec::Aligned;
+use crate::job_timeline::Running;
 use crate::message::{Response, Stopping};
 use crate::perform::{perform, take_all, SetChange};
 use crate::queue::{fail_all, SHUT_DOWN};
@@ -36,6 +37,8 @@ pub(crate) struct Background {
     /// A stall past its shutdown time found here as some set's
     /// coordinator: asked of every rank through the next global cycle.
     stall_stop: Option<Stopping>,
+    /// Tensors run per set, for the job's timeline.
+    traced: BTreeMap<u32, u64>,
 }
 
 /// After this many cycles with nothing in flight anywhere, the loop
@@ -61,6 +64,7 @@ impl Background {
             started: Instant::now(),
             sets_made: 0,
             stall_stop: None,
+            traced: BTreeMap::new(),
         }
     }
 
@@ -68,6 +72,8 @@ impl Background {
     /// cycles ended.
     pub(crate) fn run(&mut self, static_sets: Vec<(u32, Vec<u32>)>) {
         // a bug here must fail the waiters, not leave them waiting
+        // the job's timeline records tensors here, not the fused collectives
+        kolo_timeline::quiet_on_this_thread();
         let cycles = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run_cycles(static_sets)));
         let stop = match cycles {
             Ok(Ok(cause)) => Stop::ShutDown(cause),
@@ -213,7 +219,12 @@ impl Background {
 
     fn execute_entries(&mut self, id: u32, response: Response, entries: &mut [Option<Entry>]) -> Result<(), Stop> {
         let set = self.sets.get_mut(&id).expect("held");
-        match perform(set, &self.shared, id, response, &mut self.fusion, entries)? {
+        let traced = Running::of(id, &response, entries, &mut self.traced);
+        let performed = perform(set, &self.shared, id, response, &mut self.fusion, entries);
+        if let Some(traced) = traced {
+            traced.ended(performed.is_ok());
+        }
+        match performed? {
             None => {}
             Some(SetChange::Added { id: new_id, ranks }) => {
                 self.make_set(new_id, ranks)?;

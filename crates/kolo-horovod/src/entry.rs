@@ -274,6 +274,8 @@ pub(crate) struct Entry {
     pub(crate) submit: Submit,
     pub(crate) handle: Arc<Handle>,
     pub(crate) index: usize,
+    /// When it was submitted, for the job's timeline (0 when not recording).
+    pub(crate) submitted_ns: i64,
 }
 
 impl Entry {

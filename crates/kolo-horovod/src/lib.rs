@@ -14,7 +14,7 @@
 //! (`tensor_queue.cc`), `background` the thread's loop, `controller` one
 //! set's cycle (`controller.cc`), `perform` running what was agreed,
 //! `exec` a response's collective on a communicator, `device` those over
-//! device memory, through the process's device executor.
+//! device memory, through the process's device executor; `job_timeline` each tensor for `kolo run --timeline`.
 
 #![warn(missing_docs)]
 
@@ -26,6 +26,7 @@ pub mod device;
 pub mod entry;
 mod exec;
 pub mod fusion;
+mod job_timeline;
 pub mod message;
 pub mod negotiate;
 mod perform;

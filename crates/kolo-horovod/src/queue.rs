@@ -122,7 +122,8 @@ impl SetShared {
             }
             let mut request = request;
             request.name = name.clone();
-            self.table.insert(name, Entry { submit, handle: handle.clone(), index });
+            let submitted_ns = if kolo_timeline::recording() { kolo_timeline::now_ns() } else { 0 };
+            self.table.insert(name, Entry { submit, handle: handle.clone(), index, submitted_ns });
             self.queue.push_back(request);
         }
         Ok(handle)

@@ -18,7 +18,7 @@ use kolo_auth::Secret;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 /// Bumped whenever a message changes shape.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Frames larger than this are refused (a task's arguments or result).
 pub const MAX_FRAME: usize = 256 << 20;
 /// Frames before authentication are at most this: nobody can make the
@@ -232,6 +232,12 @@ pub enum ToWorker {
         /// How long each probe may take.
         timeout_ms: u64,
     },
+    /// "What time is it?" (`kolo run --timeline` puts every host's clock
+    /// onto the driver's): answered at once with `ClockReading`.
+    ClockProbe {
+        /// Matches the answer.
+        id: u64,
+    },
 }
 
 /// A rank's process as its agent sees it.
@@ -368,6 +374,19 @@ pub enum ToDriver {
     ProbeResult {
         /// (interface, address, `None` or why the probe failed).
         results: Vec<(String, String, Option<String>)>,
+    },
+    /// The answer to `ClockProbe`: this host's clock when the agent read it.
+    ClockReading {
+        /// The probe's `id`.
+        id: u64,
+        /// Nanoseconds since the Unix epoch.
+        unix_ns: i64,
+    },
+    /// Part of what the rank recorded for the job's timeline, sent when its
+    /// command has ended, before `CommandExited`.
+    Timeline {
+        /// The next bytes of the rank's timeline file.
+        data: Vec<u8>,
     },
 }
 

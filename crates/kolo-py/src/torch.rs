@@ -189,7 +189,13 @@ pub struct Call {
 
 impl Call {
     fn of(run: impl FnOnce(&mut Communicator) -> Result<(), CommError> + Send + 'static) -> Call {
-        Call { run: Mutex::new(Some(Box::new(run))) }
+        // on the job's timeline a queued call waits from when torch asked
+        let submitted_ns = kolo_timeline::recording().then(kolo_timeline::now_ns);
+        let run: Run = match submitted_ns {
+            Some(at) => Box::new(move |comm: &mut Communicator| kolo_timeline::with_submitted_at(at, || run(comm))),
+            None => Box::new(run),
+        };
+        Call { run: Mutex::new(Some(run)) }
     }
 
     fn take(&self) -> PyResult<Run> {

@@ -19,7 +19,7 @@ impl Cli {
             Command::Run(a) => a.verbose,
             Command::Rendezvous(a) => a.verbose,
             Command::Nics(a) => a.verbose,
-            Command::Ps(_) | Command::Status(_) | Command::Stack(_) | Command::Top(_) => false,
+            Command::Ps(_) | Command::Status(_) | Command::Stack(_) | Command::Top(_) | Command::Timeline(_) => false,
         }
     }
 }
@@ -41,6 +41,16 @@ pub(crate) enum Command {
     Stack(StackArgs),
     /// Watch a job's ranks, refreshed every second (q quits).
     Top(TopArgs),
+    /// Summarize a job's timeline (`kolo run --timeline FILE`): the
+    /// collectives that cost most, the ranks the others waited for.
+    Timeline(TimelineArgs),
+}
+
+#[derive(Args, Debug)]
+pub(crate) struct TimelineArgs {
+    /// The trace `kolo run --timeline` wrote.
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -228,6 +238,12 @@ pub(crate) struct RunArgs {
     /// output) for this many seconds.
     #[arg(long, value_name = "SECONDS")]
     pub hang_timeout: Option<f64>,
+    /// Record every rank's collectives (Horovod's tensors, the torch
+    /// backend's calls, kolo-comm's) and write the whole job's timeline to
+    /// FILE at its end, the hosts' clocks aligned: Chrome's trace format,
+    /// for Perfetto or chrome://tracing; `kolo timeline FILE` summarizes it.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
     /// Make the rendezvous server refuse requests without the job secret
     /// (only for jobs whose workers all use kolo's clients).
     #[arg(long)]

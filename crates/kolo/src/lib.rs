@@ -13,6 +13,7 @@ mod out;
 mod rendezvous;
 mod run;
 mod spec;
+mod timeline;
 mod top;
 
 use std::ffi::OsString;
@@ -68,6 +69,7 @@ pub fn main(args: Vec<OsString>, worker: WorkerProgram) -> i32 {
             cli::Command::Status(args) => inspect::status(args.job.as_deref(), args.json),
             cli::Command::Stack(args) => inspect::stack(args.job.as_deref(), args.rank),
             cli::Command::Top(args) => top::top(args.job.as_deref()),
+            cli::Command::Timeline(args) => timeline::summarize(&args.file),
         }
     });
     // not a plain drop, which waits for blocking threads without limit: an

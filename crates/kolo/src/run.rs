@@ -49,12 +49,16 @@ async fn run_to_end(args: &RunArgs, worker: crate::WorkerProgram, ended: &mut En
         return crate::dry_run::dry_run(&job).await;
     }
     let hang = job.hang_timeout();
+    if job.is_elastic() && args.timeline.is_some() {
+        anyhow::bail!("--timeline records a fixed job; drop it or {}", CLI_NAMES.elastic_options);
+    }
     match job.elastic_mode() {
         Some(ElasticMode::InPlace) => run_in_place(&job, &args.command, ended).await,
         Some(ElasticMode::Restart) => run_restarting(&job, &args.command, ended).await,
         None => {
             let hung = std::sync::Arc::new(std::sync::Mutex::new(None));
-            let outcome = run_job(&job, &args.command, stop_signal(), hang, hung.clone()).await?;
+            let outcome =
+                run_job(&job, &args.command, stop_signal(), hang, hung.clone(), args.timeline.as_deref()).await?;
             let report_text = hung.lock().unwrap_or_else(|p| p.into_inner()).take();
             if let Some(text) = report_text {
                 // the hang is the news, not the SIGTERM that ended it
@@ -79,6 +83,7 @@ async fn run_job(
     interrupt: impl std::future::Future<Output = Signal>,
     hang_timeout: Option<std::time::Duration>,
     hung: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    timeline: Option<&std::path::Path>,
 ) -> Result<JobOutcome> {
     tokio::pin!(interrupt);
     let mut executor = tokio::select! {
@@ -114,6 +119,9 @@ async fn run_job(
         if let Some(line) = tally.lock().unwrap_or_else(|p| p.into_inner()).summary() {
             tell(&format!("kolo: {line}"));
         }
+    }
+    if let Some(file) = timeline {
+        crate::timeline::write(file, &executor);
     }
     executor.shutdown().await;
     Ok(outcome?)

@@ -455,9 +455,16 @@ impl Communicator {
         f: impl FnOnce(&Self, &mut Io<'_>) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         self.seq += 1;
+        let bytes = call.count * call.dtype.map_or(0, |d| d.size() as u64);
+        // `kolo run --timeline`: one check when off
+        let traced = kolo_timeline::Collective::begin(call.kind.name(), (self.id, self.seq), bytes);
         let tag = Tag { comm: self.id, seq: self.seq, call };
         let mut links = lock(&self.shared.links);
-        f(self, &mut Io { links: &mut links, tag })
+        let out = f(self, &mut Io { links: &mut links, tag });
+        if let Some(traced) = traced {
+            traced.end(out.is_ok());
+        }
+        out
     }
 
     /// This communicator's name in errors: "world", or how it was split.

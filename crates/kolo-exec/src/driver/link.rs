@@ -76,6 +76,27 @@ pub(crate) struct Link {
     last_output_ms: AtomicU64,
     /// When it last reported a value (`kolo.report`), likewise.
     last_report_ms: AtomicU64,
+    /// `ClockProbe`s waiting for their reading (the host's clock, and this
+    /// one's when it came).
+    clock_probes: Mutex<HashMap<u64, oneshot::Sender<(i64, i64)>>>,
+    /// The host's clock against this one, once measured.
+    pub clock: Mutex<Option<ClockOffset>>,
+    /// What the rank recorded for the job's timeline (`kolo run --timeline`).
+    pub timeline: Mutex<Vec<u8>>,
+}
+
+/// Most bytes of timeline a rank may send: its file's room and a margin.
+const MAX_TIMELINE: usize = 64 << 20;
+
+/// How far a host's clock is from the driver's: the reading with the
+/// shortest round trip of a few (NTP's estimate), in ns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ClockOffset {
+    /// The host's clock minus the driver's.
+    pub(crate) offset_ns: i64,
+    /// The round trip of the reading it came from: the offset is right
+    /// to within half of it.
+    pub(crate) round_trip_ns: i64,
 }
 
 /// A failed rank's own account of its failure (PyTorch's error file).
@@ -108,7 +129,39 @@ impl Link {
             inspections: Mutex::new(HashMap::new()),
             last_output_ms: AtomicU64::new(0),
             last_report_ms: AtomicU64::new(0),
+            clock_probes: Mutex::new(HashMap::new()),
+            clock: Mutex::new(None),
+            timeline: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Measures the worker's host clock against this one's: `probes`
+    /// readings one after another, the one with the shortest round trip kept.
+    pub(crate) async fn clock_offset(&self, probes: usize) -> Result<ClockOffset, String> {
+        let mut best: Option<ClockOffset> = None;
+        for _ in 0..probes {
+            let id = self.next_question.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = oneshot::channel();
+            let sent_ns = kolo_timeline::now_ns();
+            kolo_sys::lock(&self.clock_probes).insert(id, tx);
+            if let Err(e) = self.send(&ToWorker::ClockProbe { id }).await {
+                kolo_sys::lock(&self.clock_probes).remove(&id);
+                return Err(e.to_string());
+            }
+            let answer = tokio::time::timeout(Duration::from_secs(5), rx).await;
+            let Ok(Ok((host_ns, received_ns))) = answer else {
+                kolo_sys::lock(&self.clock_probes).remove(&id);
+                return Err(format!("{} did not answer a clock probe", self.describe()));
+            };
+            let reading = ClockOffset {
+                offset_ns: host_ns - (sent_ns + (received_ns - sent_ns) / 2),
+                round_trip_ns: received_ns - sent_ns,
+            };
+            if best.is_none_or(|b| reading.round_trip_ns < b.round_trip_ns) {
+                best = Some(reading);
+            }
+        }
+        best.ok_or_else(|| "no clock probe was made".to_string())
     }
 
     /// Asks the worker's agent whether the connection from `client` (on
@@ -278,6 +331,19 @@ pub(crate) async fn read_worker(
             ToDriver::CommandExited { code, signal } => {
                 let _ = forward(&link, &output, Chunk::End { rank }).await;
                 let _ = events.send(RankEvent { rank, cause: Cause::Exited { code, signal } });
+            }
+            ToDriver::ClockReading { id, unix_ns } => {
+                let received_ns = kolo_timeline::now_ns();
+                if let Some(tx) = kolo_sys::lock(&link.clock_probes).remove(&id) {
+                    let _ = tx.send((unix_ns, received_ns));
+                }
+            }
+            ToDriver::Timeline { data } => {
+                let mut timeline = kolo_sys::lock(&link.timeline);
+                if timeline.len() + data.len() > MAX_TIMELINE {
+                    break format!("it sent more than {MAX_TIMELINE} bytes of timeline");
+                }
+                timeline.extend_from_slice(&data);
             }
             ToDriver::Inspected { id, answer } => {
                 if let Some(tx) = kolo_sys::lock(&link.inspections).remove(&id) {

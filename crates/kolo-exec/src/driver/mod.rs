@@ -270,6 +270,9 @@ impl Executor {
         }
         self.description = argv.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
         self.start_agents(extra_env, true).await?;
+        if extra_env.iter().any(|(k, v)| k == kolo_timeline::WANTED_VAR && v == "1") {
+            self.measure_clocks().await;
+        }
         let argv: Vec<Vec<u8>> = argv.iter().map(|a| a.as_bytes().to_vec()).collect();
         let message = ToWorker::StartCommand { argv };
         for link in &self.running()?.links {
@@ -277,6 +280,59 @@ impl Executor {
         }
         tracing::debug!("every worker told to start the command");
         Ok(())
+    }
+
+    /// Puts every worker's host clock against this one's, for the job's
+    /// timeline; a worker that cannot say is drawn on its own clock, with
+    /// a warning.
+    async fn measure_clocks(&self) {
+        const PROBES: usize = 8;
+        let Ok(running) = self.running() else { return };
+        let mut measuring = tokio::task::JoinSet::new();
+        for link in &running.links {
+            let link = link.clone();
+            measuring.spawn(async move {
+                match link.clock_offset(PROBES).await {
+                    Ok(offset) => *kolo_sys::lock(&link.clock) = Some(offset),
+                    Err(e) => tracing::warn!("the job's timeline shows {} on its own clock: {e}", link.describe()),
+                }
+            });
+        }
+        while measuring.join_next().await.is_some() {}
+    }
+
+    /// What each rank recorded for the job's timeline (`kolo run
+    /// --timeline`), on the driver's clock once merged; ranks that sent
+    /// nothing readable are named in the errors.
+    pub fn timelines(&self) -> (Vec<kolo_timeline::RankTimeline>, Vec<String>) {
+        let (mut timelines, mut errors) = (Vec::new(), Vec::new());
+        let Ok(running) = self.running() else { return (timelines, errors) };
+        for link in &running.links {
+            let bytes = std::mem::take(&mut *kolo_sys::lock(&link.timeline));
+            if bytes.is_empty() {
+                errors.push(format!("{} sent no timeline (it ended before it recorded one?)", link.describe()));
+                continue;
+            }
+            match kolo_timeline::decode(&bytes) {
+                Ok((records, dropped)) => timelines.push(kolo_timeline::RankTimeline {
+                    rank: link.info.rank,
+                    host: link.info.hostname.clone(),
+                    clock_offset_ns: kolo_sys::lock(&link.clock).map_or(0, |c| c.offset_ns),
+                    records,
+                    dropped,
+                }),
+                Err(e) => errors.push(format!("{}'s timeline is unreadable: {e}", link.describe())),
+            }
+        }
+        (timelines, errors)
+    }
+
+    /// The worst clock measurement's round trip (the merged timeline is
+    /// aligned to within half of it), if any clock was measured.
+    pub fn clock_uncertainty(&self) -> Option<Duration> {
+        let running = self.running().ok()?;
+        let worst = running.links.iter().filter_map(|l| *kolo_sys::lock(&l.clock)).map(|c| c.round_trip_ns).max()?;
+        Some(Duration::from_nanos(worst.max(0) as u64 / 2))
     }
 
     fn running(&self) -> Result<&Running, ExecError> {
