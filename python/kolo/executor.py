@@ -46,6 +46,9 @@ class Settings:
     # kolo's: a call ends with HangError once no worker made progress for
     # this long (`kolo run --hang-timeout`)
     hang_timeout_s: Optional[float] = None
+    # kolo's: write every worker's collectives on one trace here when the
+    # executor shuts down (`kolo run --timeline`)
+    job_timeline: Optional[str] = None
 
 
 class Handle:
@@ -174,6 +177,7 @@ class Executor:
         nics=None,
         ssh_config_file=None,
         hang_timeout_s=None,
+        job_timeline=None,
     ):
         """horovod.ray's settings. `ssh_str` is a private key's text: as
         upstream, it is written to `ssh_identity_file` (0600) if that file
@@ -184,11 +188,23 @@ class Executor:
         (completes a torch.distributed collective or optimizer step, writes
         a line, reports) for this long raises `kolo.HangError`, whose
         message names the rank holding the others back and shows every
-        rank's stacks; the workers are stopped."""
+        rank's stacks; the workers are stopped.
+
+        kolo's: `job_timeline`: a file to write, at `shutdown()`, the trace
+        of every worker's collectives (torch's `kolo` backend, Horovod's
+        tensors), the hosts' clocks aligned, as `kolo run --timeline` does;
+        `kolo timeline FILE` summarizes it."""
         if ssh_str and ssh_identity_file and not os.path.exists(ssh_identity_file):
             _write_key(ssh_identity_file, ssh_str)
         return Settings(
-            timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s, nics, ssh_config_file, hang_timeout_s
+            timeout_s,
+            ssh_identity_file,
+            ssh_str,
+            placement_group_timeout_s,
+            nics,
+            ssh_config_file,
+            hang_timeout_s,
+            job_timeline,
         )
 
     def __init__(
@@ -300,6 +316,7 @@ class Executor:
             worker_args=["-m", "kolo._worker"],
             ssh_identity_file=identity_file,
             hang_timeout_s=s.hang_timeout_s,
+            job_timeline=s.job_timeline,
             **self._ray_cluster(),
         )
         # the driver's import path goes along, so that what pickles by

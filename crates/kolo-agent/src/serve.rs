@@ -248,6 +248,12 @@ pub(crate) fn handle(agent: &Arc<Agent>, registry: &Registry, state: &mut State,
                 for (k, v) in &vars {
                     std::env::set_var(k, v);
                 }
+                // an executor's worker runs its calls here; a command job's
+                // agent (the one with a guard) gives its command a file instead
+                let functions = kolo_sys::lock(&agent.guard).is_none();
+                if functions && vars.iter().any(|(k, v)| k == kolo_timeline::WANTED_VAR && v == "1") {
+                    agent.record_own_timeline();
+                }
             }
             state.env.extend(vars);
             state.ctx =

@@ -354,6 +354,9 @@ async fn hurried_by_ctrl_c<T>(
 /// that hurried it, if one did.
 fn teardown(runtime: tokio::runtime::Runtime, mut executor: Executor) -> Option<PyErr> {
     let ((), caught) = runtime.block_on(hurried_by_ctrl_c(executor.shutdown(), || true));
+    for line in executor.timeline_report() {
+        eprintln!("kolo: {line}");
+    }
     drop(executor);
     end_runtime(runtime);
     caught
@@ -484,7 +487,7 @@ impl Driver {
     /// The driver of `job`, its workers `worker_program worker_args...`;
     /// `ssh_identity_file` and the Ray cluster are known when it starts.
     #[new]
-    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, ray_bridge=None, hang_timeout_s=None))]
+    #[pyo3(signature = (job, worker_program, worker_args, ssh_identity_file=None, ray_address=None, ray_placement_group=None, ray_bridge=None, hang_timeout_s=None, job_timeline=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -496,7 +499,17 @@ impl Driver {
         ray_placement_group: Option<String>,
         ray_bridge: Option<Py<PyAny>>,
         hang_timeout_s: Option<f64>,
+        job_timeline: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
+        if let Some(file) = &job_timeline {
+            kolo_timeline::check_trace_file(file)
+                .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("job_timeline {e}")))?;
+            if job.job.is_elastic() {
+                return Err(pyo3::exceptions::PyValueError::new_err(
+                    "job_timeline records a fixed executor, not an elastic one",
+                ));
+            }
+        }
         let start = StartOptions {
             worker_program: Some(worker_program.clone().into()),
             worker_args,
@@ -522,7 +535,12 @@ impl Driver {
                 // which may wait for an allocation (Slurm)
                 let runtime = driver_runtime()?;
                 match py.allow_threads(|| interrupts.run_exec(&runtime, job.executor())) {
-                    Ok(executor) => Some((runtime, executor)),
+                    Ok(mut executor) => {
+                        if let Some(file) = job_timeline {
+                            executor.record_timeline(file);
+                        }
+                        Some((runtime, executor))
+                    }
                     Err(e) => {
                         end_runtime(runtime);
                         return Err(e);

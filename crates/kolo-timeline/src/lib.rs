@@ -27,3 +27,28 @@ pub use trace::{job_trace, RankTimeline, Summary};
 /// The variable `kolo run --timeline` sets for every rank's command; the
 /// rank's agent then gives it a file to record into.
 pub const WANTED_VAR: &str = "KOLO_TIMELINE";
+
+/// Before a job starts: its trace's file can be made (a job that trains
+/// for hours must not lose its timeline to a typo at its end). The error
+/// names the file and the fix.
+pub fn check_trace_file(file: &std::path::Path) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if file.is_dir() {
+        return Err(format!("{}: is a directory; give a file name, such as job.json", file.display()));
+    }
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => std::path::Path::new("."),
+    };
+    if !dir.is_dir() {
+        return Err(format!("{}: directory {} does not exist; create it first", file.display(), dir.display()));
+    }
+    let probe = dir.join(format!(".kolo-timeline-probe-{}", std::process::id()));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&probe)
+        .and_then(|_| std::fs::remove_file(&probe))
+        .map_err(|e| format!("{}: cannot write in directory {}: {e}", file.display(), dir.display()))
+}

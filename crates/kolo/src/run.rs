@@ -49,8 +49,12 @@ async fn run_to_end(args: &RunArgs, worker: crate::WorkerProgram, ended: &mut En
         return crate::dry_run::dry_run(&job).await;
     }
     let hang = job.hang_timeout();
-    if job.is_elastic() && args.timeline.is_some() {
-        anyhow::bail!("--timeline records a fixed job; drop it or {}", CLI_NAMES.elastic_options);
+    if let Some(file) = &args.timeline {
+        if job.is_elastic() {
+            anyhow::bail!("--timeline records a fixed job; drop it or {}", CLI_NAMES.elastic_options);
+        }
+        // a job that trains for hours must not lose its timeline to a typo
+        kolo_timeline::check_trace_file(file).map_err(|e| anyhow::anyhow!("--timeline {e}"))?;
     }
     match job.elastic_mode() {
         Some(ElasticMode::InPlace) => run_in_place(&job, &args.command, ended).await,
@@ -90,6 +94,9 @@ async fn run_job(
         made = job.executor() => made?,
         signal = &mut interrupt => return Ok(interrupted(signal)),
     };
+    if let Some(file) = timeline {
+        executor.record_timeline(file.to_path_buf());
+    }
     let started = tokio::select! {
         started = executor.start_command(command, job.env()) => started,
         signal = &mut interrupt => {
@@ -120,10 +127,10 @@ async fn run_job(
             tell(&format!("kolo: {line}"));
         }
     }
-    if let Some(file) = timeline {
-        crate::timeline::write(file, &executor);
-    }
     executor.shutdown().await;
+    for line in executor.timeline_report() {
+        tell(&format!("kolo: {line}"));
+    }
     Ok(outcome?)
 }
 

@@ -90,7 +90,7 @@ pub(crate) fn job(args: &RunArgs, worker: &crate::WorkerProgram) -> Result<Job> 
                 bridge_host: None,
             },
         },
-        env: with_timeline(extra_env(&args.export, &args.env)?, args)?,
+        env: extra_env(&args.export, &args.env)?,
         elastic,
         hang_timeout_s: args.hang_timeout,
         names: CLI_NAMES,
@@ -151,15 +151,6 @@ fn nics(list: Option<&str>) -> Result<Option<Vec<String>>> {
         bail!("--nics '{list}': give interface names, e.g. --nics eth0,eth1");
     }
     Ok(Some(nics))
-}
-
-/// `--timeline FILE`: every rank records (its agent gives it a file).
-fn with_timeline(mut env: Vec<(String, String)>, args: &RunArgs) -> Result<Vec<(String, String)>> {
-    if let Some(file) = &args.timeline {
-        crate::timeline::check_writable(file)?;
-        env.push((kolo_timeline::WANTED_VAR.to_string(), "1".to_string()));
-    }
-    Ok(env)
 }
 
 /// `-x NAME` takes the value from here, `-x NAME=VALUE` and `--env` set it.

@@ -16,6 +16,7 @@ mod link;
 mod peers;
 mod progress;
 mod start;
+mod timeline;
 
 pub use calls::{CallHandle, Report, REPORTS_QUEUED};
 pub use command::{Failure, JobOutcome};
@@ -95,6 +96,8 @@ pub struct Executor {
     nic_report: Vec<kolo_agent::nics::PairReport>,
     /// What `kolo ps` says the job runs.
     description: String,
+    /// `record_timeline`'s file, and what writing it said.
+    timeline: Option<timeline::JobTimeline>,
 }
 
 impl Executor {
@@ -140,6 +143,7 @@ impl Executor {
             next_id: AtomicU64::new(1),
             nic_report: Vec::new(),
             description: "functions (kolo.Executor)".into(),
+            timeline: None,
         })
     }
 
@@ -254,7 +258,8 @@ impl Executor {
         extra_env: &[(String, String)],
     ) -> Result<(), ExecError> {
         let encoded = postcard::to_stdvec(args).map_err(ExecError::Encode)?;
-        self.start_workers(extra_env).await?;
+        self.start_workers(&self.with_timeline_env(extra_env)).await?;
+        self.measure_clocks().await;
         let result = self.create(E::NAME, encoded).await;
         if result.is_err() {
             self.shutdown().await;
@@ -269,10 +274,8 @@ impl Executor {
             return Err(ExecError::NoCommand);
         }
         self.description = argv.iter().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ");
-        self.start_agents(extra_env, true).await?;
-        if extra_env.iter().any(|(k, v)| k == kolo_timeline::WANTED_VAR && v == "1") {
-            self.measure_clocks().await;
-        }
+        self.start_agents(&self.with_timeline_env(extra_env), true).await?;
+        self.measure_clocks().await;
         let argv: Vec<Vec<u8>> = argv.iter().map(|a| a.as_bytes().to_vec()).collect();
         let message = ToWorker::StartCommand { argv };
         for link in &self.running()?.links {
@@ -280,59 +283,6 @@ impl Executor {
         }
         tracing::debug!("every worker told to start the command");
         Ok(())
-    }
-
-    /// Puts every worker's host clock against this one's, for the job's
-    /// timeline; a worker that cannot say is drawn on its own clock, with
-    /// a warning.
-    async fn measure_clocks(&self) {
-        const PROBES: usize = 8;
-        let Ok(running) = self.running() else { return };
-        let mut measuring = tokio::task::JoinSet::new();
-        for link in &running.links {
-            let link = link.clone();
-            measuring.spawn(async move {
-                match link.clock_offset(PROBES).await {
-                    Ok(offset) => *kolo_sys::lock(&link.clock) = Some(offset),
-                    Err(e) => tracing::warn!("the job's timeline shows {} on its own clock: {e}", link.describe()),
-                }
-            });
-        }
-        while measuring.join_next().await.is_some() {}
-    }
-
-    /// What each rank recorded for the job's timeline (`kolo run
-    /// --timeline`), on the driver's clock once merged; ranks that sent
-    /// nothing readable are named in the errors.
-    pub fn timelines(&self) -> (Vec<kolo_timeline::RankTimeline>, Vec<String>) {
-        let (mut timelines, mut errors) = (Vec::new(), Vec::new());
-        let Ok(running) = self.running() else { return (timelines, errors) };
-        for link in &running.links {
-            let bytes = std::mem::take(&mut *kolo_sys::lock(&link.timeline));
-            if bytes.is_empty() {
-                errors.push(format!("{} sent no timeline (it ended before it recorded one?)", link.describe()));
-                continue;
-            }
-            match kolo_timeline::decode(&bytes) {
-                Ok((records, dropped)) => timelines.push(kolo_timeline::RankTimeline {
-                    rank: link.info.rank,
-                    host: link.info.hostname.clone(),
-                    clock_offset_ns: kolo_sys::lock(&link.clock).map_or(0, |c| c.offset_ns),
-                    records,
-                    dropped,
-                }),
-                Err(e) => errors.push(format!("{}'s timeline is unreadable: {e}", link.describe())),
-            }
-        }
-        (timelines, errors)
-    }
-
-    /// The worst clock measurement's round trip (the merged timeline is
-    /// aligned to within half of it), if any clock was measured.
-    pub fn clock_uncertainty(&self) -> Option<Duration> {
-        let running = self.running().ok()?;
-        let worst = running.links.iter().filter_map(|l| *kolo_sys::lock(&l.clock)).map(|c| c.round_trip_ns).max()?;
-        Some(Duration::from_nanos(worst.max(0) as u64 / 2))
     }
 
     fn running(&self) -> Result<&Running, ExecError> {
@@ -395,6 +345,7 @@ impl Executor {
             running.readers.abort_all();
         }
         tracing::debug!(drained, "workers gone");
+        self.write_timeline(&running);
         self.stop_engine().await;
         tracing::debug!("engine stopped");
         drop(running.links);
