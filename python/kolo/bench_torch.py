@@ -1,6 +1,7 @@
-"""`python -m kolo.bench_torch allreduce|ddp [--np 2 4]`: torch.distributed
-on the `kolo` backend against `gloo`, the same ranks, the same processes,
-alternating (started with `kolo run`; each figure the slowest rank's).
+"""`python -m kolo.bench_torch allreduce|ddp|adasum [--np 2 4]`:
+torch.distributed on the `kolo` backend against `gloo`, the same ranks,
+the same processes, alternating (started with `kolo run`; each figure the
+slowest rank's).
 
 - allreduce: `dist.all_reduce` of float32 at 4 KiB, 1 MiB and 64 MiB, the
   time of a call.
@@ -12,6 +13,8 @@ alternating (started with `kolo run`; each figure the slowest rank's).
   copies: what no backend can save), and both backends again with
   `gradient_as_bucket_view=True` (DDP's buckets are the gradients: no
   copies).
+- adasum: kolo's Horovod `allreduce_(op=hvd.Adasum)` against
+  `op=hvd.Sum` of float32 at 1 MiB and 64 MiB, the time of a call.
 """
 
 import argparse
@@ -63,6 +66,34 @@ def rank_allreduce(repeats):
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(rows), flush=True)
     dist.destroy_process_group()
+
+
+def rank_adasum(repeats):
+    import torch
+
+    import kolo.horovod.torch as hvd
+
+    hvd.init()
+    rows = []
+    for nbytes in SIZES[1:]:
+        t = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(hvd.rank()))
+        # few calls a batch: repeated sums grow the values, never to inf
+        calls = max(3, min(20, int(200e6 / nbytes)))
+        times = {"sum": [], "adasum": []}
+        for _ in range(repeats):
+            for name, op in (("sum", hvd.Sum), ("adasum", hvd.Adasum)):
+                buf = t.clone()
+                hvd.allreduce_(buf, op=op, name=f"bench.{name}")  # warm: negotiated, then cached
+                hvd.barrier()
+                started = time.perf_counter()
+                for _ in range(calls):
+                    hvd.allreduce_(buf, op=op, name=f"bench.{name}")
+                took = torch.tensor([(time.perf_counter() - started) / calls], dtype=torch.float64)
+                times[name].append(hvd.allreduce(took, op=hvd.Max, name="bench.slowest").item())
+        rows.append({"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}})
+    if hvd.rank() == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+    hvd.shutdown()
 
 
 def _mlp(torch):
@@ -158,7 +189,7 @@ def _launch(n, args):
 
 def main():
     parser = argparse.ArgumentParser(prog="python -m kolo.bench_torch", description=__doc__)
-    parser.add_argument("what", choices=["allreduce", "ddp", "_rank_allreduce", "_rank_ddp"])
+    parser.add_argument("what", choices=["allreduce", "ddp", "adasum", "_rank_allreduce", "_rank_ddp", "_rank_adasum"])
     parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
@@ -167,6 +198,15 @@ def main():
         return rank_allreduce(args.repeats)
     if args.what == "_rank_ddp":
         return rank_ddp(args.steps, args.repeats)
+    if args.what == "_rank_adasum":
+        return rank_adasum(args.repeats)
+    if args.what == "adasum":
+        print(f"{'np':>3} {'bytes':>10} {'sum_ms':>8} {'adasum_ms':>9} {'adasum/sum':>10}")
+        for n in args.np:
+            for row in _launch(n, ["_rank_adasum", "--repeats", str(args.repeats)]):
+                s, a = row["sum"] * 1e3, row["adasum"] * 1e3
+                print(f"{n:>3} {row['bytes']:>10} {s:>8.2f} {a:>9.2f} {a / s:>10.2f}", flush=True)
+        return None
     if args.what == "allreduce":
         print(f"{'np':>3} {'bytes':>10} {'gloo_us':>10} {'kolo_us':>10} {'gloo/kolo':>10}")
         for n in args.np:

@@ -455,7 +455,11 @@ def errors():
         "Tensor type torch.CharTensor is not supported.",
     )
     expect(lambda: hvd.allreduce(torch.ones(4, 4).t()), ValueError, "Tensor is required to be contiguous.")
-    expect(lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), NotImplementedError, "Adasum")
+    expect(
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum),
+        ValueError,
+        "Adasum combines float16, float32 and float64 tensors only",
+    )
     expect(lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum), ValueError, "supersedes average")
     expect(lambda: hvd.broadcast_parameters((p for p in [torch.ones(1)]), 0), ValueError, "generator")
     expect(

@@ -6,7 +6,7 @@ use half::{bf16, f16};
 use kolo_comm::{CommError, Communicator, DType};
 
 use crate::entry::{Entry, Output};
-use crate::message::{ReduceOp, Response};
+use crate::message::{ReduceOp, Response, ResponseType};
 
 /// Multiplies every element by `factor` as upstream does on the CPU:
 /// floats in their own precision (half types in f32), integers in f64,
@@ -77,7 +77,8 @@ impl Aligned {
     }
 }
 
-/// A reduction (fused or not): `entries[i]` is the response's tensor `i`,
+/// A reduction (fused or not; a sum, an average... or Adasum, as upstream
+/// with the prescale before it and the postscale after): `entries[i]` is the response's tensor `i`,
 /// or `None` on a rank that joined (it reduces zeros). The outcomes by
 /// tensor; `fusion` is the persistent fusion buffer.
 pub(crate) fn allreduce(
@@ -96,6 +97,20 @@ pub(crate) fn allreduce(
         ReduceOp::Average if response.postscale == 1.0 => (kolo_comm::ReduceOp::Avg, 1.0),
         ReduceOp::Average => (kolo_comm::ReduceOp::Sum, response.postscale / comm.size() as f64),
         other => (comm_op(other), response.postscale),
+    };
+    // Adasum combines each tensor by its own dot products: the reduction
+    // is told where each tensor of the buffer it reduces starts
+    let adasum = response.kind == ResponseType::Adasum;
+    let run = |comm: &mut Communicator, bytes: &mut [u8], counts: &[usize], prescale: f64, postscale: f64| {
+        scale(dtype, bytes, prescale);
+        match adasum {
+            true => {
+                kolo_comm::with_element_type!(dtype, T => comm.adasum::<T>(bytemuck::cast_slice_mut(bytes), counts))?
+            }
+            false => allreduce_in_place(comm, dtype, bytes, op)?,
+        }
+        scale(dtype, bytes, postscale);
+        Ok::<(), CommError>(())
     };
     let lens: Vec<usize> = response.sizes.iter().map(|&n| n as usize * esize).collect();
     // a tensor alone, or a large one, is reduced in its caller's memory:
@@ -116,10 +131,10 @@ pub(crate) fn allreduce(
                     // SAFETY: as above; input and output do not overlap (the caller's two tensors).
                     out[..output.len.min(submit.input.len)].copy_from_slice(unsafe { &submit.input.bytes()[..] });
                 }
-                reduce(comm, dtype, &mut out[..len], response.prescale, op, postscale)?;
+                run(comm, &mut out[..len], &[len / esize], response.prescale, postscale)?;
             }
             // a rank that joined reduces zeros
-            None => reduce(comm, dtype, fusion.zeroed(len), 1.0, op, 1.0)?,
+            None => run(comm, fusion.zeroed(len), &[len / esize], 1.0, 1.0)?,
         }
     }
     let together: usize = lens.iter().filter(|&&len| !alone(len)).sum();
@@ -134,7 +149,8 @@ pub(crate) fn allreduce(
             }
             at += len;
         }
-        reduce(comm, dtype, buffer, response.prescale, op, postscale)?;
+        let counts: Vec<usize> = lens.iter().filter(|&&len| !alone(len)).map(|len| len / esize).collect();
+        run(comm, buffer, &counts, response.prescale, postscale)?;
         let mut at = 0;
         for (entry, &len) in entries.iter().zip(&lens).filter(|(_, &len)| !alone(len)) {
             if let Some(entry) = entry {
@@ -151,20 +167,6 @@ pub(crate) fn allreduce(
 
 /// Tensors this large are reduced in their own memory, not fused.
 const ALONE_BYTES: usize = 1 << 20;
-
-fn reduce(
-    comm: &mut Communicator,
-    dtype: DType,
-    bytes: &mut [u8],
-    prescale: f64,
-    op: kolo_comm::ReduceOp,
-    postscale: f64,
-) -> Result<(), CommError> {
-    scale(dtype, bytes, prescale);
-    allreduce_in_place(comm, dtype, bytes, op)?;
-    scale(dtype, bytes, postscale);
-    Ok(())
-}
 
 /// Allgather (fused or not): each tensor's rows from every rank, in rank
 /// order, in memory the core makes.

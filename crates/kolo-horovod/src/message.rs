@@ -61,7 +61,7 @@ pub enum ResponseType {
     Broadcast,
     /// Every rank has joined: the join completes.
     Join,
-    /// Run an Adasum allreduce (as an allreduce).
+    /// Run an Adasum allreduce (kolo-comm's `adasum`).
     Adasum,
     /// Run an alltoall.
     Alltoall,
@@ -176,7 +176,7 @@ pub enum ReduceOp {
     Average = 0,
     /// The sum.
     Sum = 1,
-    /// Upstream's Adasum; kolo reduces it as a sum.
+    /// Upstream's Adasum (a request of its own type once submitted).
     Adasum = 2,
     /// The smallest value.
     Min = 3,

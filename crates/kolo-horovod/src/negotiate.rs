@@ -329,7 +329,7 @@ pub fn construct_response(
                 response.prescale = first.prescale;
                 response.postscale = first.postscale;
             }
-            if kind == RequestType::Allreduce {
+            if matches!(kind, RequestType::Allreduce | RequestType::Adasum) {
                 response.reduce_op = first.reduce_op;
             }
             response

@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use crate::entry::{Entry, Failure, FailureKind, Handle, Submit};
-use crate::message::{ReduceOp, Request, RequestType, Stopping, JOIN_TENSOR_NAME};
+use crate::message::{DataType, ReduceOp, Request, RequestType, Stopping, JOIN_TENSOR_NAME};
 use crate::state::{SetShared, Shared};
 
 /// Upstream's text for everything pending or submitted once the core stopped.
@@ -63,6 +63,11 @@ impl SetShared {
             request.prescale = t.prescale;
             request.postscale = t.postscale;
             request.reduce_op = t.reduce_op;
+            if t.kind == RequestType::Allreduce && t.reduce_op == ReduceOp::Adasum {
+                // upstream's Adasum is a request type of its own
+                request.kind = RequestType::Adasum;
+                check_adasum(t, self.ranks.len())?;
+            }
             match t.kind {
                 RequestType::Broadcast => {
                     let root = self.ranks.iter().position(|&r| i64::from(r) == t.root_rank);
@@ -142,6 +147,27 @@ pub(crate) fn op_title(kind: RequestType) -> &'static str {
         RequestType::Join => "Join",
         RequestType::AddProcessSet | RequestType::RemoveProcessSet => "Process set",
     }
+}
+
+/// What Adasum can combine: floats (upstream fails on others as it runs
+/// them), over a power-of-two number of ranks (upstream's front ends
+/// refuse others).
+fn check_adasum(t: &Submit, set_size: usize) -> Result<(), Refused> {
+    if !matches!(t.dtype, DataType::Float16 | DataType::Float32 | DataType::Float64) {
+        return Err(Refused::invalid(format!(
+            "Adasum combines float16, float32 and float64 tensors only; {} is {}: reduce it with op=Sum or Average",
+            t.name,
+            t.dtype.name()
+        )));
+    }
+    if !set_size.is_power_of_two() {
+        return Err(Refused::invalid(format!(
+            "Running Adasum with non-power of 2 ranks is not supported yet: this process set has {set_size} ranks; \
+             run on a power-of-two number of ranks (such as {}) or use op=Average",
+            1usize << set_size.max(1).ilog2()
+        )));
+    }
+    Ok(())
 }
 
 fn check_splits(t: &Submit, set_size: usize) -> Result<(), Refused> {

@@ -21,7 +21,11 @@ fn offsets(counts: &[usize], esize: usize) -> Vec<usize> {
 }
 
 /// A shared view of one range and a mutable view of another, disjoint range.
-fn disjoint(buf: &mut [u8], read: std::ops::Range<usize>, write: std::ops::Range<usize>) -> (&[u8], &mut [u8]) {
+pub(super) fn disjoint(
+    buf: &mut [u8],
+    read: std::ops::Range<usize>,
+    write: std::ops::Range<usize>,
+) -> (&[u8], &mut [u8]) {
     if read.is_empty() {
         return (&[], &mut buf[write]);
     }

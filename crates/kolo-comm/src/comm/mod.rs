@@ -4,8 +4,10 @@
 //! - `progress`: the links, message tags, and moving messages to completion
 //! - `collectives`: point to point, allreduce and friends
 //! - `direct`: large allreduces within a host by reading peers' memory
+//! - `adasum`: Horovod's Adasum, an allreduce that combines by agreement
 //! - `split`: communicators made from others (local, cross, by color)
 
+mod adasum;
 mod collectives;
 mod direct;
 mod progress;

@@ -98,10 +98,11 @@ pub(crate) enum Kind {
     Gather,
     Scatter,
     PointToPoint,
+    Adasum,
 }
 
 impl Kind {
-    const ALL: [Kind; 11] = [
+    const ALL: [Kind; 12] = [
         Kind::Unknown,
         Kind::Barrier,
         Kind::Allreduce,
@@ -113,6 +114,7 @@ impl Kind {
         Kind::Gather,
         Kind::Scatter,
         Kind::PointToPoint,
+        Kind::Adasum,
     ];
 
     fn name(self) -> &'static str {
@@ -128,6 +130,7 @@ impl Kind {
             Kind::Gather => "gather",
             Kind::Scatter => "scatter",
             Kind::PointToPoint => "send/recv",
+            Kind::Adasum => "adasum",
         }
     }
 }

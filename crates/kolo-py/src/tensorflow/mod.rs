@@ -453,10 +453,10 @@ fn reduce_op(code: i64) -> Result<ReduceOp, String> {
     Ok(match code {
         0 => ReduceOp::Average,
         1 => ReduceOp::Sum,
+        2 => ReduceOp::Adasum,
         3 => ReduceOp::Min,
         4 => ReduceOp::Max,
         5 => ReduceOp::Product,
-        2 => return Err("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum".into()),
         other => return Err(format!("unknown reduction op {other}")),
     })
 }

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_OPS = (Average, Sum, Min, Max, Product)
+_OPS = (Average, Sum, Adasum, Min, Max, Product)
 
 
 # ---- process sets (horovod/common/process_sets.py) -------------------------
@@ -424,11 +424,28 @@ def _op_of(average, op, default=Average):
     if average is not None:
         return Average if average else Sum
     op = default if op is None else op
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
     if op not in _OPS:
-        raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
+        raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max or hvd.Product")
     return op
+
+
+def _check_adasum(process_set, device_tensors=False):
+    """Upstream's refusals for an Adasum reduction, before it is submitted:
+    only the global set, only a power-of-two number of ranks. kolo's
+    Adasum runs in the core, on host memory."""
+    process_set = global_process_set if process_set is None else process_set
+    if process_set.process_set_id != 0:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if device_tensors:
+        raise NotImplementedError(
+            "kolo's Adasum reduces tensors in host memory: move the tensors to the CPU (tensor.cpu()) first"
+        )
+    n = size()
+    if n & (n - 1):
+        raise NotImplementedError(
+            f"Running Adasum with non-power of 2 ranks is not supported yet (this job has {n} ranks: "
+            "run it on a power-of-two number of ranks, or use op=hvd.Average)"
+        )
 
 
 def predivide_scales(op, gradient_predivide_factor):

@@ -7,7 +7,7 @@ to kolo's Horovod core, the same core as `kolo.horovod.torch`'s:
 negotiated by name, fused, the same error on every rank for a mismatch
 (`tf.errors.FailedPreconditionError`), process sets and join. Ops run
 eagerly and in `tf.function`, with upstream's gradients. Not built
-(raising `NotImplementedError`): Adasum, the timeline, TensorFlow GPU
+(raising `NotImplementedError`): the timeline, TensorFlow GPU
 kernels (GPU tensors are copied to the CPU ops by TensorFlow) and XLA
 (`jit_compile=True`)."""
 
@@ -240,10 +240,8 @@ def reduce_gradients(
     DistributedGradientTape and DistributedOptimizer reduce them: None
     passes, sparse ones are gathered (or made dense), the dense ones in
     grouped reductions the core fuses."""
-    if op not in (Average, Sum):
-        if op == Adasum:
-            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
-        raise ValueError("op currently only supports Average and Sum")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError("op currently only supports Average, Sum and Adasum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     grads = list(grads)
@@ -424,13 +422,17 @@ def DistributedOptimizer(
     use gradients averaged over the set's ranks."""
     if num_groups != 0 and groups is None:
         groups = num_groups
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        if op == Adasum:
-            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
         if backward_passes_per_step != 1:
             raise NotImplementedError(
                 "backward_passes_per_step > 1 is not available in kolo for TF1 optimizers: use a Keras optimizer"
             )
+        if op == Adasum:
+            if process_set.process_set_id != 0:
+                raise NotImplementedError("Adasum does not support process sets yet")
+            return _DistributedAdasumOptimizer(optimizer, name, use_locking, compression)
         return _DistributedOptimizer(
             optimizer,
             name,
@@ -507,3 +509,47 @@ class _DistributedOptimizer(_ReducesGradients, tf.compat.v1.train.Optimizer):
 
     def variables(self, *args, **kwargs):
         return self._optimizer.variables(*args, **kwargs)
+
+
+class _DistributedAdasumOptimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 optimizer that lets the wrapped one step every variable with
+    this rank's gradients, then replaces each variable's change by the
+    changes of every rank combined with Adasum (upstream's delta
+    optimizer): the ranks' models stay equal, the step adapts to how much
+    the ranks' updates agree."""
+
+    def __init__(self, optimizer, name, use_locking, compression):
+        super().__init__(name=name or f"DistributedDelta{type(optimizer).__name__}", use_locking=use_locking)
+        self._optimizer = optimizer
+        self._compression = compression
+
+    def compute_gradients(self, *args, **kwargs):
+        return self._optimizer.compute_gradients(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        pairs = list(grads_and_vars)
+        variables = [v for g, v in pairs if g is not None]
+        starts = [tf.identity(v.read_value()) for v in variables]
+        with tf.control_dependencies(starts):
+            stepped = self._optimizer.apply_gradients(pairs, global_step=global_step, name=name)
+        updates = []
+        with tf.control_dependencies([stepped] if stepped is not None else []):
+            for v, start in zip(variables, starts):
+                delta = v.read_value() - start
+                combined = allreduce(delta, op=Adasum, compression=self._compression, name=_delta_name(v))
+                updates.append(v.assign(start + combined, use_locking=self._use_locking))
+        return tf.group(*updates)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def _delta_name(var):
+    """The name every rank reduces a variable's change under."""
+    return "DistributedDelta_" + _normalize_name(var.name)

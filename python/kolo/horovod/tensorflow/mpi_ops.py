@@ -88,11 +88,12 @@ def _set_id(process_set, op):
     return set_id
 
 
-def _check_op(op, sparse=False):
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
+def _check_op(op, process_set=None):
     if op not in _basics._OPS:
-        raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
+        raise ValueError(f"unknown op {op}: use hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max or hvd.Product")
+    if op == Adasum:
+        # TensorFlow's GPU tensors reach kolo's ops on the CPU
+        _basics._check_adasum(process_set)
 
 
 def _graph_name(kind, tensor, name):
@@ -116,7 +117,7 @@ def _allreduce(
 ):
     """`tensor` reduced over the set's ranks (the raw op; `allreduce` adds
     compression and sparse tensors)."""
-    _check_op(op)
+    _check_op(op, process_set)
     name = _graph_name("HorovodAllreduce", tensor, name)
     return _ops.allreduce(
         [tensor],
@@ -138,7 +139,7 @@ def _grouped_allreduce(
     process_set=global_process_set,
     ignore_name_scope=False,
 ):
-    _check_op(op)
+    _check_op(op, process_set)
     if not tensors:
         return tensors
     name = _graph_name("HorovodGroupedAllreduce", tensors[0], name)

@@ -11,8 +11,9 @@ small reductions (`HOROVOD_FUSION_THRESHOLD`), caches what it negotiated
 (static and `HOROVOD_DYNAMIC_PROCESS_SETS`) and the stall warning as
 upstream. CPU tensors move in place in their memory; CUDA tensors go
 through torch's NCCL in a group kolo makes from its own store. Beyond
-upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built
-(raising `NotImplementedError` when used): Adasum, the timeline, alltoall
+upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Adasum
+reduces CPU tensors (in the core, on kolo's collectives). Not built
+(raising `NotImplementedError` when used): Adasum of CUDA tensors, the timeline, alltoall
 and reducescatter of CUDA tensors. `hvd.elastic` runs under `kolo run
 --in-place` and in elastic `kolo.Executor`s."""
 

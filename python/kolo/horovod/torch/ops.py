@@ -16,8 +16,10 @@ from ..common import basics as _basics
 from ..common import util as _util
 from ..common.basics import *  # noqa: F403  (horovod.torch's API: basics' __all__)
 from ..common.basics import (
+    Adasum,
     Average,
     Sum,
+    _check_adasum,
     _core,
     _next_handle,
     _op_of,
@@ -238,7 +240,10 @@ def _allreduce_group(tensors, outputs, name, op, prescale_factor, postscale_fact
     handle = _next_handle()
     base = _wire_name("allreduce", name, handle)
     records = None
-    if _through_executor(tensors):
+    device_tensors = _through_executor(tensors)
+    if op == Adasum:
+        _check_adasum(process_set, device_tensors)
+    if device_tensors:
         records = [_device.Record(t, o) for t, o in zip(tensors, outputs)]
     n = len(tensors)
     names = [f"{base}_{i + 1}of{n}" for i in range(n)] if grouped else [base]

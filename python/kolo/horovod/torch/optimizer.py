@@ -41,8 +41,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_predivide_factor = gradient_predivide_factor
         self.process_set = process_set
         self.sparse_as_dense = sparse_as_dense
-        if op == Adasum:
-            raise NotImplementedError("Adasum is not available in kolo's Horovod: use op=hvd.Average or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
 
@@ -55,24 +53,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for i, group in enumerate(self.param_groups)
                 for j, p in enumerate(group["params"])
             ]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError(
-                "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                "model.named_parameters()."
-            )
-        names = [k for k, _ in named_parameters]
-        duplicates = sorted({k for k in names if names.count(k) > 1})
-        if duplicates:
-            raise ValueError(
-                f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
-            )
-        named_ids = {id(v) for _, v in named_parameters}
-        unnamed = [p for p in all_params if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError(
-                "named_parameters was specified, but one or more model parameters were not named. "
-                "Python object ids: " + ", ".join(str(id(p)) for p in unnamed)
-            )
+        _check_names(named_parameters, all_params)
         self._parameter_names = {id(v): k for k, v in named_parameters}
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {id(p): backward_passes_per_step for p in all_params}
@@ -247,6 +228,134 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).load_state_dict(*args, **kwargs)
 
 
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Upstream's delta optimizer for Adasum: as backward finishes a
+    parameter's gradient, the wrapped optimizer steps that parameter alone
+    with it, and the change it made (the delta) is reduced over the ranks
+    with Adasum; `step()` waits for each and applies the combined delta to
+    where the parameter started. Between backward and `step()` the
+    parameter holds its local delta (as upstream's)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [
+                (f"allreduce.noname.{j}", p) for group in self.param_groups for j, p in enumerate(group["params"])
+            ]
+        _check_names(named_parameters, all_params)
+        self._parameter_names = {id(v): k for k, v in named_parameters}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {id(p): backward_passes_per_step for p in all_params}
+        self._handles = {}
+        self._hooks = []
+        # where each parameter started its step; the delta is reduced from it
+        self._starts = {id(p): torch.zeros_like(p, requires_grad=False) for p in all_params}
+        self._trained = [p for p in all_params if p.requires_grad]
+        for p in self._trained:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = passes
+        for key in self._allreduce_delay:
+            self._allreduce_delay[key] = passes
+
+    def _step_alone(self, p):
+        """The wrapped optimizer's step of `p` only (its groups' other
+        parameters set aside for the call)."""
+        kept = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [p] if any(p is q for q in group["params"]) else []
+        try:
+            super(self.__class__, self).step()
+        finally:
+            for group, params in zip(self.param_groups, kept):
+                group["params"] = params
+
+    def _allreduce_delta_async(self, p):
+        start = self._starts[id(p)]
+        with torch.no_grad():
+            start.copy_(p)
+            self._step_alone(p)
+            p.sub_(start)
+        compressed, ctx = self._compression.compress(p.data)
+        handle = allreduce_async_(compressed, name=self._parameter_names.get(id(p)), op=Adasum)
+        return handle, (ctx, compressed)
+
+    def _make_hook(self):
+        def hook(p):
+            key = id(p)
+            if key in self._handles and self._allreduce_delay[key] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally."
+                )
+            self._allreduce_delay[key] -= 1
+            if self._allreduce_delay[key] == 0:
+                self._handles[key] = (self._allreduce_delta_async(p), p)
+
+        return hook
+
+    def synchronize(self):
+        """Nothing to wait for apart from `step()`, which applies the deltas."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using Adasum optimizer.")
+        yield  # pragma: no cover
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        # a parameter backward gave no gradient yet steps (and reduces) now
+        for p in self._trained:
+            if id(p) not in self._handles:
+                self._handles[id(p)] = (self._allreduce_delta_async(p), p)
+        for key, ((handle, (ctx, compressed)), p) in list(self._handles.items()):
+            synchronize(handle)
+            delta = self._compression.decompress(compressed, ctx)
+            with torch.no_grad():
+                start = self._starts[key]
+                start.add_(delta)
+                p.copy_(start)
+            self._allreduce_delay[key] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                "or optimizer.synchronize(). This is prohibited as it can cause a race condition."
+            )
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def _check_names(named_parameters, all_params):
+    """Upstream's checks of `named_parameters`: tuples, unique names, every
+    parameter named."""
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+            "model.named_parameters()."
+        )
+    names = [k for k, _ in named_parameters]
+    duplicates = sorted({k for k in names if names.count(k) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+        )
+    named_ids = {id(v) for _, v in named_parameters}
+    unnamed = [p for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            "Python object ids: " + ", ".join(str(id(p)) for p in unnamed)
+        )
+
+
 def _groups_of(param_groups, groups):
     """The fusion groups of `DistributedOptimizer(groups=...)`: an int
     splits the parameters that take gradients into that many runs in
@@ -302,6 +411,16 @@ def DistributedOptimizer(
     op = _op_of(None, op)
     if num_groups and groups:
         raise ValueError("pass num_groups or groups, not both")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if op == Adasum and size() > 1:
+        # at one rank, Adasum is the identity: the plain optimizer, as upstream
+        if process_set != global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        cls = type(optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedAdasumOptimizer.__dict__))
+        opt = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
+        opt.state = optimizer.state
+        return opt
     methods = dict(_DistributedOptimizer.__dict__, _kolo_distributed=True)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     opt = cls(
