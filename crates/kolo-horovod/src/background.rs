@@ -23,6 +23,7 @@ use crate::message::{Response, Stopping};
 use crate::perform::{perform, take_all, SetChange};
 use crate::queue::{fail_all, SHUT_DOWN};
 use crate::state::Shared;
+use crate::timeline::{Timeline, Trace};
 
 /// The background thread's own state.
 pub(crate) struct Background {
@@ -101,6 +102,9 @@ impl Background {
         let mut quiet_cycles = 0u32;
         loop {
             self.wait_for_cycle(next);
+            if let Some(timeline) = &self.shared.timeline {
+                timeline.cycle_start();
+            }
             // a job with nothing in flight on any rank (between steps, in
             // the forward pass) cycles less often: idle cycles of ranks
             // that outnumber the cores take CPU from the training. A
@@ -184,6 +188,7 @@ impl Background {
         let now = self.now();
         let set = self.sets.get_mut(&id).expect("a set this loop holds");
         let agreed = set.cycle(&self.shared, id, now, shutdown_asked)?;
+        Trace::of(&self.shared).agreed(&self.shared, id, &agreed.responses);
         if self.stall_stop.is_none() {
             self.stall_stop = agreed.stall_stop;
         }
@@ -202,7 +207,13 @@ impl Background {
         // taken out of the table, the loop's failure would not reach them:
         // those a failed execution left unfinished get its error (an
         // elastic job needs to see that it was the membership that failed)
+        // what ran ends on the timeline, however it went
+        let timeline: Option<Arc<Timeline>> = self.shared.timeline.clone().filter(|t| t.recording());
+        let names = timeline.as_ref().map(|_| response.names.clone());
         let executed = self.execute_entries(id, response, &mut entries);
+        if let (Some(timeline), Some(names)) = (&timeline, names) {
+            Trace::from(timeline).done(&names);
+        }
         if let Err(Stop::Failed(failure)) = &executed {
             for entry in entries.into_iter().flatten() {
                 entry.finish(Err(failure.clone()));

@@ -14,7 +14,8 @@
 //! (`tensor_queue.cc`), `background` the thread's loop, `controller` one
 //! set's cycle (`controller.cc`), `perform` running what was agreed,
 //! `exec` a response's collective on a communicator, `device` those over
-//! device memory, through the process's device executor.
+//! device memory, through the process's device executor; `timeline` what
+//! rank 0 records of it all for `HOROVOD_TIMELINE`.
 
 #![warn(missing_docs)]
 
@@ -34,6 +35,7 @@ mod queue;
 pub mod settings;
 pub mod stall;
 mod state;
+pub mod timeline;
 
 pub use crate::core::Core;
 pub use device::{DeviceExecutor, DeviceWork};
@@ -42,3 +44,4 @@ pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID, HOST_EXECUTOR_
 pub use queue::{Refused, DUPLICATE_NAME, SHUT_DOWN};
 pub use settings::Settings;
 pub use state::Stats;
+pub use timeline::TimelineTarget;
