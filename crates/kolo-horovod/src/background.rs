@@ -23,7 +23,7 @@ use crate::message::{Response, Stopping};
 use crate::perform::{perform, take_all, SetChange};
 use crate::queue::{fail_all, SHUT_DOWN};
 use crate::state::Shared;
-use crate::timeline::{Timeline, Trace};
+use crate::timeline::Trace;
 
 /// The background thread's own state.
 pub(crate) struct Background {
@@ -207,13 +207,7 @@ impl Background {
         // taken out of the table, the loop's failure would not reach them:
         // those a failed execution left unfinished get its error (an
         // elastic job needs to see that it was the membership that failed)
-        // what ran ends on the timeline, however it went
-        let timeline: Option<Arc<Timeline>> = self.shared.timeline.clone().filter(|t| t.recording());
-        let names = timeline.as_ref().map(|_| response.names.clone());
         let executed = self.execute_entries(id, response, &mut entries);
-        if let (Some(timeline), Some(names)) = (&timeline, names) {
-            Trace::from(timeline).done(&names);
-        }
         if let Err(Stop::Failed(failure)) = &executed {
             for entry in entries.into_iter().flatten() {
                 entry.finish(Err(failure.clone()));

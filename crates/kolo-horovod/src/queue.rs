@@ -122,7 +122,7 @@ impl SetShared {
             }
             let mut request = request;
             request.name = name.clone();
-            self.table.insert(name, Entry { submit, handle: handle.clone(), index });
+            self.table.insert(name, Entry { submit, handle: handle.clone(), index, traced: None });
             self.queue.push_back(request);
         }
         Ok(handle)

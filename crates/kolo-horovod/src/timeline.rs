@@ -137,11 +137,6 @@ impl<'a> Trace<'a> {
         Trace(shared.timeline.as_deref().filter(|t| t.recording()))
     }
 
-    /// Into `timeline`.
-    pub(crate) fn from(timeline: &'a Timeline) -> Trace<'a> {
-        Trace(Some(timeline))
-    }
-
     pub(crate) fn on(&self) -> bool {
         self.0.is_some()
     }
@@ -179,28 +174,21 @@ impl<'a> Trace<'a> {
     }
 
     /// The cycle agreed on `responses` of set `id`: each traced tensor this
-    /// rank has begins its op, and waits (`QUEUE`) for its turn.
+    /// rank has begins its op, and waits (`QUEUE`) for its turn; its entry
+    /// records its end when it is finished.
     pub(crate) fn agreed(&self, shared: &Shared, id: u32, responses: &[Response]) {
-        if !self.on() {
-            return;
-        }
-        let state = shared.lock();
-        let Some(set) = state.sets.get(&id) else { return };
+        let (Some(_), Some(timeline)) = (self.0, shared.timeline.as_ref()) else { return };
+        let mut state = shared.lock();
+        let Some(set) = state.sets.get_mut(&id) else { return };
         for response in responses.iter().filter(|r| traced(r.kind)) {
             for name in &response.names {
-                if let Some(entry) = set.table.get(name) {
+                if let Some(entry) = set.table.get_mut(name) {
                     let (dtype, shape) = (entry.submit.dtype, entry.submit.shape.as_slice());
                     self.record(Event::Start { name, op: response.kind, dtype, shape });
                     self.record(Event::Activity { name, activity: QUEUE });
+                    entry.traced = Some(timeline.clone());
                 }
             }
-        }
-    }
-
-    /// A response ran: its tensors are done here.
-    pub(crate) fn done(&self, names: &[String]) {
-        for name in names {
-            self.record(Event::End { name });
         }
     }
 }

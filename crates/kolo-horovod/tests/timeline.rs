@@ -129,4 +129,8 @@ fn without_a_timeline_setting_start_is_refused_with_upstreams_message_and_dynami
         .map(|e| e["args"]["name"].as_str().unwrap())
         .collect();
     assert_eq!(tensors, ["allreduce.during"]);
+    // the op ended on the timeline before its caller saw it done and stopped it
+    let during = of_tensor(&events, "allreduce.during");
+    let count = |phase: &str| during.iter().filter(|(ph, _)| ph == phase).count();
+    assert_eq!((count("B"), count("E")), (4, 4), "{during:?}");
 }
