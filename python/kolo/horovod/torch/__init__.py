@@ -12,7 +12,7 @@ small reductions (`HOROVOD_FUSION_THRESHOLD`), caches what it negotiated
 upstream. CPU tensors move in place in their memory; CUDA tensors go
 through torch's NCCL in a group kolo makes from its own store. Beyond
 upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Not built
-(raising `NotImplementedError` when used): Adasum, the timeline, alltoall
+(raising `NotImplementedError` when used): Adasum, alltoall
 and reducescatter of CUDA tensors. `hvd.elastic` runs under `kolo run
 --in-place` and in elastic `kolo.Executor`s."""
 
