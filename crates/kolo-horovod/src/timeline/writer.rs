@@ -163,11 +163,13 @@ pub(super) fn write_loop(rx: Receiver<Msg>, epoch_us: i64, dropped: Arc<AtomicU6
     };
     while let Ok(first) = rx.recv() {
         let mut next = Some(first);
+        let mut records = false;
         while let Some(msg) = next.take() {
             match msg {
                 Msg::Record(r) => {
                     if let Some(o) = out.as_mut() {
                         o.text.push(&r);
+                        records = true;
                     }
                 }
                 Msg::Open(path, ack) => {
@@ -186,9 +188,18 @@ pub(super) fn write_loop(rx: Receiver<Msg>, epoch_us: i64, dropped: Arc<AtomicU6
             next = rx.try_recv().ok();
         }
         flush(&mut out);
+        if records {
+            // while events come, they gather for a moment: one write and
+            // no wake-up of this thread per event (a sender wakes it only
+            // when it waits in `recv`)
+            std::thread::sleep(BATCH_PAUSE);
+        }
     }
     flush(&mut out);
 }
+
+/// How long the writer lets events gather after writing some.
+const BATCH_PAUSE: std::time::Duration = std::time::Duration::from_millis(2);
 
 #[cfg(test)]
 mod tests {
