@@ -24,6 +24,7 @@ use crate::message::{Response, Stopping};
 use crate::perform::{perform, take_all, SetChange};
 use crate::queue::{fail_all, SHUT_DOWN};
 use crate::state::Shared;
+use crate::timeline::Trace;
 
 /// The background thread's own state.
 pub(crate) struct Background {
@@ -107,6 +108,9 @@ impl Background {
         let mut quiet_cycles = 0u32;
         loop {
             self.wait_for_cycle(next);
+            if let Some(timeline) = &self.shared.timeline {
+                timeline.cycle_start();
+            }
             // a job with nothing in flight on any rank (between steps, in
             // the forward pass) cycles less often: idle cycles of ranks
             // that outnumber the cores take CPU from the training. A
@@ -190,6 +194,7 @@ impl Background {
         let now = self.now();
         let set = self.sets.get_mut(&id).expect("a set this loop holds");
         let agreed = set.cycle(&self.shared, id, now, shutdown_asked)?;
+        Trace::of(&self.shared).agreed(&self.shared, id, &agreed.responses);
         if self.stall_stop.is_none() {
             self.stall_stop = agreed.stall_stop;
         }

@@ -18,6 +18,7 @@ use crate::negotiate::Coordinator;
 use crate::settings::Settings;
 use crate::stall::{Stall, StallInspector};
 use crate::state::{Shared, Stats};
+use crate::timeline::{self, Event, Trace};
 
 /// One set as the background thread holds it.
 #[derive(Debug)]
@@ -221,14 +222,38 @@ impl SetLoop {
             return Ok(send);
         }
         let mut and = coord.and_vector();
+        let status_and_hits = and.len();
+        // with a timeline (on every rank alike), a second section tells
+        // which bits some rank hit, as upstream's timeline bits do: 0 where
+        // this rank hit, so that the AND is 0 where any rank did
+        let bits = self.cache.num_active_bits() as u32;
+        let timeline_bits = shared.settings.timeline.is_some();
+        if timeline_bits {
+            and.extend((0..bits).map(|b| u8::from(!coord.hits.contains(&b))));
+        }
         self.comm.allreduce_in_place::<u8>(&mut and, kolo_comm::ReduceOp::Min)?;
-        coord.take_and(&and);
+        let some_hit = &and[status_and_hits..];
+        coord.take_and(&and[..status_and_hits]);
         if coord.needs_or(&and) {
             let mut or = coord.or_vector();
             self.comm.allreduce_in_place::<u8>(&mut or, kolo_comm::ReduceOp::Max)?;
             coord.take_or(&or);
             for &bit in &coord.invalid {
                 self.cache.erase(bit);
+            }
+        }
+        let trace = Trace::of(shared);
+        if trace.on() && timeline_bits {
+            // a cached name's negotiation begins with the first rank's hit
+            // and ends once every rank has it (no per-rank marks: the bits
+            // do not say who)
+            for bit in (0..bits).filter(|&b| some_hit[b as usize] == 0 && !coord.invalid.contains(&b)) {
+                let response = self.cache.peek(bit);
+                let op = timeline::op_name(response.kind);
+                trace.record(Event::NegotiateStart { name: &response.names[0], op });
+            }
+            for &bit in &coord.hits {
+                trace.record(Event::NegotiateEnd { name: &self.cache.peek(bit).names[0] });
             }
         }
         let mut again = Vec::new();
@@ -275,7 +300,7 @@ impl SetLoop {
         self.comm.gatherv(&mine, &mut all, &counts, 0)?;
         let mut bytes = Vec::new();
         if let Some(coordinator) = self.coordinator.as_mut() {
-            let mut lists = Vec::with_capacity(size);
+            let mut lists: Vec<Vec<Request>> = Vec::with_capacity(size);
             let mut at = 0;
             let mut stopping = Vec::new();
             let mut exiting = false;
@@ -297,7 +322,21 @@ impl SetLoop {
             if coordinator.joined_size() + joining < size {
                 responses.extend(coord.hits.iter().map(|&bit| self.cache.peek(bit).clone()));
             }
-            responses.extend(coordinator.on_cycle(&lists, &mut self.stall, now));
+            let trace = Trace::of(shared);
+            if trace.on() {
+                // each rank's request reached the coordinator now
+                for (set_rank, list) in lists.iter().enumerate() {
+                    for r in list.iter().filter(|r| r.kind != RequestType::Join) {
+                        trace.record(Event::NegotiateStart { name: &r.name, op: r.kind.name() });
+                        trace.record(Event::RankReady { name: &r.name, rank: self.global_ranks[set_rank] });
+                    }
+                }
+            }
+            let ready = coordinator.on_cycle(&lists, &mut self.stall, now);
+            for name in ready.iter().flat_map(|r| &r.names) {
+                trace.record(Event::NegotiateEnd { name });
+            }
+            responses.extend(ready);
             let threshold = shared.settings.fusion_threshold as i64;
             let list = ResponseList { responses: fuse(responses, threshold, &row_bytes_of(shared, id)), shutdown };
             bytes = postcard::to_stdvec(&list)

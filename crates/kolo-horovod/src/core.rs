@@ -18,6 +18,7 @@ use crate::process_sets::{checked_ranks, SetError, SetTable};
 use crate::queue::{fail_all, op_title, Refused, SHUT_DOWN};
 use crate::settings::Settings;
 use crate::state::{SetShared, Shared, State, Stats};
+use crate::timeline::Timeline;
 
 /// Horovod's core over a kolo-comm communicator of the job's ranks.
 #[derive(Debug)]
@@ -72,7 +73,6 @@ impl Core {
         let shared = Arc::new(Shared {
             rank,
             size,
-            settings,
             state: Mutex::new(State {
                 sets: shared_sets,
                 ids,
@@ -83,6 +83,12 @@ impl Core {
             wake: Condvar::new(),
             stats: Mutex::new(Stats::default()),
             device: Mutex::new(None),
+            // rank 0 records, as upstream's coordinator does
+            timeline: match (&settings.timeline, rank) {
+                (Some(target), 0) => Some(Timeline::start(target, settings.timeline_mark_cycles)),
+                _ => None,
+            },
+            settings,
         });
         let background = Background::new(shared.clone(), comm);
         Ok((shared, background, static_sets))
@@ -215,6 +221,33 @@ impl Core {
                 tracing::warn!("Horovod's background thread did not stop within {SHUTDOWN_WAIT:?}; leaving it");
                 fail_all(&self.shared, Failure::internal(SHUT_DOWN), None);
             }
+        }
+        // the file finished with all the loop recorded
+        if let Some(timeline) = &self.shared.timeline {
+            timeline.shutdown();
+        }
+    }
+
+    /// Records the timeline into `path` from now on (`hvd.start_timeline`;
+    /// rank 0 writes, the other ranks have nothing to do). Refused, with
+    /// upstream's message, unless `HOROVOD_TIMELINE` was set at start; on
+    /// rank 0, a file that cannot be written is refused naming it.
+    pub fn start_timeline(&self, path: &std::path::Path, mark_cycles: bool) -> Result<(), Refused> {
+        if self.shared.settings.timeline.is_none() {
+            return Err(Refused::invalid("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage."));
+        }
+        if let Some(timeline) = &self.shared.timeline {
+            timeline.open(path).map_err(Refused::invalid)?;
+            timeline.set_mark_cycles(mark_cycles);
+        }
+        Ok(())
+    }
+
+    /// Stops recording the timeline (`hvd.stop_timeline`), the file
+    /// finished with what was recorded; nothing to do if none records.
+    pub fn stop_timeline(&self) {
+        if let Some(timeline) = &self.shared.timeline {
+            timeline.close();
         }
     }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use crate::message::{DataType, ReduceOp, RequestType};
+use crate::timeline::{Event, Timeline};
 
 /// Bytes the caller owns and keeps valid, unmoved and otherwise untouched
 /// until the handle that covers them is done (the contract of upstream's
@@ -276,11 +277,21 @@ pub(crate) struct Entry {
     pub(crate) index: usize,
     /// When it was submitted, for the job's timeline (0 when not recording).
     pub(crate) submitted_ns: i64,
+    /// The timeline that began this tensor's op: its end is recorded
+    /// before the caller can see it done (and stop the timeline).
+    pub(crate) traced: Option<Arc<Timeline>>,
 }
 
 impl Entry {
-    pub(crate) fn finish(self, outcome: Outcome) {
+    pub(crate) fn finish(mut self, outcome: Outcome) {
+        self.end_trace();
         self.handle.finish(self.index, outcome);
+    }
+
+    fn end_trace(&mut self) {
+        if let Some(timeline) = self.traced.take() {
+            timeline.record(Event::End { name: &self.submit.name });
+        }
     }
 }
 
@@ -289,6 +300,7 @@ impl Entry {
 /// is a no-op, the slot being set.
 impl Drop for Entry {
     fn drop(&mut self) {
+        self.end_trace();
         self.handle.finish(self.index, Err(Failure::internal("the collective was abandoned before it completed")));
     }
 }

@@ -7,6 +7,7 @@ use kolo_comm::{CommError, Communicator, DType};
 
 use crate::entry::{Entry, Output};
 use crate::message::{ReduceOp, Response, ResponseType};
+use crate::timeline::{Trace, KOLO_ALLREDUCE, MEMCPY_IN_FUSION_BUFFER, MEMCPY_OUT_FUSION_BUFFER};
 
 /// Multiplies every element by `factor` as upstream does on the CPU:
 /// floats in their own precision (half types in f32), integers in f64,
@@ -80,12 +81,14 @@ impl Aligned {
 /// A reduction (fused or not; a sum, an average... or Adasum, as upstream
 /// with the prescale before it and the postscale after): `entries[i]` is the response's tensor `i`,
 /// or `None` on a rank that joined (it reduces zeros). The outcomes by
-/// tensor; `fusion` is the persistent fusion buffer.
+/// tensor; `fusion` is the persistent fusion buffer. Each step is its
+/// tensors' activity on `trace`.
 pub(crate) fn allreduce(
     comm: &mut Communicator,
     response: &Response,
     entries: &[Option<&Entry>],
     fusion: &mut Aligned,
+    trace: Trace<'_>,
 ) -> Result<Vec<Output>, CommError> {
     let dtype = response.dtype.comm().expect("reductions of this type are refused when submitted");
     let esize = dtype.size();
@@ -118,10 +121,12 @@ pub(crate) fn allreduce(
     // decide alike: the sizes are the response's); the rest go together
     // through the fusion buffer, in the response's order
     let alone = |len: usize| entries.len() == 1 || len >= ALONE_BYTES;
-    for (entry, &len) in entries.iter().zip(&lens) {
+    for (i, (entry, &len)) in entries.iter().zip(&lens).enumerate() {
         if !alone(len) {
             continue;
         }
+        let name = [response.names[i].as_str()];
+        trace.activity(name, KOLO_ALLREDUCE);
         match entry {
             Some(entry) => {
                 let submit = &entry.submit;
@@ -136,9 +141,12 @@ pub(crate) fn allreduce(
             // a rank that joined reduces zeros
             None => run(comm, fusion.zeroed(len), &[len / esize], 1.0, 1.0)?,
         }
+        trace.activity_end(name);
     }
     let together: usize = lens.iter().filter(|&&len| !alone(len)).sum();
     if together > 0 {
+        let fused = || response.names.iter().zip(&lens).filter(|(_, &len)| !alone(len)).map(|(n, _)| n.as_str());
+        trace.activity(fused(), MEMCPY_IN_FUSION_BUFFER);
         let buffer = fusion.sized(together);
         let mut at = 0;
         for (entry, &len) in entries.iter().zip(&lens).filter(|(_, &len)| !alone(len)) {
@@ -150,7 +158,9 @@ pub(crate) fn allreduce(
             at += len;
         }
         let counts: Vec<usize> = lens.iter().filter(|&&len| !alone(len)).map(|len| len / esize).collect();
+        trace.activity(fused(), KOLO_ALLREDUCE);
         run(comm, buffer, &counts, response.prescale, postscale)?;
+        trace.activity(fused(), MEMCPY_OUT_FUSION_BUFFER);
         let mut at = 0;
         for (entry, &len) in entries.iter().zip(&lens).filter(|(_, &len)| !alone(len)) {
             if let Some(entry) = entry {
@@ -161,6 +171,7 @@ pub(crate) fn allreduce(
             }
             at += len;
         }
+        trace.activity_end(fused());
     }
     Ok(vec![Output::default(); entries.len()])
 }

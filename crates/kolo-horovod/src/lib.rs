@@ -14,7 +14,9 @@
 //! (`tensor_queue.cc`), `background` the thread's loop, `controller` one
 //! set's cycle (`controller.cc`), `perform` running what was agreed,
 //! `exec` a response's collective on a communicator, `device` those over
-//! device memory, through the process's device executor; `job_timeline` each tensor for `kolo run --timeline`.
+//! device memory, through the process's device executor; `timeline` what
+//! rank 0 records of it all for `HOROVOD_TIMELINE`; `job_timeline` each
+//! tensor on every rank for `kolo run --timeline`.
 
 #![warn(missing_docs)]
 
@@ -35,6 +37,7 @@ mod queue;
 pub mod settings;
 pub mod stall;
 mod state;
+pub mod timeline;
 
 pub use crate::core::Core;
 pub use device::{DeviceExecutor, DeviceWork};
@@ -43,3 +46,4 @@ pub use message::{DataType, ReduceOp, RequestType, CPU_DEVICE_ID, HOST_EXECUTOR_
 pub use queue::{Refused, DUPLICATE_NAME, SHUT_DOWN};
 pub use settings::Settings;
 pub use state::Stats;
+pub use timeline::TimelineTarget;

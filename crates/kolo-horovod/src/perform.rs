@@ -12,6 +12,7 @@ use crate::entry::{Entry, Failure, Output};
 use crate::exec::{self, Aligned};
 use crate::message::{Response, ResponseType};
 use crate::state::{SetShared, Shared};
+use crate::timeline::{self, Trace};
 
 /// A process set a response added or removed: the loop makes or drops
 /// its own side of it.
@@ -36,6 +37,7 @@ pub(crate) fn perform(
     fusion: &mut Aligned,
     entries: &mut [Option<Entry>],
 ) -> Result<Option<SetChange>, Stop> {
+    let trace = Trace::of(shared);
     if device::on_device(&response) {
         let executor = shared.device.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let Some(executor) = executor else {
@@ -47,8 +49,10 @@ pub(crate) fn perform(
             return Ok(None);
         };
         let inputs = entries.iter().map(|e| e.as_ref().map(|e| e.submit.input.addr)).collect();
-        executor
-            .execute(&DeviceWork { set: id, response: &response, inputs })
+        trace
+            .around(&response.names, timeline::device_name(response.kind), || {
+                executor.execute(&DeviceWork { set: id, response: &response, inputs })
+            })
             .map_err(|message| Stop::Failed(Failure::internal(message)))?;
         for entry in take_all(entries) {
             entry.finish(Ok(Output::default()));
@@ -63,19 +67,25 @@ pub(crate) fn perform(
         }
         ResponseType::Allreduce | ResponseType::Adasum => {
             let refs: Vec<Option<&Entry>> = entries.iter().map(Option::as_ref).collect();
-            let outputs = exec::allreduce(&mut set.comm, &response, &refs, fusion)?;
+            let outputs = exec::allreduce(&mut set.comm, &response, &refs, fusion, trace)?;
             finish_all(entries.iter_mut().map(Option::take), outputs);
         }
         ResponseType::Allgather => {
             let refs: Vec<&Entry> = entries.iter().flatten().collect();
-            let outputs = exec::allgather(&mut set.comm, &response, &refs)?;
+            let activity = timeline::collective_name(response.kind);
+            let outputs =
+                trace.around(&response.names, activity, || exec::allgather(&mut set.comm, &response, &refs))?;
             finish_all(entries.iter_mut().filter_map(Option::take).map(Some), outputs);
         }
-        ResponseType::Broadcast => run_each(entries, |_, entry| exec::broadcast(&mut set.comm, entry))?,
-        ResponseType::Alltoall => run_each(entries, |_, entry| exec::alltoall(&mut set.comm, entry))?,
+        ResponseType::Broadcast => {
+            run_each(entries, (trace, &response), |_, entry| exec::broadcast(&mut set.comm, entry))?
+        }
+        ResponseType::Alltoall => {
+            run_each(entries, (trace, &response), |_, entry| exec::alltoall(&mut set.comm, entry))?
+        }
         ResponseType::Reducescatter => {
             let per = response.sizes.len() / response.names.len().max(1);
-            run_each(entries, |i, entry| {
+            run_each(entries, (trace, &response), |i, entry| {
                 let mut single = response.clone();
                 single.names = vec![response.names[i].clone()];
                 single.sizes = response.sizes[i * per..(i + 1) * per].to_vec();
@@ -143,13 +153,19 @@ pub(crate) fn take_all(entries: &mut [Option<Entry>]) -> Vec<Entry> {
 
 /// Runs each present entry's collective in order (`run` gets its index),
 /// finishing it as soon as it is done; the first failure stops the rest.
+/// Each is its tensor's activity on the trace.
 fn run_each(
     entries: &mut [Option<Entry>],
+    (trace, response): (Trace<'_>, &Response),
     mut run: impl FnMut(usize, &Entry) -> Result<Output, CommError>,
 ) -> Result<(), CommError> {
+    let activity = timeline::collective_name(response.kind);
     for (i, slot) in entries.iter_mut().enumerate() {
         let Some(entry) = slot.as_ref() else { continue };
+        let name = [response.names[i].as_str()];
+        trace.activity(name, activity);
         let out = run(i, entry)?;
+        trace.activity_end(name);
         slot.take().expect("present").finish(Ok(out));
     }
     Ok(())

@@ -128,7 +128,7 @@ impl SetShared {
             let mut request = request;
             request.name = name.clone();
             let submitted_ns = if kolo_timeline::recording() { kolo_timeline::now_ns() } else { 0 };
-            self.table.insert(name, Entry { submit, handle: handle.clone(), index, submitted_ns });
+            self.table.insert(name, Entry { submit, handle: handle.clone(), index, submitted_ns, traced: None });
             self.queue.push_back(request);
         }
         Ok(handle)

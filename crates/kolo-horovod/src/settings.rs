@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::stall::StallSettings;
+use crate::timeline::TimelineTarget;
 
 /// The knobs upstream reads from the environment once, at start.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,6 +22,10 @@ pub struct Settings {
     /// Where the coordinator writes its last stall warning for kolo's hang
     /// report (`KOLO_STALL_FILE`, set by the rank's agent).
     pub stall_file: Option<std::path::PathBuf>,
+    /// `HOROVOD_TIMELINE`: a file rank 0 records into, or `DYNAMIC`.
+    pub timeline: Option<TimelineTarget>,
+    /// `HOROVOD_TIMELINE_MARK_CYCLES`: a `CYCLE_START` mark per cycle.
+    pub timeline_mark_cycles: bool,
 }
 
 impl Default for Settings {
@@ -32,6 +37,8 @@ impl Default for Settings {
             stall: StallSettings::default(),
             dynamic_sets: false,
             stall_file: None,
+            timeline: None,
+            timeline_mark_cycles: false,
         }
     }
 }
@@ -76,7 +83,32 @@ impl Settings {
         if let Some(t) = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
             s.stall.shutdown = Duration::from_secs(t as u64);
         }
+        s.timeline = var("HOROVOD_TIMELINE").filter(|t| !t.is_empty()).map(|t| match t.as_str() {
+            "DYNAMIC" => TimelineTarget::Dynamic,
+            _ => TimelineTarget::File(t.into()),
+        });
+        s.timeline_mark_cycles = flag("HOROVOD_TIMELINE_MARK_CYCLES")?;
         s.stall_file = var(kolo_topology::env_names::STALL_FILE).filter(|f| !f.is_empty()).map(Into::into);
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeline_is_a_file_or_dynamic_and_cycles_are_marked_on_a_flag() {
+        let of = |pairs: &'static [(&'static str, &'static str)]| {
+            Settings::from_lookup(|n| pairs.iter().find(|(k, _)| *k == n).map(|(_, v)| v.to_string()))
+        };
+        assert_eq!(of(&[]).unwrap().timeline, None);
+        assert_eq!(of(&[("HOROVOD_TIMELINE", "")]).unwrap().timeline, None);
+        let file = of(&[("HOROVOD_TIMELINE", "/tmp/t.json"), ("HOROVOD_TIMELINE_MARK_CYCLES", "1")]).unwrap();
+        assert_eq!(file.timeline, Some(TimelineTarget::File("/tmp/t.json".into())));
+        assert!(file.timeline_mark_cycles);
+        assert_eq!(of(&[("HOROVOD_TIMELINE", "DYNAMIC")]).unwrap().timeline, Some(TimelineTarget::Dynamic));
+        let bad = of(&[("HOROVOD_TIMELINE_MARK_CYCLES", "yes")]).unwrap_err();
+        assert!(bad.contains("HOROVOD_TIMELINE_MARK_CYCLES"), "{bad}");
     }
 }

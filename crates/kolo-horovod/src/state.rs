@@ -10,6 +10,7 @@ use crate::entry::{Entry, Failure, Handle};
 use crate::message::{Request, Stopping};
 use crate::process_sets::SetTable;
 use crate::settings::Settings;
+use crate::timeline::Timeline;
 
 /// One process set as the submitting threads see it.
 #[derive(Debug)]
@@ -53,6 +54,8 @@ pub(crate) struct Shared {
     pub(crate) stats: Mutex<Stats>,
     /// Runs the collectives of device tensors; none: they are refused.
     pub(crate) device: Mutex<Option<Arc<dyn DeviceExecutor>>>,
+    /// Rank 0's timeline, when `HOROVOD_TIMELINE` is set (see `Trace`).
+    pub(crate) timeline: Option<Arc<Timeline>>,
 }
 
 /// What the loop has done: for tests, benchmarks and `kolo status`.

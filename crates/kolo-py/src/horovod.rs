@@ -259,6 +259,20 @@ impl HorovodCore {
         crate::tensorflow::serve(Some(self.core.clone()), local_rank, local_size);
     }
 
+    /// Records Horovod's timeline into `path` from now on (rank 0 writes;
+    /// needs `HOROVOD_TIMELINE` set at init, `DYNAMIC` to start none).
+    #[pyo3(signature = (path, mark_cycles=false))]
+    fn start_timeline(&self, py: Python<'_>, path: std::path::PathBuf, mark_cycles: bool) -> PyResult<()> {
+        let core = self.core.clone();
+        py.allow_threads(move || core.start_timeline(&path, mark_cycles)).map_err(refused)
+    }
+
+    /// Stops recording the timeline; its file is finished.
+    fn stop_timeline(&self, py: Python<'_>) {
+        let core = self.core.clone();
+        py.allow_threads(move || core.stop_timeline());
+    }
+
     /// Stops the core with every rank (waiting for this rank's loop);
     /// `reason` goes into every rank's errors for what was pending;
     /// `exiting`: this process ends (its peers will not wait for it).

@@ -7,7 +7,7 @@ to kolo's Horovod core, the same core as `kolo.horovod.torch`'s:
 negotiated by name, fused, the same error on every rank for a mismatch
 (`tf.errors.FailedPreconditionError`), process sets and join. Ops run
 eagerly and in `tf.function`, with upstream's gradients. Not built
-(raising `NotImplementedError`): the timeline, TensorFlow GPU
+(raising `NotImplementedError`): TensorFlow GPU
 kernels (GPU tensors are copied to the CPU ops by TensorFlow) and XLA
 (`jit_compile=True`)."""
 

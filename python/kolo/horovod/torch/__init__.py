@@ -13,7 +13,7 @@ upstream. CPU tensors move in place in their memory; CUDA tensors go
 through torch's NCCL in a group kolo makes from its own store. Beyond
 upstream: bfloat16 and uint8 reductions, SyncBatchNorm on CPU. Adasum
 reduces CPU tensors (in the core, on kolo's collectives). Not built
-(raising `NotImplementedError` when used): Adasum of CUDA tensors, the timeline, alltoall
+(raising `NotImplementedError` when used): Adasum of CUDA tensors, alltoall
 and reducescatter of CUDA tensors. `hvd.elastic` runs under `kolo run
 --in-place` and in elastic `kolo.Executor`s."""
 
