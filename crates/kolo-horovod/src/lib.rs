@@ -18,7 +18,9 @@
 
 #![warn(missing_docs)]
 
+pub mod autotune;
 mod background;
+pub mod bayes;
 pub mod cache;
 mod controller;
 pub mod core;
@@ -34,6 +36,7 @@ mod queue;
 pub mod settings;
 pub mod stall;
 mod state;
+mod tuned;
 
 pub use crate::core::Core;
 pub use device::{DeviceExecutor, DeviceWork};

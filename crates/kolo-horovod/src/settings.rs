@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::autotune::AutotuneSettings;
 use crate::stall::StallSettings;
 
 /// The knobs upstream reads from the environment once, at start.
@@ -21,6 +22,8 @@ pub struct Settings {
     /// Where the coordinator writes its last stall warning for kolo's hang
     /// report (`KOLO_STALL_FILE`, set by the rank's agent).
     pub stall_file: Option<std::path::PathBuf>,
+    /// `HOROVOD_AUTOTUNE` and its knobs; None: off.
+    pub autotune: Option<AutotuneSettings>,
 }
 
 impl Default for Settings {
@@ -32,6 +35,7 @@ impl Default for Settings {
             stall: StallSettings::default(),
             dynamic_sets: false,
             stall_file: None,
+            autotune: None,
         }
     }
 }
@@ -76,6 +80,7 @@ impl Settings {
         if let Some(t) = number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")? {
             s.stall.shutdown = Duration::from_secs(t as u64);
         }
+        s.autotune = AutotuneSettings::from_lookup(&var)?;
         s.stall_file = var(kolo_topology::env_names::STALL_FILE).filter(|f| !f.is_empty()).map(Into::into);
         Ok(s)
     }
