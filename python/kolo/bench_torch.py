@@ -228,6 +228,7 @@ def autotune_figures(n, steps, repeats, rounds):
                     extra += ["--log", log, "--rows", str(rows)]
                 r = _launch(n, extra, env=env)
                 times[name].append(r["step"])
+                print(f"  {name}: {r['step'] * 1e3:.1f} ms {r['settled']}", file=sys.stderr, flush=True)
                 if name == "autotune":
                     notes.setdefault(name, []).append(f"{r['tuning_steps']} steps to settle on {r['settled']}")
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
