@@ -283,23 +283,29 @@ impl Tuner {
         }
         let started = *self.started.get_or_insert(now);
         self.bytes += bytes;
+        // a sample ends with the cycle in which some tensor was seen
+        // `steps_per_sample` more times; counted over the whole score, not
+        // per sample, so that a step whose tensors span cycles does not
+        // end samples a step apart
+        let due = (self.scores.len() as u32 + 1) * self.settings.steps_per_sample;
         let mut ended = false;
         for name in names {
             let count = self.counts.entry(name.to_string()).or_insert(0);
             *count += 1;
-            ended |= *count >= self.settings.steps_per_sample;
+            ended |= *count >= due;
         }
         if !ended {
             return false;
         }
-        // a sample ends with the cycle in which some tensor was seen
-        // `steps_per_sample` times; a zero-length one counts as a microsecond
+        // a zero-length sample counts as a microsecond
         let micros = now.saturating_sub(started).as_secs_f64() * 1e6;
         self.scores.push(self.bytes as f64 / micros.max(1.0));
-        self.restart_sample(now);
+        self.bytes = 0;
+        self.started = Some(now);
         if self.scores.len() < SAMPLES_PER_SCORE {
             return false;
         }
+        self.restart_sample(now);
         let mut scores = std::mem::take(&mut self.scores);
         scores.sort_by(f64::total_cmp);
         let median = scores[SAMPLES_PER_SCORE / 2];

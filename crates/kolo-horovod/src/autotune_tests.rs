@@ -117,6 +117,28 @@ fn a_sample_is_the_bytes_per_microsecond_of_its_steps_and_a_score_their_median()
 }
 
 #[test]
+fn a_step_whose_tensors_span_cycles_still_makes_samples_of_whole_steps() {
+    // each step: "a" and "b" in one cycle, "c" and "d" in the next
+    let mut t = Tuner::new(quick(0, 2, 5), configured(), true);
+    let mut now = Duration::ZERO;
+    let mut scored_at = Vec::new();
+    for step in 0..30 {
+        for (half, names) in [["a", "b"], ["c", "d"]].into_iter().enumerate() {
+            now += Duration::from_millis(1);
+            if t.update(names, 10, now) {
+                scored_at.push((step, half));
+            }
+        }
+    }
+    // five samples of two steps: a score every ten steps (within the half
+    // step by which a new score's first sample may start in mid-step)
+    let halves: Vec<usize> = scored_at.iter().map(|(step, half)| 2 * step + half).collect();
+    assert_eq!(halves[0], 18, "{scored_at:?}");
+    assert!(halves.windows(2).all(|w| (19..=20).contains(&(w[1] - w[0]))), "{scored_at:?}");
+    assert_eq!(halves.len(), 3, "{scored_at:?}");
+}
+
+#[test]
 fn warm_up_scores_are_discarded_and_no_rank_syncs_for_them() {
     let mut t = Tuner::new(quick(2, 1, 3), configured(), true);
     let mut now = Duration::ZERO;
