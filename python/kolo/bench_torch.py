@@ -15,6 +15,10 @@ slowest rank's).
   copies).
 - adasum: kolo's Horovod `allreduce_(op=hvd.Adasum)` against
   `op=hvd.Sum` of float32 at 1 MiB and 64 MiB, the time of a call.
+- autotune: the `DistributedOptimizer` step of the same model with
+  HOROVOD_AUTOTUNE=1 (timed once the tuning is done), against a sweep of
+  HOROVOD_FUSION_THRESHOLD x HOROVOD_CYCLE_TIME set by hand, one job each,
+  in one run (`--rounds` repeats the whole set; medians).
 """
 
 import argparse
@@ -174,12 +178,106 @@ def rank_ddp(steps, repeats):
     dist.destroy_process_group()
 
 
-def _launch(n, args):
+def _log_rows(log):
+    if not os.path.exists(log):
+        return 0
+    with open(log) as f:
+        return max(0, len(f.read().splitlines()) - 1)
+
+
+def rank_hvd(steps, repeats, log, rows):
+    """The DistributedOptimizer step alone; with a log: steps until rank 0
+    finds `rows` rows in it (autotune done), every rank told by a
+    broadcast, before the timing."""
+    import torch
+
+    import kolo.horovod.torch as hvd
+
+    hvd.init()
+    x, y = torch.randn(8, 2048), torch.randn(8, 2048)
+    model = _mlp(torch)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters()
+    )
+
+    def step():
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    tuning_steps = 0
+    while log:
+        step()
+        tuning_steps += 1
+        done = torch.tensor([int(hvd.rank() == 0 and _log_rows(log) >= rows)])
+        if hvd.broadcast(done, root_rank=0, name="bench.tuned").item():
+            break
+    times = []
+    for _ in range(repeats):
+        step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        mine = torch.tensor([(time.perf_counter() - started) / steps], dtype=torch.float64)
+        times.append(hvd.allreduce(mine, op=hvd.Max, name="bench.slowest").item())
+    if hvd.rank() == 0:
+        settled = open(log).read().splitlines()[-1] if log else ""
+        print(
+            "RESULT " + json.dumps({"step": statistics.median(times), "tuning_steps": tuning_steps, "settled": settled})
+        )
+    hvd.shutdown()
+
+
+# the hand sweep: thresholds (bytes) and cycle times (ms)
+SWEEP_THRESHOLDS = [1 << 20, 16 << 20, 64 << 20]
+SWEEP_CYCLES = [1, 5, 25]
+
+
+def autotune_figures(n, steps, repeats, rounds):
+    import tempfile
+
+    knobs = {"WARMUP_SAMPLES": "1", "STEPS_PER_SAMPLE": "2", "BAYES_OPT_MAX_SAMPLES": "8"}
+    # the search's scores (one more than the most), the cache the other way, the best
+    rows = int(knobs["BAYES_OPT_MAX_SAMPLES"]) + 3
+    configs = [("autotune", {})] + [
+        (f"{t >> 20}MiB/{c}ms", {"HOROVOD_FUSION_THRESHOLD": str(t), "HOROVOD_CYCLE_TIME": str(c)})
+        for t in SWEEP_THRESHOLDS
+        for c in SWEEP_CYCLES
+    ]
+    times = {name: [] for name, _ in configs}
+    notes = {}
+    args = ["_rank_hvd", "--steps", str(steps), "--repeats", str(repeats)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(rounds):
+            for name, env in configs:
+                extra = list(args)
+                env = {**os.environ, **env}
+                if name == "autotune":
+                    log = os.path.join(tmp, "autotune.csv")
+                    env.update({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": log})
+                    env.update({f"HOROVOD_AUTOTUNE_{k}": v for k, v in knobs.items()})
+                    extra += ["--log", log, "--rows", str(rows)]
+                r = _launch(n, extra, env=env)
+                times[name].append(r["step"])
+                print(f"  {name}: {r['step'] * 1e3:.1f} ms {r['settled']}", file=sys.stderr, flush=True)
+                if name == "autotune":
+                    notes.setdefault(name, []).append(f"{r['tuning_steps']} steps to settle on {r['settled']}")
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    best = min((k for k in med if k != "autotune"), key=med.get)
+    print(f"{'np':>3} {'config':>12} {'step_ms':>8} {'/best_sweep':>11}  (runs)")
+    for name, ms in med.items():
+        runs = " ".join(f"{t * 1e3:.1f}" for t in times[name])
+        print(f"{n:>3} {name:>12} {ms:>8.1f} {ms / med[best]:>11.3f}  ({runs})", flush=True)
+    print(f"best of the sweep: {best}; autotune: {'; '.join(notes.get('autotune', []))}")
+
+
+def _launch(n, args, env=None):
     kolo = shutil.which("kolo", path=os.path.dirname(sys.executable)) or shutil.which("kolo") or "kolo"
     out = subprocess.run(
         [kolo, "run", "-np", str(n), "--", sys.executable, "-m", "kolo.bench_torch", *args],
         capture_output=True,
         text=True,
+        env=env,
     )
     for line in out.stdout.splitlines():
         if "RESULT " in line:
@@ -189,10 +287,16 @@ def _launch(n, args):
 
 def main():
     parser = argparse.ArgumentParser(prog="python -m kolo.bench_torch", description=__doc__)
-    parser.add_argument("what", choices=["allreduce", "ddp", "adasum", "_rank_allreduce", "_rank_ddp", "_rank_adasum"])
+    parser.add_argument(
+        "what",
+        choices=["allreduce", "ddp", "adasum", "autotune", "_rank_allreduce", "_rank_ddp", "_rank_adasum", "_rank_hvd"],
+    )
     parser.add_argument("--np", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="autotune: the whole set of jobs, this many times")
+    parser.add_argument("--log", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.what == "_rank_allreduce":
         return rank_allreduce(args.repeats)
@@ -207,6 +311,12 @@ def main():
                 s, a = row["sum"] * 1e3, row["adasum"] * 1e3
                 print(f"{n:>3} {row['bytes']:>10} {s:>8.2f} {a:>9.2f} {a / s:>10.2f}", flush=True)
         return None
+    if args.what == "_rank_hvd":
+        return rank_hvd(args.steps, args.repeats, args.log, args.rows)
+    if args.what == "autotune":
+        for n in args.np:
+            autotune_figures(n, args.steps, args.repeats, args.rounds)
+        return
     if args.what == "allreduce":
         print(f"{'np':>3} {'bytes':>10} {'gloo_us':>10} {'kolo_us':>10} {'gloo/kolo':>10}")
         for n in args.np:

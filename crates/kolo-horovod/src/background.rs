@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use kolo_comm::Communicator;
 
+use crate::autotune::Params;
 use crate::controller::{SetLoop, Stop};
 use crate::entry::{Entry, Failure, Output};
 use crate::exec::Aligned;
@@ -25,6 +26,7 @@ use crate::perform::{perform, take_all, SetChange};
 use crate::queue::{fail_all, SHUT_DOWN};
 use crate::state::Shared;
 use crate::timeline::Trace;
+use crate::tuned::{configured, Tuned};
 
 /// The background thread's own state.
 pub(crate) struct Background {
@@ -40,6 +42,9 @@ pub(crate) struct Background {
     stall_stop: Option<Stopping>,
     /// Tensors run per set, for the job's timeline.
     traced: BTreeMap<u32, u64>,
+    /// `HOROVOD_AUTOTUNE`'s tuner, and the parameters in force.
+    tuned: Option<Tuned>,
+    params: Params,
 }
 
 /// After this many cycles with nothing in flight anywhere, the loop
@@ -57,7 +62,11 @@ struct CycleEnd {
 
 impl Background {
     pub(crate) fn new(shared: Arc<Shared>, comm: Communicator) -> Background {
+        let tuned = Tuned::new(&shared.settings, shared.rank);
+        let params = tuned.as_ref().map_or_else(|| configured(&shared.settings), Tuned::params);
         Background {
+            tuned,
+            params,
             shared,
             global: Some(comm),
             sets: BTreeMap::new(),
@@ -103,7 +112,6 @@ impl Background {
         for (id, ranks) in static_sets {
             self.make_set(id, ranks)?;
         }
-        let cycle_time = self.shared.settings.cycle_time;
         let mut next = Instant::now();
         let mut quiet_cycles = 0u32;
         loop {
@@ -117,7 +125,7 @@ impl Background {
             // submission wakes its own loop at once, and every rank cycles
             // at the full rate again from the first cycle that sees it.
             let slowdown = if quiet_cycles >= QUIET_AFTER_CYCLES { QUIET_SLOWDOWN } else { 1 };
-            next = Instant::now() + cycle_time * slowdown;
+            next = Instant::now() + self.params.cycle_time() * slowdown;
             // a set removed and another made under its id in this
             // iteration's global cycle waits for the next iteration on
             // every rank: its old members must not cycle it before the rest
@@ -155,7 +163,9 @@ impl Background {
 
     fn set_loop(&mut self, comm: Communicator, global_ranks: Vec<u32>) -> SetLoop {
         self.sets_made += 1;
-        SetLoop::new(comm, global_ranks, &self.shared.settings, self.sets_made)
+        let mut set = SetLoop::new(comm, global_ranks, &self.shared.settings, self.sets_made);
+        set.retune(&self.params);
+        set
     }
 
     /// Splits the global communicator for a new set: every rank takes part,
@@ -198,10 +208,30 @@ impl Background {
         if self.stall_stop.is_none() {
             self.stall_stop = agreed.stall_stop;
         }
+        let tuning = id == 0 && self.tuned.as_ref().is_some_and(Tuned::active);
+        let observed = tuning.then(|| Tuned::observe(&agreed.responses));
         for response in agreed.responses {
             self.execute(id, response)?;
         }
+        if let Some(observed) = observed {
+            self.after_tuning_cycle(observed)?;
+        }
         Ok(CycleEnd { shutdown: agreed.shutdown, quiet: agreed.quiet })
+    }
+
+    /// Autotune's part of a global cycle: new parameters, when a score was
+    /// due, in force on every rank before any set's next cycle.
+    fn after_tuning_cycle(&mut self, observed: (Vec<String>, u64)) -> Result<(), Stop> {
+        let now = self.now();
+        let comm = &mut self.sets.get_mut(&0).expect("the global set").comm;
+        let tuned = self.tuned.as_mut().expect("tuning");
+        if let Some(params) = tuned.after_cycle(comm, observed, now)? {
+            self.params = params;
+            for set in self.sets.values_mut() {
+                set.retune(&params);
+            }
+        }
+        Ok(())
     }
 
     fn execute(&mut self, id: u32, response: Response) -> Result<(), Stop> {

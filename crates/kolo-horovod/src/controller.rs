@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use kolo_comm::{CommError, Communicator};
 
+use crate::autotune::Params;
 use crate::cache::{CacheCoordinator, CacheState, ResponseCache, TensorParams};
 use crate::entry::{Failure, FailureKind};
 use crate::fusion::fuse;
@@ -31,6 +32,10 @@ pub(crate) struct SetLoop {
     global_ranks: Vec<u32>,
     /// Which making of a set this is (ids are reused).
     pub(crate) serial: u64,
+    /// In force now (autotune changes it between cycles, on every rank alike).
+    fusion_threshold: i64,
+    /// `HOROVOD_CACHE_CAPACITY`, for when autotune turns the cache back on.
+    cache_capacity: usize,
 }
 
 /// What ended the loop.
@@ -79,6 +84,20 @@ impl SetLoop {
             coordinator,
             stall: StallInspector::new(settings.stall),
             global_ranks,
+            fusion_threshold: settings.fusion_threshold as i64,
+            cache_capacity: settings.cache_capacity,
+        }
+    }
+
+    /// Puts autotune's parameters in force from the next cycle; every rank
+    /// of the set does so between the same two cycles. A cache switched
+    /// starts empty: every name is negotiated once more.
+    pub(crate) fn retune(&mut self, params: &Params) {
+        self.fusion_threshold = params.fusion_threshold as i64;
+        let capacity = if params.cache_enabled { self.cache_capacity } else { 0 };
+        if capacity != self.cache.capacity() {
+            self.cache = ResponseCache::new(capacity);
+            self.stall.forget_cached();
         }
     }
 
@@ -107,7 +126,7 @@ impl SetLoop {
                 stats.requests_sent += send.len() as u64;
             }
         });
-        let threshold = shared.settings.fusion_threshold as i64;
+        let threshold = self.fusion_threshold;
         let list = if fast {
             let responses: Vec<Response> = coord.hits.iter().map(|&bit| self.cache.get(bit)).collect();
             // a rank that stops makes the cycle a negotiated one: not here
@@ -337,7 +356,7 @@ impl SetLoop {
                 trace.record(Event::NegotiateEnd { name });
             }
             responses.extend(ready);
-            let threshold = shared.settings.fusion_threshold as i64;
+            let threshold = self.fusion_threshold;
             let list = ResponseList { responses: fuse(responses, threshold, &row_bytes_of(shared, id)), shutdown };
             bytes = postcard::to_stdvec(&list)
                 .map_err(|e| Stop::Failed(Failure::internal(format!("cannot encode a response list: {e}"))))?;

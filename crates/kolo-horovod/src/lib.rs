@@ -20,7 +20,9 @@
 
 #![warn(missing_docs)]
 
+pub mod autotune;
 mod background;
+pub mod bayes;
 pub mod cache;
 mod controller;
 pub mod core;
@@ -38,6 +40,7 @@ pub mod settings;
 pub mod stall;
 mod state;
 pub mod timeline;
+mod tuned;
 
 pub use crate::core::Core;
 pub use device::{DeviceExecutor, DeviceWork};

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::autotune::AutotuneSettings;
 use crate::stall::StallSettings;
 use crate::timeline::TimelineTarget;
 
@@ -26,6 +27,8 @@ pub struct Settings {
     pub timeline: Option<TimelineTarget>,
     /// `HOROVOD_TIMELINE_MARK_CYCLES`: a `CYCLE_START` mark per cycle.
     pub timeline_mark_cycles: bool,
+    /// `HOROVOD_AUTOTUNE` and its knobs; None: off.
+    pub autotune: Option<AutotuneSettings>,
 }
 
 impl Default for Settings {
@@ -39,6 +42,7 @@ impl Default for Settings {
             stall_file: None,
             timeline: None,
             timeline_mark_cycles: false,
+            autotune: None,
         }
     }
 }
@@ -88,6 +92,7 @@ impl Settings {
             _ => TimelineTarget::File(t.into()),
         });
         s.timeline_mark_cycles = flag("HOROVOD_TIMELINE_MARK_CYCLES")?;
+        s.autotune = AutotuneSettings::from_lookup(&var)?;
         s.stall_file = var(kolo_topology::env_names::STALL_FILE).filter(|f| !f.is_empty()).map(Into::into);
         Ok(s)
     }

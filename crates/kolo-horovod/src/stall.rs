@@ -82,6 +82,12 @@ impl StallInspector {
         self.cached.remove(name);
     }
 
+    /// Forgets every cached name (the cache was switched: they go through
+    /// the coordinator, or are cached anew).
+    pub fn forget_cached(&mut self) {
+        self.cached.clear();
+    }
+
     /// Whether a check is due (at most one per warning interval).
     pub fn check_due(&self, now: Duration) -> bool {
         self.settings.enabled && now.saturating_sub(self.last_check) > self.settings.warning
