@@ -113,15 +113,15 @@ pub fn used_bytes(file: &[u8]) -> &[u8] {
 /// from its header alone (so that a reader need not read the room never
 /// written); `None` if it is not a timeline file.
 pub fn recorded_len(header: &[u8]) -> Option<usize> {
-    let header = header.get(..HEADER_BYTES)?;
-    let mut only_header = header.to_vec();
-    // as if it held every record it counts: `counts` caps at the file's size
-    let count = u64::from_le_bytes(header[16..24].try_into().expect("8 bytes")) as usize;
-    only_header.resize(HEADER_BYTES + count.min(1 << 24) * RECORD_BYTES, 0);
-    counts(&only_header).ok().map(|(count, _)| HEADER_BYTES + count * RECORD_BYTES)
+    let (count, _) = header_counts(header).ok()?;
+    // capped at the room the header gives: a damaged count asks for no more
+    let capacity = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
+    Some(HEADER_BYTES + count.min(capacity) * RECORD_BYTES)
 }
 
-fn counts(file: &[u8]) -> Result<(usize, u64), String> {
+/// The header's counts: records kept (as written, unchecked against the
+/// file's size) and records dropped.
+fn header_counts(file: &[u8]) -> Result<(usize, u64), String> {
     if file.len() < HEADER_BYTES || &file[..8] != MAGIC {
         return Err("not a kolo timeline file (no header)".into());
     }
@@ -130,10 +130,14 @@ fn counts(file: &[u8]) -> Result<(usize, u64), String> {
     if record_bytes != RECORD_BYTES {
         return Err(format!("records of {record_bytes} bytes, not {RECORD_BYTES}: another version of kolo wrote it"));
     }
-    let count = word(16) as usize;
+    Ok((word(16) as usize, word(24)))
+}
+
+fn counts(file: &[u8]) -> Result<(usize, u64), String> {
+    let (count, dropped) = header_counts(file)?;
     let whole = (file.len() - HEADER_BYTES) / RECORD_BYTES;
     // the count is written after its record: never more than the file holds
-    Ok((count.min(whole), word(24)))
+    Ok((count.min(whole), dropped))
 }
 
 /// The records of a timeline file and how many were dropped for want of
@@ -216,6 +220,10 @@ mod tests {
         assert_eq!(used_bytes(&file).len(), HEADER_BYTES + 2 * RECORD_BYTES);
         assert_eq!(recorded_len(&file[..HEADER_BYTES]), Some(HEADER_BYTES + 2 * RECORD_BYTES));
         assert_eq!(recorded_len(b"short"), None);
+        // a damaged count asks for no more than the file's room
+        let mut damaged = file[..HEADER_BYTES].to_vec();
+        set_counts(&mut damaged, u64::MAX, 0);
+        assert_eq!(recorded_len(&damaged), Some(HEADER_BYTES + 3 * RECORD_BYTES));
     }
 
     #[test]
